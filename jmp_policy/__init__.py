@@ -1,0 +1,65 @@
+"""jmp_policy: mixed precision for JAX and Flax, the functional way.
+
+Examples:
+    >>> import jax.numpy as jnp
+    >>> import jmp_policy as jp
+    >>> policy = jp.get_policy("p=f32,c=bf16,o=f32")
+    >>> policy.cast_to_compute({"w": jnp.ones(3)})["w"].dtype
+    dtype(bfloat16)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# --- policies ---
+from jmp_policy._src.policy import DTypePolicy as DTypePolicy
+from jmp_policy._src.policy import FloatDTypePolicy as FloatDTypePolicy
+from jmp_policy._src.policy import Policy as Policy
+from jmp_policy._src.policy import QuantizedDTypePolicy as QuantizedDTypePolicy
+from jmp_policy._src.policy import QuantizedFloat8DTypePolicy as QuantizedFloat8DTypePolicy
+from jmp_policy._src.policy import get_policy as get_policy
+
+# --- global policy ---
+from jmp_policy._src.global_state import dtype_policy as dtype_policy
+from jmp_policy._src.global_state import global_policy as global_policy
+from jmp_policy._src.global_state import policy_scope as policy_scope
+from jmp_policy._src.global_state import set_dtype_policy as set_dtype_policy
+from jmp_policy._src.global_state import set_global_policy as set_global_policy
+
+# --- serialization ---
+from jmp_policy._src.serialization import deserialize as deserialize
+from jmp_policy._src.serialization import get as get
+from jmp_policy._src.serialization import serialize as serialize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # policies
+    "DTypePolicy",
+    "FloatDTypePolicy",
+    "Policy",
+    "QuantizedDTypePolicy",
+    "QuantizedFloat8DTypePolicy",
+    "get",
+    "get_policy",
+    # global policy
+    "dtype_policy",
+    "global_policy",
+    "policy_scope",
+    "set_dtype_policy",
+    "set_global_policy",
+    # serialization
+    "deserialize",
+    "serialize",
+]
+
+_LAZY_SUBMODULES = ("linen", "nnx")
+
+
+def __getattr__(name: str) -> Any:
+    # `jmp_policy.linen` / `jmp_policy.nnx` import flax only when first used.
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"jmp_policy.{name}")
+    raise AttributeError(f"module 'jmp_policy' has no attribute {name!r}")

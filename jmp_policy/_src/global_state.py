@@ -1,0 +1,108 @@
+"""The global dtype policy: a process default plus a context-local scope."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+from jmp_policy._src import dtypes as dt
+from jmp_policy._src.policy import DTypePolicy, policy_from_name
+
+_DEFAULT: DTypePolicy | None = None
+_SCOPE: contextvars.ContextVar[DTypePolicy | None] = contextvars.ContextVar(
+    "jmp_policy_scope", default=None
+)
+
+
+def _as_global(policy: Any, argument: str = "policy") -> DTypePolicy:
+    if isinstance(policy, str):
+        policy = policy_from_name(policy)
+    elif not isinstance(policy, DTypePolicy):
+        raise TypeError(
+            f"Invalid `{argument}` argument. Expected the string name of a policy (such as "
+            f"'mixed_float16') or a `DTypePolicy` instance. Received: {argument}={policy!r} "
+            f"(of type {type(policy).__name__})"
+        )
+    if not dt.is_floating(policy.compute_dtype):
+        raise ValueError(
+            f"Only policies with a floating compute dtype, such as 'float32' or "
+            f"'mixed_bfloat16', can be the global policy. Received: {argument}={policy!r}"
+        )
+    return policy
+
+
+def set_dtype_policy(policy: DTypePolicy | str | None) -> None:
+    """Sets the process-wide default policy (Keras's ``set_dtype_policy``).
+
+    A :func:`policy_scope` that is active still wins inside its context.
+
+    Args:
+        policy: a policy or any accepted name; ``None`` restores ``"float32"``.
+
+    Raises:
+        TypeError: ``policy`` is neither a policy, a string nor ``None``.
+        ValueError: the policy's compute dtype is not floating (``"int32"``).
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> jp.set_dtype_policy("mixed_bfloat16")
+        >>> jp.dtype_policy()
+        <DTypePolicy "mixed_bfloat16">
+        >>> jp.set_dtype_policy(None)
+        >>> jp.dtype_policy()
+        <DTypePolicy "float32">
+    """
+    global _DEFAULT
+    _DEFAULT = None if policy is None else _as_global(policy)
+
+
+def dtype_policy() -> DTypePolicy:
+    """The current global policy: the innermost :func:`policy_scope`, else the default.
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> jp.dtype_policy()
+        <DTypePolicy "float32">
+    """
+    scoped = _SCOPE.get()
+    if scoped is not None:
+        return scoped
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = DTypePolicy("float32")
+    return _DEFAULT
+
+
+set_global_policy = set_dtype_policy
+global_policy = dtype_policy
+
+
+@contextlib.contextmanager
+def policy_scope(policy: DTypePolicy | str) -> Iterator[DTypePolicy]:
+    """Makes ``policy`` the global policy inside a ``with`` block; nests and restores.
+
+    The scope is local to its thread and asyncio task (a ``contextvars.ContextVar``) and
+    is restored when the block exits, by an exception too.
+
+    Args:
+        policy: a policy or any accepted name with a floating compute dtype.
+
+    Yields:
+        The policy in force inside the block.
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> with jp.policy_scope("mixed_float16") as p:
+        ...     print(jp.dtype_policy().compute_dtype)
+        float16
+        >>> jp.dtype_policy().name
+        'float32'
+    """
+    resolved = _as_global(policy)
+    token = _SCOPE.set(resolved)
+    try:
+        yield resolved
+    finally:
+        _SCOPE.reset(token)
