@@ -28,6 +28,11 @@ from jmp_policy._src.global_state import policy_scope as policy_scope
 from jmp_policy._src.global_state import set_dtype_policy as set_dtype_policy
 from jmp_policy._src.global_state import set_global_policy as set_global_policy
 
+# --- policy maps and applying policies ---
+from jmp_policy._src.apply import cast_apply as cast_apply
+from jmp_policy._src.global_state import current_policy as current_policy
+from jmp_policy._src.policy_map import DTypePolicyMap as DTypePolicyMap
+
 # --- serialization ---
 from jmp_policy._src.serialization import deserialize as deserialize
 from jmp_policy._src.serialization import get as get
@@ -50,6 +55,10 @@ __all__ = [
     "policy_scope",
     "set_dtype_policy",
     "set_global_policy",
+    # policy maps and applying policies
+    "DTypePolicyMap",
+    "cast_apply",
+    "current_policy",
     # serialization
     "deserialize",
     "serialize",

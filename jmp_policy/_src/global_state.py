@@ -106,3 +106,41 @@ def policy_scope(policy: DTypePolicy | str) -> Iterator[DTypePolicy]:
         yield resolved
     finally:
         _SCOPE.reset(token)
+
+
+_CURRENT: contextvars.ContextVar[DTypePolicy | None] = contextvars.ContextVar(
+    "jmp_policy_current", default=None
+)
+
+
+def current_policy() -> DTypePolicy:
+    """The policy of the submodule running now (Haiku's ``current_policy``).
+
+    Inside a submodule run by ``jmp_policy.linen.apply``, ``jmp_policy.nnx.apply`` or a
+    function wrapped by :func:`cast_apply`, this is that submodule's policy; elsewhere it
+    is the global policy. A module that creates arrays uses it to make them in its
+    compute dtype. It is read while tracing, so it works under ``jit``.
+
+    Examples:
+        >>> import jax
+        >>> import jmp_policy as jp
+        >>> jp.current_policy()
+        <DTypePolicy "float32">
+        >>> @jp.cast_apply("mixed_bfloat16")
+        ... def apply(params, key):
+        ...     return jax.random.normal(key, (2,), jp.current_policy().compute_dtype)
+        >>> apply({}, jax.random.key(0)).dtype
+        dtype(bfloat16)
+    """
+    policy = _CURRENT.get()
+    return dtype_policy() if policy is None else policy
+
+
+@contextlib.contextmanager
+def current_policy_scope(policy: DTypePolicy) -> Iterator[None]:
+    """Makes ``policy`` what :func:`current_policy` returns inside the block (for glue)."""
+    token = _CURRENT.set(policy)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)

@@ -1,0 +1,457 @@
+"""DTypePolicyMap: a policy per submodule, chosen from the submodule's path.
+
+Resolution of a path (``"encoder/layers_3/mlp"``):
+
+1. an exact key wins;
+2. otherwise every key is tried with ``re.fullmatch``; two or more matches are an error
+   (Keras's rule);
+3. otherwise the parent path is resolved the same way (Haiku's rule: a submodule inherits
+   its nearest ancestor's policy);
+4. otherwise the default policy (the global policy at lookup time when it is ``None``).
+
+Resolution is cached per path as the chosen key, so a ``default_policy=None`` map follows
+``policy_scope``. Non-matching paths are rejected cheaply: each regular expression's
+literal prefix indexes it, so a path is only tried against keys whose prefix it starts with.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+
+from jmp_policy._src import casting, global_state, serialization
+from jmp_policy._src.policy import DTypePolicy
+
+T = TypeVar("T")
+
+_META = frozenset(".^$*+?{}[]\\|()")
+_QUANTIFIERS = frozenset("*?{")
+
+
+class _InvalidPolicyValue(ValueError, TypeError):
+    """A map value that is not a policy: a ``ValueError`` as in Keras, and a ``TypeError``."""
+
+
+def _literal_prefix(pattern: str) -> str:
+    """The literal text every ``re.fullmatch`` of ``pattern`` must start with."""
+    if "|" in pattern:
+        return ""
+    for i, char in enumerate(pattern):
+        if char in _META:
+            # A quantifier makes the character before it optional.
+            return pattern[: i - 1] if char in _QUANTIFIERS and i else pattern[:i]
+    return pattern
+
+
+def _is_literal(pattern: str) -> bool:
+    return not any(char in _META for char in pattern)
+
+
+def _as_policy(value: Any, key: str) -> DTypePolicy:
+    if isinstance(value, DTypePolicyMap):
+        raise _InvalidPolicyValue(
+            f"Cannot interpret the assigned value for key {key!r}: a DTypePolicyMap cannot be "
+            "a value of another map."
+        )
+    if isinstance(value, DTypePolicy):
+        return value
+    if not isinstance(value, (str, dict)):
+        raise _InvalidPolicyValue(
+            f"Cannot interpret the assigned value for key {key!r}. Expected a policy, a policy "
+            f"name or a config dict. Received: {value!r} (of type {type(value).__name__})"
+        )
+    try:
+        return serialization.get(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"Cannot interpret the assigned value for key {key!r}: {e}") from e
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def leaf_path(key_path: tuple[Any, ...]) -> str:
+    """A leaf's variable path (``"Dense_0/kernel"``) from a JAX key path.
+
+    NNX's trailing ``.value`` is dropped; integers are written as digits.
+    """
+    names = [_key_name(k) for k in key_path]
+    if names and isinstance(key_path[-1], jax.tree_util.GetAttrKey) and names[-1] == "value":
+        names.pop()
+    return "/".join(names)
+
+
+def parent_path(path: str) -> str | None:
+    """``"a/b/c"`` -> ``"a/b"``; ``"a"`` -> ``""``; ``""`` -> ``None``."""
+    if not path:
+        return None
+    return path.rpartition("/")[0]
+
+
+class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
+    """Maps module paths to dtype policies, with exact keys and regular expressions.
+
+    A ``MutableMapping[str, DTypePolicy]``: ``in``, ``len``, iteration (insertion order),
+    ``del``, ``pop`` and ``items`` are about the stored keys, while ``map[path]`` resolves a
+    module path (exact key, then ``re.fullmatch`` of every key, then the nearest ancestor,
+    then the default policy). Values may be given as names; they are validated on
+    insertion, in the constructor too. Assigning a key that is already there raises
+    ``ValueError`` (as in Keras): delete it first.
+
+    A variable's policy is resolved from its own path (``"Dense_0/kernel"``) by the same
+    rule, so it inherits its module's policy unless a key names it:
+    ``{"embed/embedding": "float32"}`` keeps one variable in float32.
+
+    Args:
+        default_policy: the policy of paths no key resolves; ``None`` means the global
+            policy at lookup time (so the map follows ``policy_scope``).
+        policy_map: an initial mapping of keys to policies or policy names.
+
+    Raises:
+        TypeError: ``policy_map`` is not a mapping.
+        ValueError: a value is not a policy, a key is not a valid regular expression, or
+            ``default_policy`` is a map.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jmp_policy as jp
+        >>> policy_map = jp.DTypePolicyMap("float32", {
+        ...     "encoder/.*": "mixed_bfloat16",
+        ...     ".*norm.*": "float32",
+        ...     "decoder": "mixed_float16",
+        ... })
+        >>> policy_map["encoder/layers_1/mlp"]
+        <DTypePolicy "mixed_bfloat16">
+        >>> policy_map["decoder/attention/query"]   # inherits its ancestor's key
+        <DTypePolicy "mixed_float16">
+        >>> policy_map["head"]
+        <DTypePolicy "float32">
+        >>> params = {"encoder": {"layers_1": {"mlp": {"kernel": jnp.ones((2, 2))}}},
+        ...           "head": {"kernel": jnp.ones((2, 2))}}
+        >>> cast = policy_map.cast_to_compute(params)
+        >>> cast["encoder"]["layers_1"]["mlp"]["kernel"].dtype, cast["head"]["kernel"].dtype
+        (dtype(bfloat16), dtype('float32'))
+        >>> policy_map["encoder/layers_1/norm"]
+        Traceback (most recent call last):
+        ...
+        ValueError: Path 'encoder/layers_1/norm' matches multiple dtype policy keys: ...
+    """
+
+    def __init__(
+        self,
+        default_policy: DTypePolicy | str | None = None,
+        policy_map: Mapping[str, DTypePolicy | str] | None = None,
+    ):
+        if isinstance(default_policy, DTypePolicyMap):
+            raise ValueError("`default_policy` cannot be a `DTypePolicyMap`.")
+        if default_policy is not None:
+            try:
+                default_policy = serialization.get(default_policy)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"Invalid `default_policy`: {e}") from e
+        if policy_map is not None and not isinstance(policy_map, Mapping):
+            raise TypeError(
+                "If specified, `policy_map` must be a dict (a mapping of paths to policies). "
+                f"Received: policy_map={policy_map!r} of type {type(policy_map).__name__}"
+            )
+        self._default_policy: DTypePolicy | None = default_policy
+        self._policies: dict[str, DTypePolicy] = {}
+        self._regex: dict[str, re.Pattern[str]] = {}
+        self._by_prefix: dict[str, list[str]] = {}
+        self._prefix_lengths: list[int] = []
+        self._cache: dict[str, str | None] = {}
+        for key, value in (policy_map or {}).items():
+            self[key] = value
+
+    # -- the mapping ----------------------------------------------------------------------
+
+    def __setitem__(self, key: str, policy: DTypePolicy | str) -> None:
+        if not isinstance(key, str):
+            raise TypeError(
+                f"Keys of a DTypePolicyMap are module paths (strings). "
+                f"Received: key={key!r} (of type {type(key).__name__})"
+            )
+        if key in self._policies:
+            raise ValueError(
+                f"{key} already exist in the DTypePolicyMap with value "
+                f"{self._policies[key]!r}. Please make sure to not use duplicated keys "
+                "(delete the key first to replace its policy)."
+            )
+        policy = _as_policy(policy, key)
+        if not _is_literal(key):
+            try:
+                self._regex[key] = re.compile(key)
+            except re.error as e:
+                raise ValueError(
+                    f"Key {key!r} of the DTypePolicyMap is not a valid regular expression: {e}"
+                ) from e
+        self._policies[key] = policy
+        self._reindex()
+
+    def __getitem__(self, path: str) -> DTypePolicy:
+        return self._policy_of(self._resolve_key(path))
+
+    def __delitem__(self, key: str) -> None:
+        del self._policies[key]
+        self._regex.pop(key, None)
+        self._reindex()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._policies
+
+    def __len__(self) -> int:
+        return len(self._policies)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._policies)
+
+    def __repr__(self) -> str:
+        default = None if self._default_policy is None else self._default_policy.name
+        mapping = [(k, v.name) for k, v in self._policies.items()]
+        return f"<DTypePolicyMap default_policy={default}, mapping={mapping}>"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DTypePolicyMap):
+            return NotImplemented
+        return (
+            self._default_policy == other._default_policy
+            and list(self._policies.items()) == list(other._policies.items())
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def _reindex(self) -> None:
+        self._cache.clear()
+        self._by_prefix = {}
+        for key in self._regex:
+            self._by_prefix.setdefault(_literal_prefix(key), []).append(key)
+        self._prefix_lengths = sorted({len(p) for p in self._by_prefix})
+
+    # -- policy-like properties (as Keras's map has) --------------------------------------
+
+    @property
+    def default_policy(self) -> DTypePolicy:
+        """The policy of unmatched paths (the global policy now, when it was ``None``)."""
+        if self._default_policy is None:
+            return global_state.dtype_policy()
+        return self._default_policy
+
+    @property
+    def name(self) -> str:
+        """``"map_<default policy name>"``, as in Keras."""
+        return f"map_{self.default_policy.name}"
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """The default policy's compute dtype."""
+        return self.default_policy.compute_dtype
+
+    @property
+    def variable_dtype(self) -> np.dtype:
+        """The default policy's variable dtype."""
+        return self.default_policy.variable_dtype
+
+    @property
+    def quantization_mode(self) -> str | None:
+        """The default policy's quantization mode."""
+        return self.default_policy.quantization_mode
+
+    # -- resolution -----------------------------------------------------------------------
+
+    def _policy_of(self, key: str | None) -> DTypePolicy:
+        return self.default_policy if key is None else self._policies[key]
+
+    def _match(self, path: str) -> str | None:
+        """Steps 1 and 2: the key that names ``path`` itself, or None."""
+        if path in self._policies:
+            return path
+        matches = []
+        for length in self._prefix_lengths:
+            if length > len(path):
+                break
+            for key in self._by_prefix.get(path[:length], ()):
+                if self._regex[key].fullmatch(path):
+                    matches.append(key)
+        if len(matches) > 1:
+            matches.sort(key=list(self._policies).index)
+            raise ValueError(
+                f"Path {path!r} matches multiple dtype policy keys: {matches}. Please make "
+                "sure each path only matches at most one key of the DTypePolicyMap."
+            )
+        return matches[0] if matches else None
+
+    def _resolve_key(self, path: str) -> str | None:
+        """The key that chooses ``path``'s policy (None: the default policy)."""
+        if not isinstance(path, str):
+            raise TypeError(
+                f"A module path must be a string such as 'encoder/layers_0'. "
+                f"Received: path={path!r} (of type {type(path).__name__})"
+            )
+        try:
+            return self._cache[path]
+        except KeyError:
+            pass
+        key = self._match(path)
+        if key is None:
+            parent = parent_path(path)
+            if parent:  # The root "" is not an ancestor: unmatched paths get the default.
+                key = self._resolve_key(parent)
+        self._cache[path] = key
+        return key
+
+    def resolve(self, path: str) -> tuple[DTypePolicy, str | None]:
+        """The policy of ``path`` and the key that chose it (``None``: the default).
+
+        Examples:
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("float32", {"encoder/.*": "bfloat16"})
+            >>> m.resolve("encoder/layers_0/mlp")
+            (<DTypePolicy "bfloat16">, 'encoder/.*')
+            >>> m.resolve("head")
+            (<DTypePolicy "float32">, None)
+        """
+        key = self._resolve_key(path)
+        return self._policy_of(key), key
+
+    # -- trees ----------------------------------------------------------------------------
+
+    def _leaves(self, tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        return [(leaf_path(kp), leaf) for kp, leaf in flat], treedef
+
+    def _map_leaves(self, tree: T, fn: Callable[[DTypePolicy, Any], Any]) -> T:
+        leaves, treedef = self._leaves(tree)
+        return jax.tree_util.tree_unflatten(
+            treedef, [fn(self[path], leaf) for path, leaf in leaves]
+        )
+
+    def policy_tree(self, tree: Any) -> Any:
+        """A tree of the same structure holding each leaf's policy.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("float32", {"embed/embedding": "bfloat16"})
+            >>> m.policy_tree({"embed": {"embedding": jnp.ones(2)}, "out": {"kernel": jnp.ones(2)}})
+            {'embed': {'embedding': <DTypePolicy "bfloat16">}, 'out': {'kernel': <DTypePolicy "float32">}}
+        """
+        return self._map_leaves(tree, lambda policy, _: policy)
+
+    def cast_to_compute(self, tree: T) -> T:
+        """Casts each floating leaf to its own policy's compute dtype (by path)."""
+        return self._map_leaves(tree, lambda p, x: casting.cast_leaf(x, p.compute_dtype))
+
+    def cast_to_variable(self, tree: T) -> T:
+        """Casts each floating leaf to its own policy's variable dtype (by path)."""
+        return self._map_leaves(tree, lambda p, x: casting.cast_leaf(x, p.variable_dtype))
+
+    cast_to_param = cast_to_variable
+
+    def cast_to_output(self, tree: T) -> T:
+        """Casts each floating leaf to its own policy's output dtype (by path)."""
+        return self._map_leaves(tree, lambda p, x: casting.cast_leaf(x, p.output_dtype))
+
+    def unused_keys(self, tree: Any) -> list[str]:
+        """Keys that choose the policy of no module or variable of ``tree`` (typos).
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap(None, {"Dense_0": "bfloat16", "Dnse_1": "bfloat16"})
+            >>> m.unused_keys({"Dense_0": {"kernel": jnp.ones(2)}, "Dense_1": {"kernel": jnp.ones(2)}})
+            ['Dnse_1']
+        """
+        used: set[str | None] = set()
+        for path, _ in self._leaves(tree)[0]:
+            used.add(self._resolve_key(path))
+            module = parent_path(path)
+            if module is not None:
+                used.add(self._resolve_key(module))
+        return [k for k in self._policies if k not in used]
+
+    def explain(self, tree: Any) -> str:
+        """A table of which policy each module of ``tree`` gets, and why.
+
+        One row per module path (and one per variable that a key names itself): the
+        policy, the key that chose it (``<default>`` when none did), the stored and compute
+        dtypes of its floating leaves, the bytes stored and the bytes in compute.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("float32", {"encoder/.*": "mixed_bfloat16"})
+            >>> print(m.explain({"encoder": {"mlp": {"kernel": jnp.ones((4, 4))}},
+            ...                  "head": {"kernel": jnp.ones((4, 2))}}))
+            path         policy          key         stored   compute   bytes  compute bytes
+            encoder/mlp  mixed_bfloat16  encoder/.*  float32  bfloat16     64             32
+            head         float32         <default>   float32  float32      32             32
+            total                                                          96             64
+        """
+        rows: dict[str, list[Any]] = {}
+        for path, leaf in self._leaves(tree)[0]:
+            module = parent_path(path) or ""
+            module_key = self._resolve_key(module)
+            key = self._resolve_key(path)
+            row_path = module if key == module_key else path
+            policy = self._policy_of(key)
+            row = rows.setdefault(row_path, [policy, key, set(), set(), 0, 0])
+            if isinstance(leaf, (jax.Array, np.ndarray)):
+                target = (
+                    policy.compute_dtype if casting.should_cast(leaf, policy.compute_dtype)
+                    else leaf.dtype
+                )
+                row[2].add(np.dtype(leaf.dtype).name)
+                row[3].add(np.dtype(target).name)
+                row[4] += leaf.size * leaf.dtype.itemsize
+                row[5] += leaf.size * np.dtype(target).itemsize
+        table = [["path", "policy", "key", "stored", "compute", "bytes", "compute bytes"]]
+        for path, (policy, key, stored, compute, nbytes, cbytes) in rows.items():
+            table.append([
+                path or "<root>", policy.name, "<default>" if key is None else key,
+                ",".join(sorted(stored)), ",".join(sorted(compute)), str(nbytes), str(cbytes),
+            ])
+        total_stored = sum(r[4] for r in rows.values())
+        total_compute = sum(r[5] for r in rows.values())
+        table.append(["total", "", "", "", "", str(total_stored), str(total_compute)])
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+        lines = []
+        for r in table:
+            cells = [c.ljust(w) if i < 5 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
+            lines.append("  ".join(cells).rstrip())
+        return "\n".join(lines)
+
+    # -- config ---------------------------------------------------------------------------
+
+    def get_config(self) -> dict[str, Any]:
+        """A JSON-ready dict: the default policy and every key's serialized policy."""
+        default = self._default_policy
+        return {
+            "default_policy": None if default is None else serialization.serialize(default),
+            "policy_map": {k: serialization.serialize(v) for k, v in self._policies.items()},
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> DTypePolicyMap:
+        """Builds a map from :meth:`get_config`'s dict (also Keras 3's); never mutates it."""
+        if not isinstance(config, dict):
+            raise TypeError(f"`config` must be a dict. Received: config={config!r}")
+        unknown = set(config) - {"default_policy", "policy_map"}
+        if unknown:
+            raise ValueError(
+                f"Unknown fields {sorted(unknown)} in a DTypePolicyMap `config`; expected "
+                "'default_policy' and 'policy_map'."
+            )
+        policy_map = config.get("policy_map") or {}
+        if isinstance(policy_map, dict) and "class_name" in policy_map and "config" in policy_map:
+            policy_map = policy_map["config"]  # Keras serializes the dict itself.
+        return cls(config.get("default_policy"), dict(policy_map))
+
+
+serialization.register_serializable(DTypePolicyMap)
