@@ -455,3 +455,86 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
 
 
 serialization.register_serializable(DTypePolicyMap)
+
+
+# -- resolution with per-class policies (the Flax glue's shared rule) ---------------------
+
+
+def normalize_type_policies(type_policies: Any) -> dict[type, DTypePolicy]:
+    """Validates ``type_policies`` (``{ModuleClass: policy or name}``) into policies."""
+    if type_policies is None:
+        return {}
+    if not isinstance(type_policies, Mapping):
+        raise TypeError(
+            "`type_policies` must be a mapping from module classes to policies, such as "
+            f"{{nn.LayerNorm: 'float32'}}. Received: type_policies={type_policies!r}"
+        )
+    result: dict[type, DTypePolicy] = {}
+    for cls, policy in type_policies.items():
+        if not isinstance(cls, type):
+            raise TypeError(
+                f"Keys of `type_policies` must be module classes. Received key {cls!r} "
+                f"(of type {type(cls).__name__})"
+            )
+        result[cls] = _as_policy(policy, cls.__name__)
+    return result
+
+
+def type_policy_for(cls: type, type_policies: Mapping[type, DTypePolicy]) -> DTypePolicy | None:
+    """The policy of ``cls`` or of its nearest base class in ``type_policies``."""
+    if not type_policies:
+        return None
+    for base in cls.__mro__:
+        if base in type_policies:
+            return type_policies[base]
+    return None
+
+
+def resolve_module(
+    policy_or_map: DTypePolicy | DTypePolicyMap | None,
+    path: str,
+    classes: Mapping[str, type],
+    type_policies: Mapping[type, DTypePolicy],
+) -> tuple[DTypePolicy, str]:
+    """A module's policy with per-class policies, and where it came from.
+
+    At each level from ``path`` up to its top-level ancestor: a key that names the path
+    itself (exact or regular expression) wins, then the class of the module at that path
+    in ``type_policies``; otherwise the default (a single policy acts as a map with only a
+    default). The root ``""`` is not an ancestor, as in :class:`DTypePolicyMap`.
+
+    Returns:
+        ``(policy, source)`` where ``source`` is ``"key '<key>'"``, ``"type <Name>"`` or
+        ``"default"``.
+    """
+    current: str | None = path
+    while current is not None:
+        if isinstance(policy_or_map, DTypePolicyMap):
+            key = policy_or_map._match(current)
+            if key is not None:
+                return policy_or_map._policies[key], f"key {key!r}"
+        cls = classes.get(current)
+        if cls is not None:
+            typed = type_policy_for(cls, type_policies)
+            if typed is not None:
+                return typed, f"type {cls.__name__}"
+        current = parent_path(current) or None
+    if isinstance(policy_or_map, DTypePolicyMap):
+        return policy_or_map.default_policy, "default"
+    if policy_or_map is None:
+        return global_state.dtype_policy(), "default"
+    return policy_or_map, "default"
+
+
+def resolve_variable(
+    policy_or_map: DTypePolicy | DTypePolicyMap | None,
+    path: str,
+    classes: Mapping[str, type],
+    type_policies: Mapping[type, DTypePolicy],
+) -> tuple[DTypePolicy, str]:
+    """A variable's policy: a key naming the variable path itself, else its module's."""
+    if isinstance(policy_or_map, DTypePolicyMap):
+        key = policy_or_map._match(path)
+        if key is not None:
+            return policy_or_map._policies[key], f"key {key!r}"
+    return resolve_module(policy_or_map, parent_path(path) or "", classes, type_policies)
