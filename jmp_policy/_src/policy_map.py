@@ -107,7 +107,10 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
 
     A variable's policy is resolved from its own path (``"Dense_0/kernel"``) by the same
     rule, so it inherits its module's policy unless a key names it:
-    ``{"embed/embedding": "float32"}`` keeps one variable in float32.
+    ``{"embed/embedding": "float32"}`` or ``{".*/embedding": "float32"}`` keeps embeddings
+    in float32. A regular expression names a variable only when its match depends on the
+    variable's name: ``"encoder/.*"`` names modules, so with ``{"encoder/.*": a,
+    "encoder/head": b}`` the head's kernel follows the head (``b``).
 
     Args:
         default_policy: the policy of paths no key resolves; ``None`` means the global
@@ -167,6 +170,7 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
         self._by_prefix: dict[str, list[str]] = {}
         self._prefix_lengths: list[int] = []
         self._cache: dict[str, str | None] = {}
+        self._var_cache: dict[str, str | None] = {}
         for key, value in (policy_map or {}).items():
             self[key] = value
 
@@ -229,6 +233,7 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
 
     def _reindex(self) -> None:
         self._cache.clear()
+        self._var_cache.clear()
         self._by_prefix = {}
         for key in self._regex:
             self._by_prefix.setdefault(_literal_prefix(key), []).append(key)
@@ -268,8 +273,15 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
     def _policy_of(self, key: str | None) -> DTypePolicy:
         return self.default_policy if key is None else self._policies[key]
 
-    def _match(self, path: str) -> str | None:
-        """Steps 1 and 2: the key that names ``path`` itself, or None."""
+    def _match(self, path: str, variable: bool = False) -> str | None:
+        """Steps 1 and 2: the key that names ``path`` itself, or None.
+
+        For a variable path (``"enc/x/kernel"``) a regular expression names the variable
+        only if its match depends on the variable's name: ``".*/embedding"`` does,
+        ``"enc/.*"`` does not (it names every child of ``enc``, modules included, so the
+        variable inherits from its module instead, and ``{"enc/.*": a, "enc/x": b}`` keeps
+        ``enc/x``'s kernel in ``b``).
+        """
         if path in self._policies:
             return path
         matches = []
@@ -279,6 +291,10 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             for key in self._by_prefix.get(path[:length], ()):
                 if self._regex[key].fullmatch(path):
                     matches.append(key)
+        if variable and matches:
+            module = path.rpartition("/")[0]
+            other = f"{module}/\x00" if module else "\x00"
+            matches = [k for k in matches if not self._regex[k].fullmatch(other)]
         if len(matches) > 1:
             matches.sort(key=list(self._policies).index)
             raise ValueError(
@@ -286,6 +302,18 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
                 "sure each path only matches at most one key of the DTypePolicyMap."
             )
         return matches[0] if matches else None
+
+    def _resolve_variable_key(self, path: str) -> str | None:
+        """The key that chooses a variable's policy: one naming it, else its module's."""
+        try:
+            return self._var_cache[path]
+        except KeyError:
+            pass
+        key = self._match(path, variable=True)
+        if key is None:
+            key = self._resolve_key(parent_path(path) or "")
+        self._var_cache[path] = key
+        return key
 
     def _resolve_key(self, path: str) -> str | None:
         """The key that chooses ``path``'s policy (None: the default policy)."""
@@ -329,7 +357,8 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
     def _map_leaves(self, tree: T, fn: Callable[[DTypePolicy, Any], Any]) -> T:
         leaves, treedef = self._leaves(tree)
         return jax.tree_util.tree_unflatten(
-            treedef, [fn(self[path], leaf) for path, leaf in leaves]
+            treedef,
+            [fn(self._policy_of(self._resolve_variable_key(path)), leaf) for path, leaf in leaves],
         )
 
     def policy_tree(self, tree: Any) -> Any:
@@ -370,10 +399,11 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
         """
         used: set[str | None] = set()
         for path, _ in self._leaves(tree)[0]:
-            used.add(self._resolve_key(path))
+            used.add(self._resolve_variable_key(path))
             module = parent_path(path)
-            if module is not None:
+            while module:
                 used.add(self._resolve_key(module))
+                module = parent_path(module)
         return [k for k in self._policies if k not in used]
 
     def explain(self, tree: Any) -> str:
@@ -398,7 +428,7 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
         for path, leaf in self._leaves(tree)[0]:
             module = parent_path(path) or ""
             module_key = self._resolve_key(module)
-            key = self._resolve_key(path)
+            key = self._resolve_variable_key(path)
             row_path = module if key == module_key else path
             policy = self._policy_of(key)
             row = rows.setdefault(row_path, [policy, key, set(), set(), 0, 0])
@@ -534,7 +564,7 @@ def resolve_variable(
 ) -> tuple[DTypePolicy, str]:
     """A variable's policy: a key naming the variable path itself, else its module's."""
     if isinstance(policy_or_map, DTypePolicyMap):
-        key = policy_or_map._match(path)
+        key = policy_or_map._match(path, variable=True)
         if key is not None:
             return policy_or_map._policies[key], f"key {key!r}"
     return resolve_module(policy_or_map, parent_path(path) or "", classes, type_policies)
