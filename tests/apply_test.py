@@ -1,0 +1,147 @@
+"""Tests of cast_apply and current_policy on plain apply functions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_policy as jp
+
+
+def _params():
+    return {
+        "dense": {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)},
+        "head": {"w": jnp.ones((2, 1))},
+        "step": jnp.array(1),
+    }
+
+
+def _apply(params, x, *, scale):
+    seen.append(
+        {
+            "dense_w": params["dense"]["w"].dtype,
+            "head_w": params["head"]["w"].dtype,
+            "step": params["step"].dtype,
+            "x": x.dtype,
+            "scale": scale.dtype,
+            "policy": jp.current_policy(),
+        }
+    )
+    h = x @ params["dense"]["w"] + params["dense"]["b"]
+    return {"out": h @ params["head"]["w"] * scale, "count": jnp.array(2)}
+
+
+seen: list = []
+
+
+@pytest.fixture(autouse=True)
+def _clear_seen():
+    seen.clear()
+
+
+def test_single_policy_casts_params_every_argument_and_outputs(maybe_jit):
+    f = maybe_jit(jp.cast_apply("p=f32,c=bf16,o=f16")(_apply))
+    out = f(_params(), jnp.ones((4, 3)), scale=np.array(2.0, np.float32))
+    assert seen[-1]["dense_w"] == jnp.bfloat16
+    assert seen[-1]["head_w"] == jnp.bfloat16
+    assert seen[-1]["step"] == jnp.int32
+    assert seen[-1]["x"] == jnp.bfloat16
+    assert seen[-1]["scale"] == jnp.bfloat16  # keyword arguments too (tf.keras casts only one)
+    assert seen[-1]["policy"] == jp.get_policy("p=f32,c=bf16,o=f16")
+    assert out["out"].dtype == jnp.float16
+    assert out["count"].dtype == jnp.int32
+    np.testing.assert_allclose(np.asarray(out["out"], np.float32), np.full((4, 1), 12.0))
+
+
+def test_map_casts_params_per_path_and_arguments_with_the_root_policy(maybe_jit):
+    m = jp.DTypePolicyMap("mixed_bfloat16", {"head": "float32"})
+    f = maybe_jit(jp.cast_apply(m)(_apply))
+    out = f(_params(), jnp.ones((4, 3)), scale=jnp.ones(()))
+    assert seen[-1]["dense_w"] == jnp.bfloat16
+    assert seen[-1]["head_w"] == jnp.float32
+    assert seen[-1]["x"] == jnp.bfloat16
+    assert seen[-1]["policy"] == jp.DTypePolicy("mixed_bfloat16")
+    # bf16 @ f32 promotes to f32; the output is cast to the root policy's output dtype.
+    assert out["out"].dtype == jnp.bfloat16
+
+
+def test_dict_argument_becomes_a_map_with_the_global_default():
+    f = jp.cast_apply({"head": "float16"})(_apply)
+    with jp.policy_scope("mixed_bfloat16"):
+        f(_params(), jnp.ones((4, 3)), scale=jnp.ones(()))
+    assert seen[-1]["dense_w"] == jnp.bfloat16
+    assert seen[-1]["head_w"] == jnp.float16
+
+
+def test_none_uses_the_global_policy_at_call_time():
+    f = jp.cast_apply(None)(_apply)
+    f(_params(), jnp.ones((4, 3)), scale=jnp.ones(()))
+    assert seen[-1]["x"] == jnp.float32
+    with jp.policy_scope("bfloat16"):
+        out = f(_params(), jnp.ones((4, 3)), scale=jnp.ones(()))
+    assert seen[-1]["x"] == jnp.bfloat16
+    assert out["out"].dtype == jnp.bfloat16
+
+
+def test_gradients_come_back_in_the_stored_dtype(maybe_jit):
+    f = jp.cast_apply("mixed_bfloat16")(_apply)
+
+    def loss(params, x):
+        return jnp.sum(f(params, x, scale=jnp.ones(()))["out"].astype(jnp.float32))
+
+    params = {k: v for k, v in _params().items() if k != "step"}
+    params["step"] = jnp.zeros(())
+    grads = maybe_jit(jax.grad(loss))(params, jnp.ones((4, 3)))
+    for g in jax.tree.leaves(grads):
+        assert g.dtype == jnp.float32
+        assert np.all(np.isfinite(g))
+    np.testing.assert_allclose(grads["head"]["w"], np.full((2, 1), 12.0))
+
+
+def test_current_policy_is_global_outside_and_root_inside():
+    assert jp.current_policy() == jp.DTypePolicy("float32")
+    with jp.policy_scope("mixed_float16"):
+        assert jp.current_policy() == jp.DTypePolicy("mixed_float16")
+
+    @jp.cast_apply("mixed_bfloat16")
+    def noise(params, key):
+        return jax.random.normal(key, (3,), jp.current_policy().compute_dtype)
+
+    assert noise({}, jax.random.key(0)).dtype == jnp.bfloat16
+    assert jp.current_policy() == jp.DTypePolicy("float32")
+
+
+def test_wrapper_keeps_the_function_name_and_does_not_mutate_arguments():
+    f = jp.cast_apply("bfloat16")(_apply)
+    assert f.__name__ == "_apply"
+    params = _params()
+    before = jax.tree.map(lambda x: (x.dtype, np.asarray(x).copy()), params)
+    f(params, jnp.ones((4, 3)), scale=jnp.ones(()))
+    after = jax.tree.map(lambda x: (x.dtype, np.asarray(x)), params)
+    for (d0, v0), (d1, v1) in zip(jax.tree.leaves(before, is_leaf=lambda t: isinstance(t, tuple)),
+                                  jax.tree.leaves(after, is_leaf=lambda t: isinstance(t, tuple))):
+        assert d0 == d1
+        np.testing.assert_array_equal(v0, v1)
+
+
+@pytest.mark.parametrize("bad", ["mixed_bf16", 3])
+def test_bad_policy_names_the_argument(bad):
+    with pytest.raises((ValueError, TypeError), match="Invalid `policy_or_map`"):
+        jp.cast_apply(bad)
+
+
+def test_same_hlo_as_hand_written_casts():
+    policy = jp.DTypePolicy("mixed_bfloat16")
+
+    def model(params, x):
+        return jnp.tanh(x @ params["w"] + params["b"])
+
+    def by_hand(params, x):
+        params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+        return model(params, x.astype(jnp.bfloat16))
+
+    params = {"w": jnp.ones((8, 8)), "b": jnp.ones(8)}
+    x = jnp.ones((4, 8))
+    ours = jax.jit(jp.cast_apply(policy)(model)).lower(params, x).as_text()
+    theirs = jax.jit(by_hand).lower(params, x).as_text()
+    assert ours.count("convert") == theirs.count("convert") == 3
