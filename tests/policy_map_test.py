@@ -103,9 +103,7 @@ def test_lookup_exact_then_regex_then_ancestor_then_default():
 
 
 def test_several_matching_keys_raise_naming_the_path_and_keys():
-    m = jp.DTypePolicyMap(
-        policy_map={"model/decoder/.*": F32, "model/decoder/attention/.*": F16}
-    )
+    m = jp.DTypePolicyMap(policy_map={"model/decoder/.*": F32, "model/decoder/attention/.*": F16})
     with pytest.raises(
         ValueError,
         match=re.escape(
@@ -447,21 +445,52 @@ def test_unused_keys_finds_typos_and_shadowed_keys():
 
 
 def test_explain_lists_path_policy_key_dtypes_and_bytes():
-    m = jp.DTypePolicyMap(
-        "float32", {"encoder/.*": "mixed_bfloat16", "embed/embedding": "float16"}
-    )
+    m = jp.DTypePolicyMap("float32", {"encoder/.*": "mixed_bfloat16", "embed/embedding": "float16"})
     tree = {
         "encoder": {"mlp": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}},
         "embed": {"embedding": jnp.ones((2, 4)), "pos": jnp.ones(4)},
         "head": {"kernel": jnp.ones((4, 2)), "steps": jnp.zeros((), jnp.int32)},
     }
     lines = m.explain(tree).splitlines()
-    assert lines[0].split() == ["path", "policy", "key", "stored", "compute", "bytes", "compute", "bytes"]
+    assert lines[0].split() == [
+        "path",
+        "policy",
+        "key",
+        "stored",
+        "compute",
+        "bytes",
+        "compute",
+        "bytes",
+    ]
     rows = {line.split()[0]: line.split() for line in lines[1:]}
-    assert rows["encoder/mlp"] == ["encoder/mlp", "mixed_bfloat16", "encoder/.*", "float32", "bfloat16", "80", "40"]
-    assert rows["embed/embedding"] == ["embed/embedding", "float16", "embed/embedding", "float32", "float16", "32", "16"]
+    assert rows["encoder/mlp"] == [
+        "encoder/mlp",
+        "mixed_bfloat16",
+        "encoder/.*",
+        "float32",
+        "bfloat16",
+        "80",
+        "40",
+    ]
+    assert rows["embed/embedding"] == [
+        "embed/embedding",
+        "float16",
+        "embed/embedding",
+        "float32",
+        "float16",
+        "32",
+        "16",
+    ]
     assert rows["embed"] == ["embed", "float32", "<default>", "float32", "float32", "16", "16"]
-    assert rows["head"] == ["head", "float32", "<default>", "float32,int32", "float32,int32", "36", "36"]
+    assert rows["head"] == [
+        "head",
+        "float32",
+        "<default>",
+        "float32,int32",
+        "float32,int32",
+        "36",
+        "36",
+    ]
     assert rows["total"] == ["total", "164", "108"]
 
 
@@ -490,3 +519,30 @@ def test_variable_pattern_names_variables_by_their_name():
     m2 = jp.DTypePolicyMap(F32, {".*/embedding": BF16, "tok/emb.*": F16})
     with pytest.raises(ValueError, match="'tok/embedding' matches multiple"):
         m2.cast_to_compute(tree)
+
+
+def test_tree_methods_walk_every_pytree_kind_like_jax():
+    from flax.core import FrozenDict
+
+    m = jp.DTypePolicyMap("float32", {"a/1": "bfloat16", "f/k": "float16", "t/0/w": "float16"})
+    tree = {
+        "a": [jnp.ones(1), jnp.ones(1)],
+        "f": FrozenDict({"k": {"w": jnp.ones(1)}, "j": jnp.ones(1)}),
+        "t": ({"w": jnp.ones(1)},),
+        "n": None,
+        "s": "text",
+    }
+    cast = m.cast_to_compute(tree)
+    assert jax.tree.structure(cast) == jax.tree.structure(tree)
+    assert cast["a"][0].dtype == jnp.float32
+    assert cast["a"][1].dtype == jnp.bfloat16
+    assert cast["f"]["k"]["w"].dtype == jnp.float16
+    assert cast["f"]["j"].dtype == jnp.float32
+    assert cast["t"][0]["w"].dtype == jnp.float16
+    assert cast["n"] is None
+    assert cast["s"] == "text"
+    # The module path and variable name of each leaf, as the map sees them.
+    paths = [leaf[:2] for leaf in jp.DTypePolicyMap()._leaves(tree)[0]]
+    assert sorted(paths) == sorted(
+        [("a", "0"), ("a", "1"), ("f", "j"), ("f/k", "w"), ("t/0", "w"), ("", "s")]
+    )

@@ -16,6 +16,7 @@ literal prefix indexes it, so a path is only tried against keys whose prefix it 
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, TypeVar
@@ -70,7 +71,18 @@ def _as_policy(value: Any, key: str) -> DTypePolicy:
         raise ValueError(f"Cannot interpret the assigned value for key {key!r}: {e}") from e
 
 
+_KEY_NAMES: dict[type, Callable[[Any], Any]] = {
+    jax.tree_util.DictKey: lambda k: k.key,
+    jax.tree_util.GetAttrKey: lambda k: k.name,
+    jax.tree_util.SequenceKey: lambda k: k.idx,
+    jax.tree_util.FlattenedIndexKey: lambda k: k.key,
+}
+
+
 def _key_name(key: Any) -> str:
+    getter = _KEY_NAMES.get(type(key))
+    if getter is not None:
+        return str(getter(key))
     for attr in ("key", "name", "idx"):
         if hasattr(key, attr):
             return str(getattr(key, attr))
@@ -82,10 +94,20 @@ def leaf_path(key_path: tuple[Any, ...]) -> str:
 
     NNX's trailing ``.value`` is dropped; integers are written as digits.
     """
-    names = [_key_name(k) for k in key_path]
-    if names and isinstance(key_path[-1], jax.tree_util.GetAttrKey) and names[-1] == "value":
-        names.pop()
-    return "/".join(names)
+    if (
+        key_path
+        and type(key_path[-1]) is jax.tree_util.GetAttrKey
+        and key_path[-1].name == "value"
+    ):
+        key_path = key_path[:-1]
+    return "/".join([_key_name(k) for k in key_path])
+
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex, str)
+
+
+def _join(stem: str, rest: str) -> str:
+    return f"{stem}/{rest}" if stem and rest else stem or rest
 
 
 def parent_path(path: str) -> str | None:
@@ -170,7 +192,9 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
         self._by_prefix: dict[str, list[str]] = {}
         self._prefix_lengths: list[int] = []
         self._cache: dict[str, str | None] = {}
-        self._var_cache: dict[str, str | None] = {}
+        self._module_cache: dict[str, tuple[str | None, list[str], bool]] = {}
+        self._sorted_prefixes: list[str] = []
+        self._sorted_literals: list[str] = []
         for key, value in (policy_map or {}).items():
             self[key] = value
 
@@ -233,11 +257,13 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
 
     def _reindex(self) -> None:
         self._cache.clear()
-        self._var_cache.clear()
+        self._module_cache.clear()
         self._by_prefix = {}
         for key in self._regex:
             self._by_prefix.setdefault(_literal_prefix(key), []).append(key)
         self._prefix_lengths = sorted({len(p) for p in self._by_prefix})
+        self._sorted_prefixes = sorted(self._by_prefix)
+        self._sorted_literals = sorted(k for k in self._policies if k not in self._regex)
 
     # -- policy-like properties (as Keras's map has) --------------------------------------
 
@@ -296,24 +322,59 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             other = f"{module}/\x00" if module else "\x00"
             matches = [k for k in matches if not self._regex[k].fullmatch(other)]
         if len(matches) > 1:
-            matches.sort(key=list(self._policies).index)
-            raise ValueError(
-                f"Path {path!r} matches multiple dtype policy keys: {matches}. Please make "
-                "sure each path only matches at most one key of the DTypePolicyMap."
-            )
+            self._raise_ambiguous(path, matches)
         return matches[0] if matches else None
+
+    def _raise_ambiguous(self, path: str, matches: list[str]) -> None:
+        order = list(self._policies)
+        matches = sorted(matches, key=order.index)
+        raise ValueError(
+            f"Path {path!r} matches multiple dtype policy keys: {matches}. Please make "
+            "sure each path only matches at most one key of the DTypePolicyMap."
+        )
+
+    def _module_info(self, module: str) -> tuple[str | None, list[str], bool]:
+        """Per module (cached): its key, the regex keys that may name one of its
+        variables by name, and whether an exact key starts with the module's path."""
+        try:
+            return self._module_cache[module]
+        except KeyError:
+            pass
+        stem = f"{module}/" if module else ""
+        candidates = []
+        for length in self._prefix_lengths:  # prefixes of the stem
+            if length > len(stem):
+                break
+            candidates.extend(self._by_prefix.get(stem[:length], ()))
+        i = bisect.bisect_right(self._sorted_prefixes, stem)  # prefixes longer than the stem
+        while i < len(self._sorted_prefixes) and self._sorted_prefixes[i].startswith(stem):
+            candidates.extend(self._by_prefix[self._sorted_prefixes[i]])
+            i += 1
+        other = f"{stem}\x00"  # a name no variable has: module-level keys match it
+        by_name = [k for k in candidates if not self._regex[k].fullmatch(other)]
+        j = bisect.bisect_left(self._sorted_literals, stem)
+        has_exact = j < len(self._sorted_literals) and self._sorted_literals[j].startswith(stem)
+        info = (self._resolve_key(module) if module else None, by_name, has_exact)
+        if not module:
+            info = (None, by_name, True)
+        self._module_cache[module] = info
+        return info
 
     def _resolve_variable_key(self, path: str) -> str | None:
         """The key that chooses a variable's policy: one naming it, else its module's."""
-        try:
-            return self._var_cache[path]
-        except KeyError:
-            pass
-        key = self._match(path, variable=True)
-        if key is None:
-            key = self._resolve_key(parent_path(path) or "")
-        self._var_cache[path] = key
-        return key
+        module = path.rpartition("/")[0]
+        module_key, by_name, has_exact = self._module_info(module)
+        if has_exact and path in self._policies:
+            return path
+        if by_name:
+            matches = [k for k in by_name if self._regex[k].fullmatch(path)]
+            if len(matches) > 1:
+                self._raise_ambiguous(path, matches)
+            if matches:
+                return matches[0]
+        if not module:
+            return self._resolve_key(path) if path else None
+        return module_key
 
     def _resolve_key(self, path: str) -> str | None:
         """The key that chooses ``path``'s policy (None: the default policy)."""
@@ -350,16 +411,71 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
 
     # -- trees ----------------------------------------------------------------------------
 
-    def _leaves(self, tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    def _leaves(self, tree: Any) -> tuple[list[tuple[str, str, Any]], Any]:
+        """``(module path, variable name, leaf)`` per leaf, and the treedef.
+
+        Consecutive leaves share their module's key path, so each module path is joined
+        once, not once per leaf.
+        """
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        return [(leaf_path(kp), leaf) for kp, leaf in flat], treedef
+        out = []
+        prev: tuple[Any, ...] | None = None
+        module = ""
+        for key_path, leaf in flat:
+            if (
+                key_path
+                and type(key_path[-1]) is jax.tree_util.GetAttrKey
+                and key_path[-1].name == "value"
+            ):
+                key_path = key_path[:-1]  # NNX's State: "<path>/<name>.value"
+            prefix = key_path[:-1]
+            if prefix != prev:
+                module = "/".join([_key_name(k) for k in prefix])
+                prev = prefix
+            out.append((module, _key_name(key_path[-1]) if key_path else "", leaf))
+        return out, treedef
+
+    def _leaf_key(self, module: str, name: str) -> str | None:
+        """The key that chooses the policy of the variable ``name`` of ``module``."""
+        module_key, by_name, has_exact = self._module_info(module)
+        if not has_exact and not by_name:
+            return module_key
+        return self._resolve_variable_key(f"{module}/{name}" if module else name)
 
     def _map_leaves(self, tree: T, fn: Callable[[DTypePolicy, Any], Any]) -> T:
-        leaves, treedef = self._leaves(tree)
-        return jax.tree_util.tree_unflatten(
-            treedef,
-            [fn(self._policy_of(self._resolve_variable_key(path)), leaf) for path, leaf in leaves],
-        )
+        """``fn(policy, leaf)`` on every leaf, with the leaf's policy by its path.
+
+        Plain dicts, lists and tuples (Linen's parameter trees) are walked directly, which
+        is several times faster than flattening with paths; any other pytree node (NNX's
+        ``State``, dataclasses, ``FrozenDict``) goes through ``tree_flatten_with_path``.
+        """
+        policy_of, leaf_key = self._policy_of, self._leaf_key
+
+        def leaf(module: str, name: str, x: Any) -> Any:
+            return fn(policy_of(leaf_key(module, name)), x)
+
+        def visit(node: Any, module: str, name: str) -> Any:
+            kind = type(node)
+            if kind is dict or kind is list or kind is tuple:
+                stem = f"{module}/{name}" if module else name
+                if kind is dict:
+                    return {k: visit(v, stem, str(k)) for k, v in node.items()}
+                return kind(visit(v, stem, str(i)) for i, v in enumerate(node))
+            if node is None:
+                return None
+            if isinstance(node, _ARRAY_TYPES):
+                return leaf(module, name, node)
+            leaves, treedef = self._leaves(node)
+            if len(leaves) == 1 and leaves[0][2] is node:  # not a pytree node: a leaf
+                return leaf(module, name, node)
+            stem = f"{module}/{name}" if module else name
+            return jax.tree_util.tree_unflatten(
+                treedef,
+                [leaf(_join(stem, m), n, x) if m or n else leaf(module, name, x)
+                 for m, n, x in leaves],
+            )
+
+        return visit(tree, "", "")  # type: ignore[no-any-return]
 
     def policy_tree(self, tree: Any) -> Any:
         """A tree of the same structure holding each leaf's policy.
@@ -398,12 +514,12 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             ['Dnse_1']
         """
         used: set[str | None] = set()
-        for path, _ in self._leaves(tree)[0]:
-            used.add(self._resolve_variable_key(path))
-            module = parent_path(path)
-            while module:
-                used.add(self._resolve_key(module))
-                module = parent_path(module)
+        for module, name, _ in self._leaves(tree)[0]:
+            used.add(self._leaf_key(module, name))
+            current: str | None = module
+            while current:
+                used.add(self._resolve_key(current))
+                current = parent_path(current)
         return [k for k in self._policies if k not in used]
 
     def explain(self, tree: Any) -> str:
@@ -425,11 +541,10 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             total                                                          96             64
         """
         rows: dict[str, list[Any]] = {}
-        for path, leaf in self._leaves(tree)[0]:
-            module = parent_path(path) or ""
+        for module, name, leaf in self._leaves(tree)[0]:
             module_key = self._resolve_key(module)
-            key = self._resolve_variable_key(path)
-            row_path = module if key == module_key else path
+            key = self._leaf_key(module, name)
+            row_path = module if key == module_key else f"{module}/{name}".lstrip("/")
             policy = self._policy_of(key)
             row = rows.setdefault(row_path, [policy, key, set(), set(), 0, 0])
             if isinstance(leaf, (jax.Array, np.ndarray)):
