@@ -29,11 +29,19 @@ def main() -> None:
     # One policy for everything: Keras, jmp and dtype names all work.
     policy = jp.get_policy("p=f32,c=bf16,o=f32")
     # Equal by value, whatever the names: mixed_bfloat16 is p=f32,c=bf16,o=bf16.
-    print(repr(jp.DTypePolicy("mixed_bfloat16")), "==", repr(jp.get_policy("p=f32,c=bf16,o=bf16")),
-          jp.DTypePolicy("mixed_bfloat16") == jp.get_policy("p=f32,c=bf16,o=bf16"))
+    print(
+        repr(jp.DTypePolicy("mixed_bfloat16")),
+        "==",
+        repr(jp.get_policy("p=f32,c=bf16,o=bf16")),
+        jp.DTypePolicy("mixed_bfloat16") == jp.get_policy("p=f32,c=bf16,o=bf16"),
+    )
     bf16_params = policy.cast_to_compute(params)
-    print("hidden kernel:", params["hidden"]["kernel"].dtype, "->",
-          bf16_params["hidden"]["kernel"].dtype)
+    print(
+        "hidden kernel:",
+        params["hidden"]["kernel"].dtype,
+        "->",
+        bf16_params["hidden"]["kernel"].dtype,
+    )
 
     # A policy per submodule: norm and head stay float32, embeddings too.
     policy_map = jp.DTypePolicyMap(
@@ -49,8 +57,10 @@ def main() -> None:
         return jax.value_and_grad(lambda p: jnp.mean(apply(p, tokens) ** 2))(params)
 
     loss, grads = loss_and_grads(params, tokens)
-    print(f"loss {float(loss):.4f}; grad dtypes:",
-          sorted({str(g.dtype) for g in jax.tree.leaves(grads)}))
+    print(
+        f"loss {float(loss):.4f}; grad dtypes:",
+        sorted({str(g.dtype) for g in jax.tree.leaves(grads)}),
+    )
     print("unused keys (typos):", policy_map.unused_keys(params))
 
 

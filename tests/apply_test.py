@@ -118,8 +118,12 @@ def test_wrapper_keeps_the_function_name_and_does_not_mutate_arguments():
     before = jax.tree.map(lambda x: (x.dtype, np.asarray(x).copy()), params)
     f(params, jnp.ones((4, 3)), scale=jnp.ones(()))
     after = jax.tree.map(lambda x: (x.dtype, np.asarray(x)), params)
-    for (d0, v0), (d1, v1) in zip(jax.tree.leaves(before, is_leaf=lambda t: isinstance(t, tuple)),
-                                  jax.tree.leaves(after, is_leaf=lambda t: isinstance(t, tuple))):
+    is_pair = lambda t: isinstance(t, tuple)  # noqa: E731
+    for (d0, v0), (d1, v1) in zip(
+        jax.tree.leaves(before, is_leaf=is_pair),
+        jax.tree.leaves(after, is_leaf=is_pair),
+        strict=True,
+    ):
         assert d0 == d1
         np.testing.assert_array_equal(v0, v1)
 

@@ -27,7 +27,6 @@ def as_policy_or_map(policy_or_map: Any, argument: str = "policy_or_map") -> Any
         raise type(e)(f"Invalid `{argument}`: {e}") from e
 
 
-
 def root_policy(policy_or_map: Any) -> DTypePolicy:
     """The policy of the root module (path ``""``); the global policy for ``None``."""
     if policy_or_map is None:

@@ -94,11 +94,7 @@ def leaf_path(key_path: tuple[Any, ...]) -> str:
 
     NNX's trailing ``.value`` is dropped; integers are written as digits.
     """
-    if (
-        key_path
-        and type(key_path[-1]) is jax.tree_util.GetAttrKey
-        and key_path[-1].name == "value"
-    ):
+    if key_path and type(key_path[-1]) is jax.tree_util.GetAttrKey and key_path[-1].name == "value":
         key_path = key_path[:-1]
     return "/".join([_key_name(k) for k in key_path])
 
@@ -176,9 +172,10 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
     ):
         if isinstance(default_policy, DTypePolicyMap):
             raise ValueError("`default_policy` cannot be a `DTypePolicyMap`.")
+        default: DTypePolicy | None = None
         if default_policy is not None:
             try:
-                default_policy = serialization.get(default_policy)
+                default = serialization.get(default_policy)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"Invalid `default_policy`: {e}") from e
         if policy_map is not None and not isinstance(policy_map, Mapping):
@@ -186,7 +183,7 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
                 "If specified, `policy_map` must be a dict (a mapping of paths to policies). "
                 f"Received: policy_map={policy_map!r} of type {type(policy_map).__name__}"
             )
-        self._default_policy: DTypePolicy | None = default_policy
+        self._default_policy: DTypePolicy | None = default
         self._policies: dict[str, DTypePolicy] = {}
         self._regex: dict[str, re.Pattern[str]] = {}
         self._by_prefix: dict[str, list[str]] = {}
@@ -248,10 +245,9 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DTypePolicyMap):
             return NotImplemented
-        return (
-            self._default_policy == other._default_policy
-            and list(self._policies.items()) == list(other._policies.items())
-        )
+        return self._default_policy == other._default_policy and list(
+            self._policies.items()
+        ) == list(other._policies.items())
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 
@@ -341,7 +337,7 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
         except KeyError:
             pass
         stem = f"{module}/" if module else ""
-        candidates = []
+        candidates: list[str] = []
         for length in self._prefix_lengths:  # prefixes of the stem
             if length > len(stem):
                 break
@@ -471,8 +467,10 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             stem = f"{module}/{name}" if module else name
             return jax.tree_util.tree_unflatten(
                 treedef,
-                [leaf(_join(stem, m), n, x) if m or n else leaf(module, name, x)
-                 for m, n, x in leaves],
+                [
+                    leaf(_join(stem, m), n, x) if m or n else leaf(module, name, x)
+                    for m, n, x in leaves
+                ],
             )
 
         return visit(tree, "", "")  # type: ignore[no-any-return]
@@ -549,7 +547,8 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             row = rows.setdefault(row_path, [policy, key, set(), set(), 0, 0])
             if isinstance(leaf, (jax.Array, np.ndarray)):
                 target = (
-                    policy.compute_dtype if casting.should_cast(leaf, policy.compute_dtype)
+                    policy.compute_dtype
+                    if casting.should_cast(leaf, policy.compute_dtype)
                     else leaf.dtype
                 )
                 row[2].add(np.dtype(leaf.dtype).name)
@@ -558,17 +557,27 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
                 row[5] += leaf.size * np.dtype(target).itemsize
         table = [["path", "policy", "key", "stored", "compute", "bytes", "compute bytes"]]
         for path, (policy, key, stored, compute, nbytes, cbytes) in rows.items():
-            table.append([
-                path or "<root>", policy.name, "<default>" if key is None else key,
-                ",".join(sorted(stored)), ",".join(sorted(compute)), str(nbytes), str(cbytes),
-            ])
+            table.append(
+                [
+                    path or "<root>",
+                    policy.name,
+                    "<default>" if key is None else key,
+                    ",".join(sorted(stored)),
+                    ",".join(sorted(compute)),
+                    str(nbytes),
+                    str(cbytes),
+                ]
+            )
         total_stored = sum(r[4] for r in rows.values())
         total_compute = sum(r[5] for r in rows.values())
         table.append(["total", "", "", "", "", str(total_stored), str(total_compute)])
         widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
         lines = []
         for r in table:
-            cells = [c.ljust(w) if i < 5 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
+            cells = [
+                c.ljust(w) if i < 5 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            ]
             lines.append("  ".join(cells).rstrip())
         return "\n".join(lines)
 
