@@ -1,16 +1,9 @@
-"""Test setup: 8 CPU devices, so sharding, shard_map and pmap paths run everywhere."""
+"""Test fixtures. The 8 CPU devices are set up by the root `conftest.py`."""
 
-import os
+import jax
+import pytest
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
-
-import jmp_policy as jp  # noqa: E402
+import jmp_policy as jp
 
 
 @pytest.fixture(autouse=True)

@@ -20,11 +20,7 @@ T = TypeVar("T")
 
 def should_cast(x: Any, dtype: np.dtype) -> bool:
     """Whether the casting rule casts ``x`` to ``dtype``."""
-    return (
-        isinstance(x, (jax.Array, np.ndarray))
-        and x.dtype != dtype
-        and dt.is_floating(x.dtype)
-    )
+    return isinstance(x, (jax.Array, np.ndarray)) and x.dtype != dtype and dt.is_floating(x.dtype)
 
 
 def cast_leaf(x: Any, dtype: np.dtype) -> Any:

@@ -102,9 +102,7 @@ class ParsedName:
 
 def _unknown(name: str, detail: str = "") -> ValueError:
     detail = f" {detail}" if detail else ""
-    return ValueError(
-        f"Cannot convert {name!r} to a dtype policy.{detail} Expected {VALID_FORMS}."
-    )
+    return ValueError(f"Cannot convert {name!r} to a dtype policy.{detail} Expected {VALID_FORMS}.")
 
 
 def check_name_type(name: Any, argument: str = "name") -> str:
@@ -133,7 +131,8 @@ def parse_float_name(name: str) -> ParsedName:
         if dtype is None:
             if "_from_" in text:
                 raise _unknown(name, "A quantized name is not a float policy name.")
-            raise _unknown(name)
+            # jmp's users expect jmp's phrase ("Unknown dtype") for a bad single value.
+            raise _unknown(name, f"Unknown dtype or policy name {text!r}.")
         return ParsedName(dtype, dtype, dtype)
     values: dict[str, np.dtype] = {}
     for part in text.split(","):
@@ -197,7 +196,7 @@ def parse_int_mode(mode: Any) -> tuple[str, int | None]:
             block = int(block_text)
         except ValueError:
             block = 0
-        if block == 0 or block < -1 or str(block) != block_text.strip():
+        if block == 0 or block < -1 or str(block) != block_text:
             raise ValueError(
                 f"Invalid quantization mode. The block size of `mode` must be -1 "
                 f"(per channel) or a positive integer, as in 'int4/128'. Received: mode={mode!r}"

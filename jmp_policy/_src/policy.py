@@ -70,6 +70,10 @@ class DTypePolicy:
         self._init(name.strip(), parsed.params, parsed.compute, parsed.output)
 
     def _init(self, name: str, variable: np.dtype, compute: np.dtype, output: np.dtype) -> None:
+        if hasattr(self, "_name"):
+            raise AttributeError(
+                f"{type(self).__name__} is immutable; it cannot be re-initialized."
+            )
         object.__setattr__(self, "_name", name)
         object.__setattr__(self, "_variable_dtype", variable)
         object.__setattr__(self, "_compute_dtype", compute)
@@ -164,7 +168,7 @@ class DTypePolicy:
     # -- derivation -----------------------------------------------------------------------
 
     def _with(self, variable: Any, compute: Any, output: Any) -> DTypePolicy:
-        v, c, o = (dt.canonicalize_dtype(d) for d in (variable, compute, output))
+        v, c, o = (_as_dtype(d) for d in (variable, compute, output))
         return DTypePolicy(dt.float_policy_name(v, c, o))
 
     def with_compute_dtype(self, dtype: DTypeLike) -> DTypePolicy:
@@ -278,7 +282,8 @@ class QuantizedDTypePolicy(DTypePolicy):
         dt.check_name_type(source_name, "source_name")
         if dt.split_quantized_name(source_name) is not None:
             raise ValueError(
-                f"`source_name` must be a float policy name, not a quantized one. "
+                f"Cannot convert {source_name!r} to a float source policy: `source_name` "
+                f"must be a float policy name, not a quantized one. "
                 f"Received: source_name={source_name!r}"
             )
         parsed = dt.parse_float_name(source_name)
@@ -403,6 +408,23 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "amax_history_length": self._amax_history_length}
+
+
+def _as_dtype(dtype: Any) -> np.dtype:
+    # `None` would silently become float64 (numpy's default); object/str dtypes are no policy.
+    try:
+        canonical = None if dtype is None else dt.canonicalize_dtype(dtype)
+    except TypeError as e:
+        canonical = None
+        cause: Exception | None = e
+    else:
+        cause = None
+    if canonical is None or not dt.is_numeric(canonical):
+        raise TypeError(
+            "`dtype` must be a numeric dtype, such as 'bfloat16' or jnp.float16. "
+            f"Received: dtype={dtype!r}"
+        ) from cause
+    return canonical
 
 
 def _rebuild(cls: type[DTypePolicy], config: dict[str, Any]) -> DTypePolicy:

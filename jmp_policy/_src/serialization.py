@@ -104,9 +104,7 @@ def deserialize(config: dict[str, Any] | str) -> Any:
         )
     inner = config.get("config", {})
     if not isinstance(inner, dict):
-        raise ValueError(
-            f"`config['config']` must be a dict. Received: config={config!r}"
-        )
+        raise ValueError(f"`config['config']` must be a dict. Received: config={config!r}")
     return _CLASSES[class_name].from_config(inner)
 
 
@@ -147,7 +145,9 @@ def get(identifier: Any = None) -> Any:
     if type(identifier).__name__ in _CLASSES:  # a DTypePolicyMap
         return identifier
     try:
-        dtype = None if isinstance(identifier, (bool, int, float)) else canonicalize_dtype(identifier)
+        dtype = (
+            None if isinstance(identifier, (bool, int, float)) else canonicalize_dtype(identifier)
+        )
     except TypeError:
         dtype = None
     if dtype is None or not is_numeric(dtype):

@@ -1,0 +1,117 @@
+"""The public API: the documented names, their docstrings, and a flax-free import."""
+
+import inspect
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import jmp_policy as jp
+
+# DESIGN.md's "Policies", "Global policy" and "Serialization" sections. Other sections add
+# names too; this pins the ones of the foundation.
+DOCUMENTED = [
+    # Policies
+    "DTypePolicy",
+    "FloatDTypePolicy",
+    "Policy",
+    "QuantizedDTypePolicy",
+    "QuantizedFloat8DTypePolicy",
+    "get",
+    "get_policy",
+    "serialize",
+    "deserialize",
+    # Global policy
+    "set_dtype_policy",
+    "dtype_policy",
+    "set_global_policy",
+    "global_policy",
+    "policy_scope",
+]
+
+POLICY_MEMBERS = [
+    "name",
+    "compute_dtype",
+    "variable_dtype",
+    "param_dtype",
+    "output_dtype",
+    "quantization_mode",
+    "cast_to_compute",
+    "cast_to_variable",
+    "cast_to_param",
+    "cast_to_output",
+    "with_compute_dtype",
+    "with_variable_dtype",
+    "with_output_dtype",
+    "get_config",
+    "from_config",
+]
+
+
+@pytest.mark.parametrize("name", DOCUMENTED)
+def test_documented_name_is_exported(name):
+    assert name in jp.__all__
+    assert hasattr(jp, name)
+
+
+def test_all_names_are_attributes_without_duplicates():
+    assert len(jp.__all__) == len(set(jp.__all__))
+    missing = [name for name in jp.__all__ if not hasattr(jp, name)]
+    assert missing == []
+
+
+@pytest.mark.parametrize("name", sorted(set(jp.__all__)))
+def test_public_name_has_docstring_with_example(name):
+    doc = inspect.getdoc(getattr(jp, name))
+    assert doc, f"{name} has no docstring"
+    assert ">>>" in doc, f"{name}'s docstring has no example"
+
+
+def test_module_docstring_has_example():
+    assert ">>>" in (jp.__doc__ or "")
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [
+        jp.DTypePolicy,
+        jp.FloatDTypePolicy,
+        jp.Policy,
+        jp.QuantizedDTypePolicy,
+        jp.QuantizedFloat8DTypePolicy,
+    ],
+)
+@pytest.mark.parametrize("member", POLICY_MEMBERS)
+def test_every_policy_class_has_documented_member(cls, member):
+    assert hasattr(cls, member)
+
+
+def test_policy_classes_are_one_family():
+    for cls in (jp.FloatDTypePolicy, jp.Policy, jp.QuantizedDTypePolicy):
+        assert issubclass(cls, jp.DTypePolicy)
+    assert issubclass(jp.QuantizedFloat8DTypePolicy, jp.QuantizedDTypePolicy)
+
+
+def test_version_is_a_string():
+    assert isinstance(jp.__version__, str)
+    assert jp.__version__.count(".") >= 1
+
+
+def test_unknown_attribute_raises_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        jp.not_a_name  # noqa: B018
+
+
+def test_import_does_not_import_flax():
+    code = "import sys, jmp_policy; assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root, env=env
+    )
+    assert result.returncode == 0, result.stderr
