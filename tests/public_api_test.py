@@ -29,7 +29,16 @@ DOCUMENTED = [
     "set_global_policy",
     "global_policy",
     "policy_scope",
+    # DTypePolicyMap and applying policies
+    "DTypePolicyMap",
+    "cast_apply",
+    "current_policy",
 ]
+
+FLAX_MODULES = {
+    "linen": ["apply", "init", "explain", "NORM_FLOAT32"],
+    "nnx": ["apply", "NORM_FLOAT32"],
+}
 
 POLICY_MEMBERS = [
     "name",
@@ -115,3 +124,32 @@ def test_import_does_not_import_flax():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root, env=env
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_flax_integrations_are_lazy_attributes():
+    code = (
+        "import sys, jmp_policy as jp; assert 'flax' not in sys.modules; "
+        "jp.linen.apply; assert 'flax.linen' in sys.modules; jp.nnx.apply; print('ok')"
+    )
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    ("module", "name"), [(m, n) for m, names in FLAX_MODULES.items() for n in names]
+)
+def test_flax_integration_names_are_exported_and_documented(module, name):
+    integration = getattr(jp, module)
+    assert name in integration.__all__
+    doc = inspect.getdoc(getattr(integration, name))
+    if name == "NORM_FLOAT32":  # a mapping: its module docstring shows it in use
+        doc = integration.__doc__
+    assert doc and ">>>" in doc
