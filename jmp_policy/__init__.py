@@ -38,6 +38,17 @@ from jmp_policy._src.serialization import deserialize as deserialize
 from jmp_policy._src.serialization import get as get
 from jmp_policy._src.serialization import serialize as serialize
 
+# --- loss scaling ---
+from jmp_policy._src.loss_scale import DynamicLossScale as DynamicLossScale
+from jmp_policy._src.loss_scale import NoOpLossScale as NoOpLossScale
+from jmp_policy._src.loss_scale import StaticLossScale as StaticLossScale
+from jmp_policy._src.loss_scale import all_finite as all_finite
+from jmp_policy._src.loss_scale import select_tree as select_tree
+from jmp_policy._src.optax_wrapper import LossScalingState as LossScalingState
+from jmp_policy._src.optax_wrapper import get_loss_scale as get_loss_scale
+from jmp_policy._src.optax_wrapper import loss_scaling as loss_scaling
+from jmp_policy._src.optax_wrapper import scaled_value_and_grad as scaled_value_and_grad
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -62,6 +73,16 @@ __all__ = [
     # serialization
     "deserialize",
     "serialize",
+    # loss scaling
+    "DynamicLossScale",
+    "LossScalingState",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "all_finite",
+    "get_loss_scale",
+    "loss_scaling",
+    "scaled_value_and_grad",
+    "select_tree",
 ]
 
 _LAZY_SUBMODULES = ("linen", "nnx")

@@ -1,0 +1,179 @@
+"""Cost of `jmp_policy.loss_scaling` against the plain optimizer update.
+
+On a ~20M-parameter float32 tree with adam, times in one run (interleaved, median over
+repetitions, after warm-up, every variant jitted with the same donation):
+
+- the plain ``adam.update`` (gradients already unscaled),
+- ``jmp_policy.loss_scaling(adam)`` (unscale, global finiteness, skip, adjust),
+- a jmp-style hand-written composition (``unscale`` + ``all_finite`` + ``select_tree`` +
+  ``adjust``, as jmp's README does it),
+- the same steps with ``lax.cond`` around the inner update instead of selects,
+- ``optax.apply_if_finite(adam)`` on unscaled gradients,
+- the floor for any wrapper: the plain update plus one finiteness reduction.
+
+Prints milliseconds, the ratio to the plain update and, where XLA reports it, the compiled
+memory. Run: ``python benchmarks/loss_scaling_bench.py [--reps 30] [--params 20e6]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jmp_policy as jp
+
+
+def make_tree(num_params: int) -> dict[str, jax.Array]:
+    """A transformer-like tree: a few large matrices and many small vectors."""
+    d = 1024
+    layers = max(1, int(num_params // (2 * d * d * 4 + 6 * d)))
+    tree: dict[str, jax.Array] = {}
+    key = jax.random.key(0)
+    rest = int(num_params) - layers * (2 * d * d * 4 + 7 * d)
+    if rest >= d:
+        tree["embed"] = jax.random.normal(key, (rest // d, d)) * 0.02
+    for i in range(layers):
+        key, k1, k2 = jax.random.split(key, 3)
+        tree[f"layer_{i}/mlp_in"] = jax.random.normal(k1, (d, 4 * d)) * 0.02
+        tree[f"layer_{i}/mlp_out"] = jax.random.normal(k2, (4 * d, d)) * 0.02
+        for name in ("ln_scale", "ln_bias", "bias_out"):
+            tree[f"layer_{i}/{name}"] = jnp.ones((d,))
+        tree[f"layer_{i}/bias_in"] = jnp.zeros((4 * d,))
+    return tree
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--params", type=float, default=20e6)
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument(
+        "--donate", action="store_true", help="donate the optimizer state (XLA:CPU then copies)"
+    )
+    args = parser.parse_args()
+
+    params = make_tree(int(args.params))
+    num = sum(x.size for x in jax.tree.leaves(params))
+    grads = jax.tree.map(lambda x: x * 1e-3, params)
+    scale = jp.DynamicLossScale(2.0**15)
+    scaled_grads = scale.scale(grads)
+
+    adam = optax.adam(1e-3)
+    wrapped = jp.loss_scaling(adam, scale)
+    guarded = optax.apply_if_finite(adam, max_consecutive_errors=5)
+
+    def plain_step(g: Any, state: Any, p: Any) -> Any:
+        return adam.update(g, state, p)
+
+    def wrapped_step(g: Any, state: Any, p: Any) -> Any:
+        return wrapped.update(g, state, p)
+
+    def jmp_style_step(g: Any, state: Any, p: Any) -> Any:
+        inner_state, loss_scale = state
+        g = loss_scale.unscale(g)
+        finite = jp.all_finite(g)
+        updates, new_inner = adam.update(g, inner_state, p)
+        updates = jp.select_tree(finite, updates, jax.tree.map(jnp.zeros_like, updates))
+        new_inner = jp.select_tree(finite, new_inner, inner_state)
+        return updates, (new_inner, loss_scale.adjust(finite))
+
+    def if_finite_step(g: Any, state: Any, p: Any) -> Any:
+        return guarded.update(g, state, p)
+
+    def cond_step(g: Any, state: Any, p: Any) -> Any:
+        # What the wrapper does, with `lax.cond` instead of selects around the inner update.
+        inner_state, loss_scale = state
+        finite = jp.all_finite(g)
+
+        def run(operands: Any) -> Any:
+            return adam.update(loss_scale.unscale(operands[0]), operands[1], p)
+
+        def skip(operands: Any) -> Any:
+            return jax.tree.map(jnp.zeros_like, operands[0]), operands[1]
+
+        updates, new_inner = jax.lax.cond(finite, run, skip, (g, inner_state))
+        return updates, (new_inner, loss_scale.adjust(finite))
+
+    def check_only_step(g: Any, state: Any, p: Any) -> Any:
+        # The floor for any wrapper: the plain update plus one finiteness reduction.
+        updates, state = adam.update(scale.unscale(g), state, p)
+        return (updates, jp.all_finite(g)), state
+
+    variants: dict[str, tuple[Callable[..., Any], Any, Any]] = {
+        "plain adam": (plain_step, grads, adam.init(params)),
+        "plain + finiteness check": (check_only_step, scaled_grads, adam.init(params)),
+        "jp.loss_scaling(adam)": (wrapped_step, scaled_grads, wrapped.init(params)),
+        "same with lax.cond": (cond_step, scaled_grads, (adam.init(params), scale)),
+        "jmp-style hand-written": (jmp_style_step, scaled_grads, (adam.init(params), scale)),
+        "optax.apply_if_finite(adam)": (if_finite_step, grads, guarded.init(params)),
+    }
+
+    # Every variant donates the optimizer state, or none does (the default: on XLA:CPU a
+    # donated adam state makes even the plain update insert copies).
+    compiled = {}
+    states = {}
+    memory = {}
+    for name, (fn, g, state) in variants.items():
+        jitted = jax.jit(fn, donate_argnums=(1,) if args.donate else ())
+        lowered = jitted.lower(g, state, params)
+        exe = lowered.compile()
+        compiled[name] = exe
+        states[name] = jax.tree.map(jnp.copy, state)  # donation must not share buffers
+        try:
+            stats = exe.memory_analysis()
+            memory[name] = stats.temp_size_in_bytes / 2**20 if stats is not None else float("nan")
+        except Exception:  # memory_analysis is optional per backend
+            memory[name] = float("nan")
+
+    def run(name: str) -> tuple[float, float]:
+        g = variants[name][1]
+        start, cpu_start = time.perf_counter(), time.process_time()
+        updates, states[name] = compiled[name](g, states[name], params)
+        jax.block_until_ready((updates, states[name]))
+        return time.perf_counter() - start, time.process_time() - cpu_start
+
+    for name in variants:  # warm-up
+        for _ in range(3):
+            run(name)
+    # Wall time, and CPU time of this process (all XLA threads): the second is robust to other
+    # processes competing for the cores.
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    cpu_times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.reps):
+        for name in variants:  # interleaved, so drifts hit every variant alike
+            wall, cpu = run(name)
+            times[name].append(wall)
+            cpu_times[name].append(cpu)
+
+    def ratio(samples: dict[str, list[float]], name: str, stat: Any) -> str:
+        return f"{stat(samples[name]) / stat(samples['plain adam']):7.3f}"
+
+    median = statistics.median
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform} ({os.cpu_count()} cores), "
+        f"{num / 1e6:.1f}M float32 params in {len(jax.tree.leaves(params))} leaves, adam, "
+        f"state {'donated' if args.donate else 'not donated'}, {args.reps} interleaved reps"
+    )
+    print(
+        f"{'variant':28s} {'wall ms':>8s} {'median':>7s} {'min':>7s} {'cpu ms':>8s} "
+        f"{'median':>7s} {'min':>7s} {'temp+out MiB':>12s}"
+    )
+    print(f"{'':28s} {'':8s} {'ratio':>7s} {'ratio':>7s} {'':8s} {'ratio':>7s} {'ratio':>7s}")
+    for name in variants:
+        print(
+            f"{name:28s} {median(times[name]) * 1e3:8.1f} {ratio(times, name, median)} "
+            f"{ratio(times, name, min)} {median(cpu_times[name]) * 1e3:8.1f} "
+            f"{ratio(cpu_times, name, median)} {ratio(cpu_times, name, min)} "
+            f"{memory[name]:12.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""Dynamic loss scaling as an optax wrapper, and the value-and-grad that feeds it."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jmp_policy._src import loss_scale as ls
+from jmp_policy._src.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+)
+
+_LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+_LOSS_SCALE_STRINGS = ("dynamic", "auto", "none")
+
+
+class LossScalingState(NamedTuple):
+    """The state of :func:`loss_scaling`.
+
+    Attributes:
+        inner_state: the wrapped transformation's state (unchanged by skipped steps).
+        loss_scale: the current loss scale object (``NoOpLossScale``, ``StaticLossScale`` or
+            ``DynamicLossScale``); pass it to :func:`scaled_value_and_grad`.
+        total_skipped: int32, how many steps were skipped because their gradients were not
+            finite, since ``init``.
+        consecutive_skipped: int32, how many of the latest steps in a row were skipped (0
+            after a finite step).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import optax
+        >>> import jmp_policy as jp
+        >>> state = jp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+        >>> int(state.total_skipped), float(state.loss_scale.loss_scale)
+        (0, 32768.0)
+    """
+
+    inner_state: Any
+    loss_scale: LossScale
+    total_skipped: jax.Array
+    consecutive_skipped: jax.Array
+
+
+def _resolve_loss_scale(loss_scale: Any) -> LossScale:
+    if isinstance(loss_scale, _LOSS_SCALE_TYPES):
+        return loss_scale
+    if isinstance(loss_scale, str):
+        key = loss_scale.lower()
+        if key == "dynamic":
+            return DynamicLossScale()
+        if key == "none":
+            return NoOpLossScale()
+        if key == "auto":
+            from jmp_policy._src.global_state import dtype_policy
+
+            if dtype_policy().compute_dtype == np.float16:
+                return DynamicLossScale()
+            return NoOpLossScale()
+        raise ValueError(
+            f"Unknown `loss_scale` {loss_scale!r}; expected one of "
+            f"{', '.join(repr(s) for s in _LOSS_SCALE_STRINGS)}, a positive number (a static "
+            f"scale) or a loss-scale object (NoOpLossScale, StaticLossScale, DynamicLossScale)."
+        )
+    if not isinstance(loss_scale, bool) and isinstance(
+        loss_scale, (int, float, np.integer, np.floating)
+    ):
+        return StaticLossScale(float(loss_scale))
+    raise TypeError(
+        f"Invalid `loss_scale` argument. Expected 'dynamic', 'auto', 'none', a positive number "
+        f"or a loss-scale object (NoOpLossScale, StaticLossScale, DynamicLossScale). Received: "
+        f"loss_scale={loss_scale!r} (of type {type(loss_scale).__name__})"
+    )
+
+
+def _zeros_where_not(finite: jax.Array, tree: Any) -> Any:
+    return jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros((), u.dtype)), tree)
+
+
+def _unscaled_all_finite(scale: LossScale, scaled: Any) -> jax.Array:
+    """Whether the unscaled gradients are all finite, reading the gradients once.
+
+    The check runs on the scaled gradients as given, so that XLA fuses the unscaling into
+    the inner update instead of materialising the unscaled gradients for the reduction.
+    Unscaling can only overflow a finite gradient when the scale is below 1; then (a rare
+    branch, taken on the device) the unscaled gradients are checked too.
+    """
+    finite = all_finite(scaled)
+    if isinstance(scale, NoOpLossScale):
+        return finite
+    if isinstance(scale, DynamicLossScale) and scale.min_loss_scale >= 1:
+        return finite
+    below_one = jnp.asarray(scale.loss_scale) < 1
+
+    def no_check(tree: Any) -> jax.Array:
+        # `True`, derived from the tree so that both branches have one type under shard_map.
+        return all_finite([jnp.ravel(x)[:0] for x in jax.tree.leaves(tree) if ls.is_float_leaf(x)])
+
+    # The operand is the scaled tree (a cond operand is materialised: the unscaled one would
+    # cost a full write of the gradients on every step).
+    unscaled_finite = lax.cond(
+        below_one, lambda tree: all_finite(scale.unscale(tree)), no_check, scaled
+    )
+    return finite & unscaled_finite
+
+
+def loss_scaling(
+    inner: optax.GradientTransformation | optax.MultiSteps,
+    loss_scale: str | float | LossScale = "dynamic",
+    *,
+    axis_name: str | Sequence[str] | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wraps an optax transformation with loss scaling and skipping of non-finite steps.
+
+    ``update`` takes the gradients of the **scaled** loss (from :func:`scaled_value_and_grad`)
+    and, in one jittable step with no host synchronisation:
+
+    1. unscales them in float32 with the scale they were computed with (the one in the state);
+    2. decides whether they are all finite, once for all devices: under ``jit`` with sharded
+       gradients the reduction is global; under ``shard_map``/``pmap`` pass ``axis_name`` and
+       the local answers are combined over that axis, so one device's NaN makes every device
+       skip and every device keeps the same scale;
+    3. runs ``inner`` on finite steps only: a non-finite step returns zero updates and the
+       unchanged inner state, however many come in a row (unlike ``optax.apply_if_finite``,
+       which eventually applies them);
+    4. adjusts the loss scale (grow after ``period`` finite steps, back off on a non-finite one).
+
+    Steps 2 and 3 compile to selects, not a branch: XLA fuses the unscaling and the selection
+    into the inner update, so the wrapper costs one extra read of the gradients (the finiteness
+    reduction), about what a hand-written step that checks finiteness costs. Finiteness is
+    checked on the scaled gradients; only while the scale is below 1, where unscaling could
+    overflow, a branch on the device checks the unscaled ones too.
+    Extra arguments of ``update`` (such as ``value=`` for ``optax.contrib.reduce_on_plateau``)
+    reach ``inner`` when it accepts them. ``inner`` may be any transformation, a chain, an
+    ``inject_hyperparams`` one or an ``optax.MultiSteps`` (and the result may itself go inside
+    ``MultiSteps``).
+
+    Args:
+        inner: the transformation to run on finite, unscaled gradients.
+        loss_scale: ``"dynamic"`` (a default :class:`DynamicLossScale`), ``"auto"`` (dynamic
+            when the global policy computes in float16 when ``loss_scaling`` is called, else no
+            scaling, as tf.keras's ``compile`` did), ``"none"`` (no scaling; non-finite steps
+            are still skipped), a positive number (a static scale) or a loss-scale object.
+        axis_name: the ``shard_map``/``pmap`` axis (or axes) over which devices hold different
+            gradients; ``None`` under plain ``jit`` (sharded arrays are reduced globally there).
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs`` whose state is a
+        :class:`LossScalingState`.
+
+    Raises:
+        ValueError: an unknown ``loss_scale`` string, or a non-positive number.
+        TypeError: ``loss_scale`` of another type.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import optax
+        >>> import jmp_policy as jp
+        >>> params = {"w": jnp.array([1.0, 2.0])}
+        >>> opt = jp.loss_scaling(optax.sgd(0.5))
+        >>> state = opt.init(params)
+        >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+        >>> loss, grads = jp.scaled_value_and_grad(loss_fn)(jp.get_loss_scale(state), params)
+        >>> updates, state = jax.jit(opt.update)(grads, state, params)
+        >>> optax.apply_updates(params, updates)["w"]
+        Array([0., 0.], dtype=float32)
+        >>> bad = {"w": jnp.array([jnp.inf, 1.0])}
+        >>> updates, state = jax.jit(opt.update)(bad, state, params)
+        >>> updates["w"], int(state.total_skipped), float(state.loss_scale.loss_scale)
+        (Array([0., 0.], dtype=float32), 1, 16384.0)
+    """
+    initial_scale = _resolve_loss_scale(loss_scale)
+    if isinstance(inner, optax.MultiSteps):
+        inner = inner.gradient_transformation()
+    inner_tx = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> LossScalingState:
+        return LossScalingState(
+            inner_state=inner_tx.init(params),
+            loss_scale=initial_scale,
+            total_skipped=jnp.zeros((), jnp.int32),
+            consecutive_skipped=jnp.zeros((), jnp.int32),
+        )
+
+    def update_fn(
+        updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, LossScalingState]:
+        scale = state.loss_scale
+        # Unscale with the scale these gradients were computed with, before adjusting it.
+        grads = scale.unscale(updates)
+        finite = _unscaled_all_finite(scale, updates)
+        if axis_name is not None:
+            num_bad = lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name)
+            finite = num_bad == 0
+        # Selects, not `lax.cond`: XLA fuses them (and the unscaling) into the inner update,
+        # while a conditional makes XLA copy the inner state on every step (3x slower for adam
+        # on CPU, see benchmarks/loss_scaling_bench.py). `where`, not a multiply: a NaN in the
+        # rejected values never leaks.
+        inner_updates, inner_state = inner_tx.update(grads, state.inner_state, params, **extra_args)
+        new_updates = _zeros_where_not(finite, inner_updates)
+        new_inner_state = ls.select_tree(finite, inner_state, state.inner_state)
+        skipped = jnp.logical_not(finite).astype(jnp.int32)
+        return new_updates, LossScalingState(
+            inner_state=new_inner_state,
+            loss_scale=scale.adjust(finite),
+            total_skipped=state.total_skipped + skipped,
+            consecutive_skipped=(state.consecutive_skipped + 1) * skipped,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
+
+
+def get_loss_scale(opt_state: Any) -> LossScale:
+    """Finds the loss scale in an optimizer state.
+
+    Looks through any optax state (chains, nested tuples and dicts, ``MultiSteps``,
+    ``inject_hyperparams``) for the one :class:`LossScalingState`.
+
+    Args:
+        opt_state: an optimizer state that contains exactly one :class:`LossScalingState`.
+
+    Returns:
+        Its loss scale object (an array-valued pytree: fine to call under ``jit``).
+
+    Raises:
+        ValueError: there is no :class:`LossScalingState` in ``opt_state``, or more than one.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import optax
+        >>> import jmp_policy as jp
+        >>> opt = optax.chain(optax.clip_by_global_norm(1.0), jp.loss_scaling(optax.adam(1e-3)))
+        >>> float(jp.get_loss_scale(opt.init({"w": jnp.ones(2)})).loss_scale)
+        32768.0
+    """
+
+    def is_state(x: Any) -> bool:
+        return isinstance(x, LossScalingState)
+
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+    if len(found) != 1:
+        raise ValueError(
+            f"`opt_state` must contain exactly one LossScalingState (the state of "
+            f"`jmp_policy.loss_scaling`); found {len(found)} in an object of type "
+            f"{type(opt_state).__name__}. Wrap your optimizer once with "
+            f"`jmp_policy.loss_scaling(...)`."
+        )
+    return found[0].loss_scale
+
+
+def scaled_value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like ``jax.value_and_grad``, but differentiates the scaled loss.
+
+    Returns ``g(loss_scale, *args, **kwargs) -> (value, grads)`` where ``value`` is what
+    ``fun`` returns (``(loss, aux)`` with ``has_aux``), unscaled, and ``grads`` are the
+    gradients of ``loss_scale.scale(loss)`` (computed in float32), ready for the ``update`` of
+    :func:`loss_scaling`. Works under ``jit`` and ``shard_map``/``pmap`` like
+    ``jax.value_and_grad``; the loss scale is an argument, so a new scale does not retrace.
+
+    Args:
+        fun: returns a scalar loss (or ``(loss, aux)`` with ``has_aux=True``).
+        argnums: which positional arguments of ``fun`` to differentiate.
+        has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+        The function ``g`` described above.
+
+    Raises:
+        TypeError: (when ``g`` is called) ``loss_scale`` is not a loss-scale object.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jmp_policy as jp
+        >>> g = jp.scaled_value_and_grad(lambda w: jnp.sum(w**2))
+        >>> loss, grads = g(jp.StaticLossScale(4.0), jnp.array([1.0, 2.0]))
+        >>> loss, grads
+        (Array(5., dtype=float32), Array([ 8., 16.], dtype=float32))
+    """
+
+    def scaled_fun(loss_scale: LossScale, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        out = fun(*args, **kwargs)
+        loss, aux = out if has_aux else (out, None)
+        return loss_scale.scale(loss), (loss, aux)
+
+    def g(loss_scale: LossScale, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if not isinstance(loss_scale, _LOSS_SCALE_TYPES):
+            raise TypeError(
+                f"The first argument of the function returned by `scaled_value_and_grad` must "
+                f"be a loss scale (NoOpLossScale, StaticLossScale, DynamicLossScale); received "
+                f"{type(loss_scale).__name__}. With an optimizer state, pass "
+                f"`jmp_policy.get_loss_scale(opt_state)`."
+            )
+        bound = functools.partial(scaled_fun, loss_scale)
+        (_, (loss, aux)), grads = jax.value_and_grad(bound, argnums=argnums, has_aux=True)(
+            *args, **kwargs
+        )
+        return ((loss, aux) if has_aux else loss), grads
+
+    return g
