@@ -385,3 +385,50 @@ def test_adjust_scale_and_unscale_under_strict_dtype_promotion():
         out = loss_scale.unscale(grads)
         assert out["h"].dtype == jnp.bfloat16 and float(out["f"][0]) == 1.0
         assert loss_scale.scale(jnp.float16(1.0)).dtype == jnp.float32
+
+
+# --- jmp's own expectations ----------------------------------------------------------------
+
+
+def test_dynamic_leaves_are_jmps_scale_and_counter_without_hysteresis():
+    scale = jnp.ones([])
+    counter = jnp.zeros([], jnp.int32)
+    loss_scale = jp.DynamicLossScale(scale, counter, 2000, 2)
+    leaves = jax.tree_util.tree_leaves(loss_scale)
+    assert len(leaves) == 2
+    assert leaves[0].dtype == jnp.float32 and float(leaves[0]) == 1.0
+    assert leaves[1].dtype == jnp.int32 and int(leaves[1]) == 0
+    assert loss_scale.overflows is None
+    assert len(jax.tree_util.tree_leaves(jp.DynamicLossScale(hysteresis=2))) == 3
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jp.NoOpLossScale(),
+        lambda: jp.StaticLossScale(8.0),
+        lambda: jp.DynamicLossScale(2.0**10, 3, period=7),
+        lambda: jp.DynamicLossScale(2.0**10, hysteresis=3),
+    ],
+)
+def test_loss_scales_compare_by_value_after_tree_map(make):
+    loss_scale = make()
+    assert jax.tree_util.tree_map(lambda x: x, loss_scale) == loss_scale
+    assert jax.jit(lambda s: s)(loss_scale) == loss_scale
+    assert loss_scale != "not a loss scale"
+
+
+def test_dynamic_equality_sees_values_and_settings():
+    a = jp.DynamicLossScale(2.0**10, period=7)
+    assert a != jp.DynamicLossScale(2.0**11, period=7)
+    assert a != jp.DynamicLossScale(2.0**10, period=8)
+    assert a.adjust(jnp.array(False)) == jp.DynamicLossScale(2.0**9, period=7)
+    assert jp.StaticLossScale(2.0) != jp.DynamicLossScale(2.0)
+
+
+def test_integral_float_period_is_accepted_as_in_jmps_tests():
+    loss_scale = jp.DynamicLossScale(jnp.asarray(10.0), jnp.int32(0), 5.0, 2.0)
+    assert loss_scale.period == 5
+    assert isinstance(loss_scale.period, int)
+    with pytest.raises(TypeError, match="`period` must be an int >= 1"):
+        jp.DynamicLossScale(period=2.5)

@@ -150,6 +150,23 @@ def _unscale_tree(tree: T, loss_scale: ArrayLike) -> T:
     return jax.tree.map(unscale, tree)
 
 
+def _tree_equal(a: Any, b: Any) -> Any:
+    """Value equality of two loss scales: same class, settings and leaf values.
+
+    For concrete values (tests, checkpoints); under ``jit`` leaves are tracers, which have
+    no concrete value to compare.
+    """
+    if type(a) is not type(b):
+        return NotImplemented
+    leaves_a, treedef_a = jax.tree.flatten(a)
+    leaves_b, treedef_b = jax.tree.flatten(b)
+    same_settings: bool = treedef_a == treedef_b  # type: ignore[operator]
+    return same_settings and all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(leaves_a, leaves_b, strict=True)
+    )
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
 class NoOpLossScale:
@@ -168,6 +185,9 @@ class NoOpLossScale:
         >>> float(loss_scale.loss_scale)
         1.0
     """
+
+    __eq__ = _tree_equal
+    __hash__ = None  # type: ignore[assignment]  # array leaves
 
     @property
     def loss_scale(self) -> jax.Array:
@@ -212,6 +232,9 @@ class StaticLossScale:
 
     loss_scale: ArrayLike
 
+    __eq__ = _tree_equal
+    __hash__ = None  # type: ignore[assignment]  # array leaves
+
     def __post_init__(self) -> None:
         _check_positive_scale(self.loss_scale, "loss_scale")
         object.__setattr__(self, "loss_scale", _as_leaf(self.loss_scale, jnp.float32, "loss_scale"))
@@ -244,7 +267,8 @@ class DynamicLossScale:
     (Megatron-LM's rule) the first ``n - 1`` non-finite steps since the last growth keep the
     scale; later ones back off as usual.
 
-    It is a pytree: ``loss_scale``, ``counter`` and ``overflows`` are array leaves (so a new
+    It is a pytree: ``loss_scale`` and ``counter`` (and ``overflows`` with hysteresis) are
+    array leaves (so a new
     value never recompiles a jitted step), the settings are static metadata (so ``jit``,
     ``scan``, ``tree.map`` and checkpoints keep them). ``adjust`` is pure ``jnp`` code: it runs
     under ``jit`` with no host synchronisation. Across devices, pass every device the same
@@ -262,7 +286,9 @@ class DynamicLossScale:
             ``2**24``), so the scale never reaches inf.
         hysteresis: non-finite steps tolerated since the last growth before backing off, an
             ``int >= 1`` (default 1: back off on every non-finite step).
-        overflows: non-finite steps since the last growth (int32; used with ``hysteresis``).
+        overflows: non-finite steps since the last growth (an int32 leaf only when
+            ``hysteresis > 1``; ``None`` otherwise, so the leaves are jmp's
+            ``[loss_scale, counter]``).
 
     Raises:
         ValueError: ``period < 1``, ``factor <= 1``, ``hysteresis < 1``, a non-positive or
@@ -295,11 +321,16 @@ class DynamicLossScale:
         default=DEFAULT_MAX_LOSS_SCALE, metadata={"static": True}
     )
     hysteresis: int = dataclasses.field(default=1, metadata={"static": True})
-    overflows: ArrayLike = 0
+    overflows: ArrayLike | None = None
+
+    __eq__ = _tree_equal
+    __hash__ = None  # type: ignore[assignment]  # array leaves
 
     def __post_init__(self) -> None:
         for argument in ("period", "hysteresis"):
             value = getattr(self, argument)
+            if isinstance(value, (float, np.floating)) and float(value).is_integer():
+                value = int(value)  # jmp's own tests pass `period=5.`
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                 raise TypeError(
                     f"`{argument}` must be an int >= 1. Received: {argument}={value!r} "
@@ -340,7 +371,14 @@ class DynamicLossScale:
             )
         object.__setattr__(self, "loss_scale", _as_leaf(self.loss_scale, jnp.float32, "loss_scale"))
         object.__setattr__(self, "counter", _as_leaf(self.counter, jnp.int32, "counter"))
-        object.__setattr__(self, "overflows", _as_leaf(self.overflows, jnp.int32, "overflows"))
+        # Without hysteresis there is nothing to count: no leaf (jmp's leaves are exactly
+        # `[loss_scale, counter]`).
+        overflows = (
+            None if self.hysteresis == 1 else (0 if self.overflows is None else self.overflows)
+        )
+        if overflows is not None:
+            overflows = _as_leaf(overflows, jnp.int32, "overflows")
+        object.__setattr__(self, "overflows", overflows)
 
     def scale(self, tree: T) -> T:
         """Multiplies every floating leaf by the scale, in float32 (16-bit leaves come back
@@ -365,24 +403,27 @@ class DynamicLossScale:
         finite = _scalar_bool(grads_finite, "grads_finite")
         loss_scale = jnp.asarray(self.loss_scale, jnp.float32)
         counter = jnp.asarray(self.counter, jnp.int32)
-        overflows = jnp.asarray(self.overflows, jnp.int32)
-
         grow = counter >= self.period - 1
         grown = loss_scale * self.factor
         may_grow = jnp.isfinite(grown) & (grown <= self.max_loss_scale)
         finite_scale = jnp.where(grow & may_grow, grown, loss_scale)
         finite_counter = jnp.where(grow, 0, counter + 1)
-        finite_overflows = jnp.where(grow, 0, overflows)
-
-        bad_overflows = jnp.minimum(overflows + 1, self.hysteresis)
         backed_off = jnp.maximum(loss_scale / self.factor, self.min_loss_scale)
-        bad_scale = jnp.where(bad_overflows >= self.hysteresis, backed_off, loss_scale)
+        new_overflows = None
+        if self.overflows is None:  # hysteresis == 1: back off on every non-finite step
+            bad_scale = backed_off
+        else:
+            overflows = jnp.asarray(self.overflows, jnp.int32)
+            bad_overflows = jnp.minimum(overflows + 1, self.hysteresis)
+            bad_scale = jnp.where(bad_overflows >= self.hysteresis, backed_off, loss_scale)
+            finite_overflows = jnp.where(grow, 0, overflows)
+            new_overflows = jnp.where(finite, finite_overflows, bad_overflows).astype(jnp.int32)
 
         return dataclasses.replace(
             self,
             loss_scale=jnp.where(finite, finite_scale, bad_scale).astype(jnp.float32),
             counter=jnp.where(finite, finite_counter, 0).astype(jnp.int32),
-            overflows=jnp.where(finite, finite_overflows, bad_overflows).astype(jnp.int32),
+            overflows=new_overflows,
         )
 
 
