@@ -20,6 +20,9 @@ from jmp_policy._src.policy import Policy as Policy
 from jmp_policy._src.policy import QuantizedDTypePolicy as QuantizedDTypePolicy
 from jmp_policy._src.policy import QuantizedFloat8DTypePolicy as QuantizedFloat8DTypePolicy
 from jmp_policy._src.policy import get_policy as get_policy
+from jmp_policy._src.casting import cast_to_full as cast_to_full
+from jmp_policy._src.casting import cast_to_half as cast_to_half
+from jmp_policy._src.casting import half_dtype as half_dtype
 
 # --- global policy ---
 from jmp_policy._src.global_state import dtype_policy as dtype_policy
@@ -60,6 +63,9 @@ __all__ = [
     "QuantizedFloat8DTypePolicy",
     "get",
     "get_policy",
+    "cast_to_full",
+    "cast_to_half",
+    "half_dtype",
     # global policy
     "dtype_policy",
     "global_policy",

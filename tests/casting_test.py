@@ -235,3 +235,16 @@ def test_cast_inside_strict_promotion_scope_raises_nothing():
     out = f({"w": jnp.ones((3, 2))}, np.ones((4, 3), np.float32))
     assert out.dtype == BF16
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.full((4, 2), 3.0))
+
+
+def test_jmp_half_and_full_helpers(maybe_jit):
+    assert jp.half_dtype() == jnp.bfloat16  # never device-dependent here
+    tree = {"w": jnp.ones(2), "n": np.ones(2, np.float32), "i": jnp.arange(2)}
+    half = maybe_jit(jp.cast_to_half)(tree)
+    assert half["w"].dtype == jnp.bfloat16
+    assert half["n"].dtype == jnp.bfloat16
+    assert half["i"].dtype == jnp.int32
+    full = maybe_jit(jp.cast_to_full)(half)
+    assert full["w"].dtype == jnp.float32
+    assert full["i"].dtype == jnp.int32
+    np.testing.assert_array_equal(full["w"], np.ones(2))

@@ -726,3 +726,37 @@ def test_with_dtype_rejects_non_dtype(method, dtype):
     with pytest.raises(TypeError, match="`dtype` must be a numeric dtype") as info:
         getattr(jp.DTypePolicy("float32"), method)(dtype)
     assert repr(dtype) in str(info.value)
+
+
+# --- jmp's constructor ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [jp.Policy, jp.DTypePolicy, jp.FloatDTypePolicy])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, np.float16])
+def test_jmp_constructor_with_three_dtypes(cls, dtype):
+    policy = cls(dtype, dtype, dtype)
+    assert policy.param_dtype == policy.compute_dtype == policy.output_dtype == dtype
+    assert jp.get_policy(str(policy)) == policy
+    assert policy == cls(jnp.dtype(dtype).name)
+
+
+def test_jmp_constructor_keywords_follow_jmps_defaults():
+    p = jp.DTypePolicy(compute_dtype=jnp.bfloat16)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (
+        jnp.float32,
+        jnp.bfloat16,
+        jnp.bfloat16,
+    )
+    assert p.name == "mixed_bfloat16"
+    q = jp.Policy(param_dtype=jnp.float32, compute_dtype=jnp.float16, output_dtype=jnp.float32)
+    assert str(q) == "p=f32,c=f16,o=f32"
+    assert jp.DTypePolicy(variable_dtype="bfloat16").compute_dtype == jnp.bfloat16
+
+
+def test_jmp_constructor_rejects_two_variable_dtypes_and_bad_dtypes():
+    with pytest.raises(TypeError, match="Give the variable dtype once"):
+        jp.DTypePolicy(jnp.float32, param_dtype=jnp.float32)
+    with pytest.raises(TypeError, match="`compute_dtype` must be a numeric dtype.*'x'"):
+        jp.DTypePolicy(jnp.float32, "x")
+    with pytest.raises(TypeError, match="`output_dtype` must be a numeric dtype"):
+        jp.DTypePolicy(jnp.float32, jnp.float32, object)

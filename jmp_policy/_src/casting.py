@@ -31,3 +31,41 @@ def cast_leaf(x: Any, dtype: np.dtype) -> Any:
 def cast_tree(tree: T, dtype: np.dtype) -> T:
     """Casts every leaf of ``tree`` by the casting rule."""
     return jax.tree.map(lambda x: cast_leaf(x, dtype), tree)
+
+
+def half_dtype() -> np.dtype:
+    """jmp's ``half_dtype``: here always bfloat16, whatever the device.
+
+    jmp returns float16 off TPU, which makes one program mean different things on
+    different machines; ask for float16 by name when you want it.
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> jp.half_dtype()
+        dtype(bfloat16)
+    """
+    return dt.canonicalize_dtype("bfloat16")
+
+
+def cast_to_half(tree: T) -> T:
+    """jmp's ``cast_to_half``: every floating array leaf to :func:`half_dtype` (bfloat16).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jmp_policy as jp
+        >>> jp.cast_to_half({"w": jnp.ones(2), "step": jnp.array(1)})["w"].dtype
+        dtype(bfloat16)
+    """
+    return cast_tree(tree, half_dtype())
+
+
+def cast_to_full(tree: T) -> T:
+    """jmp's ``cast_to_full``: every floating array leaf to float32.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jmp_policy as jp
+        >>> jp.cast_to_full({"w": jnp.ones(2, jnp.bfloat16)})["w"].dtype
+        dtype('float32')
+    """
+    return cast_tree(tree, dt.canonicalize_dtype("float32"))

@@ -31,11 +31,20 @@ class DTypePolicy:
     pickle and deep-copy. Two policies are equal when their kinds and their three dtypes
     are equal, whatever their names.
 
+    jmp's constructor works too: ``DTypePolicy(param_dtype, compute_dtype, output_dtype)``
+    (or the keywords ``param_dtype=``/``variable_dtype=``, ``compute_dtype=``,
+    ``output_dtype=``), with jmp's defaults for what is left out.
+
     Args:
-        name: the policy name; ``None`` takes the current global policy's name.
+        name: the policy name; ``None`` takes the current global policy's name. With
+            ``compute_dtype`` or ``output_dtype`` given, the variable dtype (jmp's form).
+        compute_dtype: jmp's form: the compute dtype.
+        output_dtype: jmp's form: the output dtype.
+        param_dtype: jmp's form, by keyword: the variable dtype (alias ``variable_dtype``).
+        variable_dtype: alias of ``param_dtype``.
 
     Raises:
-        TypeError: ``name`` is not a string.
+        TypeError: ``name`` is not a string (or a dtype is not a numeric dtype).
         ValueError: ``name`` cannot be parsed (the message lists the accepted forms).
 
     Examples:
@@ -53,6 +62,8 @@ class DTypePolicy:
         >>> params = {"w": jnp.ones((2, 2)), "step": jnp.array(3)}
         >>> jp.DTypePolicy("bfloat16").cast_to_compute(params)["w"].dtype
         dtype(bfloat16)
+        >>> jp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)   # jmp's constructor
+        <Policy "p=f32,c=bf16,o=f32">
     """
 
     __slots__ = ("_compute_dtype", "_name", "_output_dtype", "_variable_dtype")
@@ -63,11 +74,44 @@ class DTypePolicy:
     _compute_dtype: np.dtype
     _output_dtype: np.dtype
 
-    def __init__(self, name: str | None = None):
+    def __init__(
+        self,
+        name: str | None = None,
+        compute_dtype: DTypeLike | None = None,
+        output_dtype: DTypeLike | None = None,
+        *,
+        param_dtype: DTypeLike | None = None,
+        variable_dtype: DTypeLike | None = None,
+    ):
+        if (compute_dtype, output_dtype, param_dtype, variable_dtype) != (None,) * 4:
+            self._init_from_dtypes(name, compute_dtype, output_dtype, param_dtype, variable_dtype)
+            return
         if name is None:
             name = _global_name()
         parsed = dt.parse_float_name(name)
         self._init(name.strip(), parsed.params, parsed.compute, parsed.output)
+
+    def _init_from_dtypes(
+        self, first: Any, compute: Any, output: Any, param: Any, variable: Any
+    ) -> None:
+        # jmp's constructor: Policy(param_dtype, compute_dtype, output_dtype), with jmp's
+        # defaults for what is left out (params float32, compute follows params, output
+        # follows compute).
+        given = [
+            (n, v)
+            for n, v in (("name", first), ("param_dtype", param), ("variable_dtype", variable))
+            if v is not None
+        ]
+        if len(given) > 1:
+            raise TypeError(
+                f"Give the variable dtype once: as the first argument (jmp's "
+                f"`Policy(param_dtype, compute_dtype, output_dtype)`), `param_dtype=` or "
+                f"`variable_dtype=`. Received: {', '.join(f'{n}={v!r}' for n, v in given)}"
+            )
+        params = _as_dtype(given[0][1], given[0][0]) if given else dt.canonicalize_dtype("float32")
+        compute_ = params if compute is None else _as_dtype(compute, "compute_dtype")
+        output_ = compute_ if output is None else _as_dtype(output, "output_dtype")
+        self._init(dt.float_policy_name(params, compute_, output_), params, compute_, output_)
 
     def _init(self, name: str, variable: np.dtype, compute: np.dtype, output: np.dtype) -> None:
         if hasattr(self, "_name"):
@@ -410,7 +454,7 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         return {**super().get_config(), "amax_history_length": self._amax_history_length}
 
 
-def _as_dtype(dtype: Any) -> np.dtype:
+def _as_dtype(dtype: Any, argument: str = "dtype") -> np.dtype:
     # `None` would silently become float64 (numpy's default); object/str dtypes are no policy.
     try:
         canonical = None if dtype is None else dt.canonicalize_dtype(dtype)
@@ -421,8 +465,8 @@ def _as_dtype(dtype: Any) -> np.dtype:
         cause = None
     if canonical is None or not dt.is_numeric(canonical):
         raise TypeError(
-            "`dtype` must be a numeric dtype, such as 'bfloat16' or jnp.float16. "
-            f"Received: dtype={dtype!r}"
+            f"`{argument}` must be a numeric dtype, such as 'bfloat16' or jnp.float16. "
+            f"Received: {argument}={dtype!r}"
         ) from cause
     return canonical
 
