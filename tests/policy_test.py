@@ -756,7 +756,7 @@ def test_jmp_constructor_keywords_follow_jmps_defaults():
 def test_jmp_constructor_rejects_two_variable_dtypes_and_bad_dtypes():
     with pytest.raises(TypeError, match="Give the variable dtype once"):
         jp.DTypePolicy(jnp.float32, param_dtype=jnp.float32)
-    with pytest.raises(TypeError, match="`compute_dtype` must be a numeric dtype.*'x'"):
+    with pytest.raises(TypeError, match=r"`compute_dtype` must be a numeric dtype.*'x'"):
         jp.DTypePolicy(jnp.float32, "x")
     with pytest.raises(TypeError, match="`output_dtype` must be a numeric dtype"):
         jp.DTypePolicy(jnp.float32, jnp.float32, object)
