@@ -93,6 +93,7 @@ from jmp_policy._src.apply import as_policy_or_map
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.policy_map import (
     DTypePolicyMap,
+    format_table,
     leaf_path,
     normalize_type_policies,
     parent_path,
@@ -145,14 +146,7 @@ def _check_method(module: nn.Module, method: Any) -> None:
 
 
 def _check_type_policies(type_policies: Any) -> dict[type, DTypePolicy]:
-    result = normalize_type_policies(type_policies)
-    for cls in result:
-        if not issubclass(cls, nn.Module):
-            raise TypeError(
-                "Keys of `type_policies` must be flax.linen Module classes (such as "
-                f"nn.LayerNorm). Received key {cls!r}"
-            )
-    return result
+    return normalize_type_policies(type_policies, nn.Module, "nn.Module", "nn.LayerNorm")
 
 
 def _check_variables(variables: Any) -> None:
@@ -765,12 +759,4 @@ def explain(
     total = sum(r[6] for r in rows.values())
     total_compute = sum(r[7] for r in rows.values())
     table.append(["total", "", "", "", "", "", "", str(total), str(total_compute)])
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    lines = []
-    for r in table:
-        cells = [
-            c.ljust(w) if i < 7 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
+    return format_table(table, numeric_columns=2)

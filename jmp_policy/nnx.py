@@ -141,17 +141,7 @@ def _path(parts: tuple[Any, ...]) -> str:
 
 
 def _check_type_policies(type_policies: Any) -> dict[type, DTypePolicy]:
-    try:
-        normalized = normalize_type_policies(type_policies)
-    except ValueError as e:
-        raise ValueError(f"Invalid `type_policies`: {e}") from e
-    for cls in normalized:
-        if not issubclass(cls, nnx.Module):
-            raise TypeError(
-                "Keys of `type_policies` must be `nnx.Module` subclasses, such as "
-                f"nnx.LayerNorm. Received: {cls!r}"
-            )
-    return normalized
+    return normalize_type_policies(type_policies, nnx.Module, "nnx.Module", "nnx.LayerNorm")
 
 
 def apply(

@@ -208,9 +208,25 @@ class NoOpLossScale:
         return self
 
 
+class _ScaleByLeaf:
+    """``scale`` and ``unscale`` by an array leaf ``loss_scale`` (static and dynamic scales)."""
+
+    loss_scale: Any
+
+    def scale(self, tree: T) -> T:
+        """Multiplies every floating leaf by the scale, in float32 (16-bit leaves come back
+        float32, so a scaled loss cannot overflow); other leaves are returned as they are."""
+        return _scale_tree(tree, self.loss_scale)
+
+    def unscale(self, tree: T) -> T:
+        """Divides every floating leaf by the scale, computing in float32 and returning each
+        leaf in its own dtype; other leaves are returned as they are."""
+        return _unscale_tree(tree, self.loss_scale)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
-class StaticLossScale:
+class StaticLossScale(_ScaleByLeaf):
     """A constant loss scale.
 
     Args:
@@ -239,16 +255,6 @@ class StaticLossScale:
         _check_positive_scale(self.loss_scale, "loss_scale")
         object.__setattr__(self, "loss_scale", _as_leaf(self.loss_scale, jnp.float32, "loss_scale"))
 
-    def scale(self, tree: T) -> T:
-        """Multiplies every floating leaf by the scale, in float32 (16-bit leaves come back
-        float32, so a scaled loss cannot overflow); other leaves are returned as they are."""
-        return _scale_tree(tree, self.loss_scale)
-
-    def unscale(self, tree: T) -> T:
-        """Divides every floating leaf by the scale, computing in float32 and returning each
-        leaf in its own dtype; other leaves are returned as they are."""
-        return _unscale_tree(tree, self.loss_scale)
-
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
         """Returns ``self``: a static scale never changes."""
         del grads_finite
@@ -257,7 +263,7 @@ class StaticLossScale:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, eq=False)
-class DynamicLossScale:
+class DynamicLossScale(_ScaleByLeaf):
     """A loss scale that grows while gradients are finite and shrinks when they are not.
 
     The rule is jmp's and PyTorch ``GradScaler``'s: on the ``period``-th consecutive finite
@@ -379,16 +385,6 @@ class DynamicLossScale:
         if overflows is not None:
             overflows = _as_leaf(overflows, jnp.int32, "overflows")
         object.__setattr__(self, "overflows", overflows)
-
-    def scale(self, tree: T) -> T:
-        """Multiplies every floating leaf by the scale, in float32 (16-bit leaves come back
-        float32, so a scaled loss cannot overflow); other leaves are returned as they are."""
-        return _scale_tree(tree, self.loss_scale)
-
-    def unscale(self, tree: T) -> T:
-        """Divides every floating leaf by the scale, computing in float32 and returning each
-        leaf in its own dtype; other leaves are returned as they are."""
-        return _unscale_tree(tree, self.loss_scale)
 
     def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
         """Returns the loss scale for the next step.

@@ -571,15 +571,7 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
         total_stored = sum(r[4] for r in rows.values())
         total_compute = sum(r[5] for r in rows.values())
         table.append(["total", "", "", "", "", str(total_stored), str(total_compute)])
-        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-        lines = []
-        for r in table:
-            cells = [
-                c.ljust(w) if i < 5 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(r, widths, strict=True))
-            ]
-            lines.append("  ".join(cells).rstrip())
-        return "\n".join(lines)
+        return format_table(table, numeric_columns=2)
 
     # -- config ---------------------------------------------------------------------------
 
@@ -611,11 +603,33 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
 serialization.register_serializable(DTypePolicyMap)
 
 
+# -- explain tables ------------------------------------------------------------------------
+
+
+def format_table(table: list[list[str]], numeric_columns: int) -> str:
+    """Aligns rows of strings in columns; the last ``numeric_columns`` right-aligned."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    first_numeric = len(widths) - numeric_columns
+    lines = []
+    for row in table:
+        cells = [
+            cell.ljust(width) if i < first_numeric else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
 # -- resolution with per-class policies (the Flax glue's shared rule) ---------------------
 
 
-def normalize_type_policies(type_policies: Any) -> dict[type, DTypePolicy]:
-    """Validates ``type_policies`` (``{ModuleClass: policy or name}``) into policies."""
+def normalize_type_policies(
+    type_policies: Any, base: type | None = None, base_name: str = "", example: str = ""
+) -> dict[type, DTypePolicy]:
+    """Validates ``type_policies`` (``{ModuleClass: policy or name}``) into policies.
+
+    ``base``, when given, is the module class every key must derive from.
+    """
     if type_policies is None:
         return {}
     if not isinstance(type_policies, Mapping):
@@ -630,7 +644,15 @@ def normalize_type_policies(type_policies: Any) -> dict[type, DTypePolicy]:
                 f"Keys of `type_policies` must be module classes. Received key {cls!r} "
                 f"(of type {type(cls).__name__})"
             )
-        result[cls] = _as_policy(policy, cls.__name__)
+        if base is not None and not issubclass(cls, base):
+            raise TypeError(
+                f"Keys of `type_policies` must be {base_name or base.__qualname__} subclasses, "
+                f"such as {example}. Received key {cls!r}"
+            )
+        try:
+            result[cls] = _as_policy(policy, cls.__name__)
+        except ValueError as e:
+            raise ValueError(f"Invalid `type_policies`: {e}") from e
     return result
 
 
