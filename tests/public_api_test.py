@@ -113,31 +113,30 @@ def test_unknown_attribute_raises_attribute_error():
         jp.not_a_name  # noqa: B018
 
 
-def test_import_does_not_import_flax():
-    code = "import sys, jmp_policy; assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)"
+def _run_python(code):
+    """Runs ``code`` in a fresh interpreter (nothing imported yet) from the repository."""
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root, env=env
+    )
+
+
+def test_import_does_not_import_flax():
+    result = _run_python(
+        "import sys, jmp_policy; "
+        "assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)"
     )
     assert result.returncode == 0, result.stderr
 
 
 def test_flax_integrations_are_lazy_attributes():
-    code = (
+    result = _run_python(
         "import sys, jmp_policy as jp; assert 'flax' not in sys.modules; "
         "jp.linen.apply; assert 'flax.linen' in sys.modules; jp.nnx.apply; print('ok')"
-    )
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root, env=env
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
