@@ -188,14 +188,14 @@ def test_quantized_name_is_not_a_float_policy_name():
 
 @pytest.mark.parametrize("name", [123, 1.5, None, b"float32", jnp.float32, np.dtype("float32")])
 def test_get_policy_with_non_string_name_raises_type_error(name):
-    with pytest.raises(TypeError, match="`name` must be a string"):
+    with pytest.raises(TypeError, match="`name`: 'name' must be a string"):
         jp.get_policy(name)
 
 
 @pytest.mark.parametrize("name", [123, b"float32", jnp.float32, ["float32"]])
 @pytest.mark.parametrize("cls", FLOAT_CLASSES)
 def test_non_string_name_raises_type_error(cls, name):
-    with pytest.raises(TypeError, match="`name` must be a string"):
+    with pytest.raises(TypeError, match="`name`: 'name' must be a string"):
         cls(name)
 
 
@@ -381,7 +381,7 @@ def test_quantized_policy_non_string_mode_raises_type_error():
 @pytest.mark.parametrize("cls", [jp.QuantizedDTypePolicy, jp.QuantizedFloat8DTypePolicy])
 def test_quantized_policy_non_string_source_raises_type_error(cls):
     mode = "float8" if cls is jp.QuantizedFloat8DTypePolicy else "int8"
-    with pytest.raises(TypeError, match="`source_name` must be a string"):
+    with pytest.raises(TypeError, match="`source_name`: 'name' must be a string"):
         cls(mode, 123)
 
 

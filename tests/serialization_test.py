@@ -289,7 +289,7 @@ def test_deserialize_bad_config_raises_value_error(config, match):
     [
         ({"class_name": "DTypePolicy", "config": {"nme": "float32"}}, "does not fit DTypePolicy"),
         ({"class_name": "DTypePolicy", "config": {"name": "float32", "extra": 1}}, "extra"),
-        ({"class_name": "DTypePolicy", "config": {"name": 3}}, "`name` must be a string"),
+        ({"class_name": "DTypePolicy", "config": {"name": 3}}, "`name`: 'name' must be a string"),
         (
             {
                 "class_name": "QuantizedFloat8DTypePolicy",
@@ -386,7 +386,7 @@ def test_get_dtype_makes_policy_of_that_dtype(dtype, expected):
     "bad", [123, 1.5, True, ["float32"], object(), np.dtype("O"), np.dtype("U3")]
 )
 def test_get_bad_identifier_raises_type_error(bad):
-    with pytest.raises(TypeError, match="Cannot interpret `identifier` as a dtype policy"):
+    with pytest.raises(TypeError, match="Cannot interpret `dtype` argument"):
         jp.get(bad)
 
 
@@ -402,3 +402,29 @@ def test_get_policy_map_returns_it():
         pytest.skip("DTypePolicyMap is not there yet")
     policy_map = policy_map_cls("mixed_bfloat16", {"head": "float32"})
     assert jp.get(policy_map) is policy_map
+
+
+# --- Keras's error phrases and types ----------------------------------------------------
+
+
+def test_keras_error_phrases_and_types():
+    # Keras raises ValueError where a wrong type is passed; ours is both a ValueError and a
+    # TypeError, so code written for either catches it.
+    with pytest.raises(ValueError, match="Cannot interpret `dtype` argument."):
+        jp.get(123)
+    with pytest.raises(TypeError, match="Cannot interpret `dtype` argument."):
+        jp.get(123)
+    with pytest.raises(ValueError, match="Invalid `policy` argument"):
+        jp.set_dtype_policy(12345)
+    with pytest.raises(ValueError, match="Cannot convert"):
+        jp.get("mixed_bfloat15")
+    with pytest.raises(ValueError, match="Cannot convert"):
+        jp.get("int8_from_mixed_bfloat15")
+    with pytest.raises(ValueError, match="Cannot convert"):
+        jp.get("int8_from_")
+    with pytest.raises(ValueError, match="Cannot convert `policy` into a valid pair"):
+        jp.get("int8_abc_")
+    with pytest.raises(TypeError, match="'name' must be a string"):
+        jp.DTypePolicy(123)
+    with pytest.raises(TypeError, match="'name' must be a string"):
+        jp.QuantizedFloat8DTypePolicy(mode="float8", source_name=123)

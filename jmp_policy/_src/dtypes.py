@@ -11,6 +11,7 @@ Policy names come from three families, all read here:
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax.numpy as jnp
@@ -105,11 +106,16 @@ def _unknown(name: str, detail: str = "") -> ValueError:
     return ValueError(f"Cannot convert {name!r} to a dtype policy.{detail} Expected {VALID_FORMS}.")
 
 
+class TypeAndValueError(TypeError, ValueError):
+    """An argument of the wrong type, where Keras raises ``ValueError``: both catch it."""
+
+
 def check_name_type(name: Any, argument: str = "name") -> str:
     if not isinstance(name, str):
+        # Keras's phrase ("'name' must be a string"), with our argument named.
         raise TypeError(
-            f"`{argument}` must be a string, such as 'mixed_float16' or 'p=f32,c=bf16,o=f32'. "
-            f"Received: {argument}={name!r} (of type {type(name).__name__})"
+            f"`{argument}`: 'name' must be a string, such as 'mixed_float16' or "
+            f"'p=f32,c=bf16,o=f32'. Received: {argument}={name!r} (of type {type(name).__name__})"
         )
     return name
 
@@ -167,9 +173,20 @@ def float_policy_name(params: np.dtype, compute: np.dtype, output: np.dtype) -> 
 
 
 def split_quantized_name(name: str) -> tuple[str, str] | None:
-    """``"int8_from_mixed_bfloat16"`` -> ``("int8", "mixed_bfloat16")``; None if not quantized."""
+    """``"int8_from_mixed_bfloat16"`` -> ``("int8", "mixed_bfloat16")``; None if not quantized.
+
+    Raises:
+        ValueError: a name that starts like a quantized one (``"int8_abc"``) without
+            ``_from_``.
+    """
     mode, sep, source = name.strip().partition("_from_")
     if not sep:
+        if re.match(r"(int8|int4|float8)(/-?\d+)?_", mode):
+            raise ValueError(
+                "Cannot convert `policy` into a valid pair (`mode`, `source_name`): a quantized "
+                "policy name is '<mode>_from_<source name>', such as "
+                f"'int8_from_mixed_bfloat16'. Received: policy={name!r}"
+            )
         return None
     if mode.split("/")[0] not in QUANTIZATION_MODES:
         return None

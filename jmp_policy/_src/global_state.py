@@ -20,7 +20,7 @@ def _as_global(policy: Any, argument: str = "policy") -> DTypePolicy:
     if isinstance(policy, str):
         policy = policy_from_name(policy)
     elif not isinstance(policy, DTypePolicy):
-        raise TypeError(
+        raise dt.TypeAndValueError(
             f"Invalid `{argument}` argument. Expected the string name of a policy (such as "
             f"'mixed_float16') or a `DTypePolicy` instance. Received: {argument}={policy!r} "
             f"(of type {type(policy).__name__})"

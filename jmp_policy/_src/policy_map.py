@@ -25,16 +25,13 @@ import jax
 import numpy as np
 
 from jmp_policy._src import casting, global_state, serialization
+from jmp_policy._src.dtypes import TypeAndValueError
 from jmp_policy._src.policy import DTypePolicy
 
 T = TypeVar("T")
 
 _META = frozenset(".^$*+?{}[]\\|()")
 _QUANTIFIERS = frozenset("*?{")
-
-
-class _InvalidPolicyValue(ValueError, TypeError):
-    """A map value that is not a policy: a ``ValueError`` as in Keras, and a ``TypeError``."""
 
 
 def _literal_prefix(pattern: str) -> str:
@@ -54,14 +51,14 @@ def _is_literal(pattern: str) -> bool:
 
 def _as_policy(value: Any, key: str) -> DTypePolicy:
     if isinstance(value, DTypePolicyMap):
-        raise _InvalidPolicyValue(
+        raise TypeAndValueError(
             f"Cannot interpret the assigned value for key {key!r}: a DTypePolicyMap cannot be "
             "a value of another map."
         )
     if isinstance(value, DTypePolicy):
         return value
     if not isinstance(value, (str, dict)):
-        raise _InvalidPolicyValue(
+        raise TypeAndValueError(
             f"Cannot interpret the assigned value for key {key!r}. Expected a policy, a policy "
             f"name or a config dict. Received: {value!r} (of type {type(value).__name__})"
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from jmp_policy._src import global_state
-from jmp_policy._src.dtypes import canonicalize_dtype, is_numeric
+from jmp_policy._src.dtypes import TypeAndValueError, canonicalize_dtype, is_numeric
 from jmp_policy._src.policy import (
     DTypePolicy,
     FloatDTypePolicy,
@@ -151,8 +151,9 @@ def get(identifier: Any = None) -> Any:
     except TypeError:
         dtype = None
     if dtype is None or not is_numeric(dtype):
-        raise TypeError(
-            "Cannot interpret `identifier` as a dtype policy. Expected None, a policy name "
+        raise TypeAndValueError(
+            "Cannot interpret `dtype` argument (`identifier`) as a dtype policy. Expected None, "
+            "a policy name "
             "(such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32'), a config dict, a policy, "
             f"a DTypePolicyMap or a dtype. Received: identifier={identifier!r} "
             f"(of type {type(identifier).__name__})"
