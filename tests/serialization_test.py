@@ -410,9 +410,9 @@ def test_get_policy_map_returns_it():
 def test_keras_error_phrases_and_types():
     # Keras raises ValueError where a wrong type is passed; ours is both a ValueError and a
     # TypeError, so code written for either catches it.
-    with pytest.raises(ValueError, match="Cannot interpret `dtype` argument."):
+    with pytest.raises(ValueError, match=r"Cannot interpret `dtype` argument."):
         jp.get(123)
-    with pytest.raises(TypeError, match="Cannot interpret `dtype` argument."):
+    with pytest.raises(TypeError, match=r"Cannot interpret `dtype` argument."):
         jp.get(123)
     with pytest.raises(ValueError, match="Invalid `policy` argument"):
         jp.set_dtype_policy(12345)
