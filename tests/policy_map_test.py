@@ -546,3 +546,11 @@ def test_tree_methods_walk_every_pytree_kind_like_jax():
     assert sorted(paths) == sorted(
         [("a", "0"), ("a", "1"), ("f", "j"), ("f/k", "w"), ("t/0", "w"), ("", "s")]
     )
+
+
+def test_readme_disjoint_patterns_keep_norms_in_float32():
+    m = jp.DTypePolicyMap("float32", {"encoder/(?!.*norm).*": BF16, ".*norm.*": F32})
+    assert m["encoder/layers_0/mlp"] == BF16
+    assert m["encoder/layers_0/norm"] == F32
+    assert m["decoder/final_norm"] == F32
+    assert m["encoder/layers_0/mlp/kernel"] == BF16
