@@ -432,3 +432,92 @@ def test_integral_float_period_is_accepted_as_in_jmps_tests():
     assert isinstance(loss_scale.period, int)
     with pytest.raises(TypeError, match="`period` must be an int >= 1"):
         jp.DynamicLossScale(period=2.5)
+
+
+@pytest.mark.parametrize(
+    ("cls", "scale"),
+    [
+        (jp.StaticLossScale, 2),
+        (jp.StaticLossScale, 3),
+        (jp.StaticLossScale, 4),
+        (jp.DynamicLossScale, 2.0),
+        (jp.DynamicLossScale, 3.0),
+        (jp.DynamicLossScale, 4.0),
+    ],
+)
+def test_jmp_static_loss_scale_scales_and_unscales(cls, scale):
+    loss_scale = cls(scale)
+    assert loss_scale.scale({"a": jnp.array(1.0)}) == {"a": jnp.array(1.0 * scale)}
+    assert loss_scale.unscale({"a": jnp.array(1.0 * scale)}) == {"a": jnp.array(1.0)}
+
+
+def test_jmp_all_finite_and_select_tree_on_none_and_empty_trees():
+    assert bool(jp.all_finite(None)) and bool(jp.all_finite({}))
+    a = {"a": jnp.ones([]), "b": jnp.zeros([])}
+    b = {"a": jnp.zeros([]), "b": jnp.ones([])}
+    assert jp.select_tree(jnp.bool_(True), None, None) is None
+    assert jp.select_tree(jnp.bool_(False), None, None) is None
+    assert jp.select_tree(jnp.bool_(True), a, b) == a
+    assert jp.select_tree(jnp.bool_(False), a, b) == b
+
+
+# --- flax.serialization and placeholder trees ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jp.NoOpLossScale(),
+        lambda: jp.StaticLossScale(8.0),
+        lambda: jp.DynamicLossScale(2.0**10, 3, period=7, min_loss_scale=0.5),
+        lambda: jp.DynamicLossScale(16.0, 3, **CUSTOM).adjust(jnp.array(False)),
+    ],
+)
+def test_flax_serialization_round_trip_keeps_every_field(make):
+    loss_scale = make()
+    state_dict = flax.serialization.to_state_dict(loss_scale)
+    assert isinstance(state_dict, dict)
+    leaves = jax.tree.leaves(loss_scale)
+    assert len(jax.tree.leaves(state_dict)) == len(leaves)
+    template = jax.tree.map(jnp.zeros_like, loss_scale)
+    restored = flax.serialization.from_state_dict(template, state_dict)
+    assert restored == loss_scale
+    restored = flax.serialization.from_bytes(template, flax.serialization.to_bytes(loss_scale))
+    assert type(restored) is type(loss_scale) and restored == loss_scale
+    if isinstance(loss_scale, jp.DynamicLossScale) and loss_scale.hysteresis > 1:
+        assert _fields(restored) == _fields(loss_scale)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jp.StaticLossScale(4.0),
+        lambda: jp.DynamicLossScale(8.0),
+        lambda: jp.DynamicLossScale(8.0, hysteresis=3),
+    ],
+)
+def test_tree_utilities_may_put_placeholders_in_leaf_positions(make):
+    # vmap/pmap `in_axes` trees, masks, `np.zeros_like` templates: neither rejected as a bad
+    # scale nor cast to float32, and the structure is kept.
+    loss_scale = make()
+    structure = jax.tree.structure(loss_scale)
+    for placeholder in [0, None, True, np.zeros_like, jnp.isfinite]:
+        f = placeholder if callable(placeholder) else (lambda _, v=placeholder: v)
+        mapped = jax.tree.map(f, loss_scale)
+        assert type(mapped) is type(loss_scale)
+        if placeholder is not None:
+            assert jax.tree.structure(mapped) == structure
+            for got, leaf in zip(jax.tree.leaves(mapped), jax.tree.leaves(loss_scale), strict=True):
+                assert np.asarray(got).dtype == np.asarray(f(leaf)).dtype
+    assert jax.tree.map(lambda _: None, loss_scale).loss_scale is None
+    # e.g. a batch of loss scales under vmap, with an `in_axes` tree built by tree.map.
+    batch = jax.tree.map(lambda x: jnp.stack([x, x]), loss_scale)
+    adjusted = jax.vmap(lambda s, f: s.adjust(f), in_axes=(jax.tree.map(lambda _: 0, batch), 0))(
+        batch, jnp.array([True, False])
+    )
+    expected = float(loss_scale.loss_scale) / (
+        1 if isinstance(loss_scale, jp.StaticLossScale) else 2
+    )
+    if getattr(loss_scale, "hysteresis", 1) > 1:
+        expected = float(loss_scale.loss_scale)
+    np.testing.assert_array_equal(adjusted.loss_scale, [float(loss_scale.loss_scale), expected])

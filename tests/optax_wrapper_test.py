@@ -507,3 +507,223 @@ def test_update_under_strict_dtype_promotion():
         updates, state = jax.jit(opt.update)(grads, state, params)
         assert updates["h"].dtype == jnp.bfloat16
         assert int(state.total_skipped) == 0
+
+
+# --- what a jmp / Keras / PyTorch user expects of the wrapper ---------------------------------
+
+
+def test_loss_scale_argument_accepts_a_jax_scalar():
+    for value in [jnp.float32(128.0), jnp.array(128.0, jnp.float16), np.float32(128.0)]:
+        state = jp.loss_scaling(optax.sgd(1.0), value).init(jnp.ones(1))
+        assert isinstance(state.loss_scale, jp.StaticLossScale)
+        assert float(state.loss_scale.loss_scale) == 128.0
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
+        jp.loss_scaling(optax.sgd(1.0), jnp.float32(0.0))
+    with pytest.raises(TypeError, match="Invalid `loss_scale`"):
+        jp.loss_scaling(optax.sgd(1.0), jnp.ones(2))
+
+
+def test_optimizer_state_round_trips_through_flax_to_bytes_and_continues():
+    opt = jp.loss_scaling(
+        optax.adam(0.1), jp.DynamicLossScale(2.0**4, period=2, min_loss_scale=0.5, hysteresis=2)
+    )
+    params = {"w": jnp.ones(3)}
+    update = jax.jit(opt.update)
+    state = opt.init(params)
+    for g in [1.0, np.nan, 2.0]:
+        _, state = update({"w": jnp.full(3, g) * jp.get_loss_scale(state).loss_scale}, state)
+    state_dict = flax.serialization.to_state_dict(state)
+    assert set(state_dict["loss_scale"]) == {"loss_scale", "counter", "overflows"}
+    restored = flax.serialization.from_bytes(opt.init(params), flax.serialization.to_bytes(state))
+    assert isinstance(restored, jp.LossScalingState)
+    assert restored.loss_scale == state.loss_scale and restored.loss_scale.period == 2
+    assert _tree_equal(restored, state)
+    for g in [np.inf, 1.0, 1.0]:
+        grads = {"w": jnp.full(3, g) * 8.0}
+        u1, state = update(grads, state)
+        u2, restored = update(grads, restored)
+        assert _tree_equal(u1, u2)
+    assert _tree_equal(restored, state) and int(restored.total_skipped) == 2
+
+
+def test_mixed_dtype_integer_and_none_leaves_in_the_gradient_tree(maybe_jit):
+    opt = jp.loss_scaling(optax.sgd(0.5), jp.DynamicLossScale(2.0**10))
+    params = {
+        "h": jnp.ones(2, jnp.float16),
+        "b": jnp.ones(2, jnp.bfloat16),
+        "f": jnp.ones(2),
+        "none": None,
+    }
+    state = opt.init(params)
+    grads = {
+        "h": jnp.full(2, 2.0**10, jnp.float16),
+        "b": jnp.full(2, 2.0**11, jnp.bfloat16),
+        "f": jnp.full(2, 2.0**12),
+        "none": None,
+    }
+    unscaled = state.loss_scale.unscale({**grads, "i": jnp.array([3, 4], jnp.int32)})
+    assert {k: v.dtype for k, v in unscaled.items() if v is not None} == {
+        "h": jnp.float16,
+        "b": jnp.bfloat16,
+        "f": jnp.float32,
+        "i": jnp.int32,
+    }
+    np.testing.assert_array_equal(unscaled["i"], [3, 4])  # integers are not unscaled
+    updates, state = maybe_jit(opt.update)(grads, state, params)
+    assert updates["none"] is None
+    assert {k: (v.dtype, float(v[0])) for k, v in updates.items() if v is not None} == {
+        "h": (jnp.float16, -0.5),
+        "b": (jnp.bfloat16, -1.0),
+        "f": (jnp.float32, -2.0),
+    }
+    updates, state = maybe_jit(opt.update)({**grads, "b": grads["b"].at[0].set(jnp.inf)}, state)
+    assert all(float(jnp.abs(v).sum()) == 0 for v in jax.tree.leaves(updates))
+    assert updates["h"].dtype == jnp.float16 and int(state.total_skipped) == 1
+
+
+def test_empty_parameter_tree(maybe_jit):
+    opt = jp.loss_scaling(optax.adam(0.1), jp.DynamicLossScale(4.0, period=1))
+    state = opt.init({})
+    updates, state = maybe_jit(opt.update)({}, state, {})
+    assert updates == {} and float(state.loss_scale.loss_scale) == 8.0
+    assert int(state.total_skipped) == 0
+
+
+def test_clipping_inside_the_wrapper_sees_unscaled_gradients(maybe_jit):
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+    opt = jp.loss_scaling(inner, jp.DynamicLossScale(2.0**10))
+    params = jnp.zeros(2)
+    state = opt.init(params)
+    update = maybe_jit(opt.update)
+    # Unscaled norm 5 > 1: clipped to norm 1.
+    updates, state = update(jnp.array([3.0, 4.0]) * 2**10, state, params)
+    np.testing.assert_allclose(updates, [-0.6, -0.8], rtol=1e-6)
+    # Unscaled norm 0.5 < 1 (the scaled norm is 512): not clipped.
+    updates, state = update(jnp.array([0.3, 0.4]) * 2**10, state, params)
+    np.testing.assert_allclose(updates, [-0.3, -0.4], rtol=1e-6)
+
+
+def test_inject_hyperparams_learning_rate_changes_and_schedules(maybe_jit):
+    opt = jp.loss_scaling(optax.inject_hyperparams(optax.sgd)(learning_rate=1.0), 4.0)
+    params = jnp.zeros(2)
+    state = opt.init(params)
+    update = maybe_jit(opt.update)
+    state.inner_state.hyperparams["learning_rate"] = jnp.array(0.5)
+    updates, state = update(jnp.array([4.0, 8.0]), state, params)
+    np.testing.assert_array_equal(updates, [-0.5, -1.0])
+    updates, state = update(jnp.array([jnp.nan, 8.0]), state, params)
+    np.testing.assert_array_equal(updates, [0.0, 0.0])
+    assert float(state.inner_state.hyperparams["learning_rate"]) == 0.5
+    # A schedule advances on applied steps only (the inner state of a skipped step is kept).
+    sched = optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(1.0, 0.0, 4))
+    opt = jp.loss_scaling(sched, "none")
+    state = opt.init(jnp.zeros(1))
+    update = maybe_jit(opt.update)
+    seen = []
+    for g in [1.0, np.nan, 1.0, 1.0]:
+        updates, state = update(jnp.array([g]), state)
+        seen.append(float(updates[0]))
+    assert seen == [-1.0, 0.0, -0.75, -0.5]
+    assert int(state.inner_state.count) == 3
+
+
+def test_training_steps_under_lax_scan():
+    opt = jp.loss_scaling(optax.sgd(0.5), jp.DynamicLossScale(8.0, period=2))
+
+    def step(carry, poison):
+        p, s = carry
+        loss, g = jp.scaled_value_and_grad(lambda p: jnp.sum(p**2))(jp.get_loss_scale(s), p)
+        u, s = opt.update(g + poison, s, p)
+        return (optax.apply_updates(p, u), s), (loss, s.loss_scale.loss_scale)
+
+    params = jnp.array([4.0, -8.0])
+    poisons = jnp.array([0.0, 0.0, jnp.nan, 0.0, 0.0])
+    (p, s), (losses, scales) = jax.jit(lambda p: jax.lax.scan(step, (p, opt.init(p)), poisons))(
+        params
+    )
+    # sgd(0.5) on sum(p**2) zeroes p in one applied step.
+    np.testing.assert_array_equal(losses, [80.0, 0.0, 0.0, 0.0, 0.0])
+    np.testing.assert_array_equal(scales, [8.0, 16.0, 8.0, 8.0, 16.0])
+    np.testing.assert_array_equal(p, [0.0, 0.0])
+    assert int(s.total_skipped) == 1 and s.loss_scale.period == 2
+
+
+@pytest.mark.parametrize(
+    "loss_scale",
+    ["dynamic", "none", 8.0, jp.DynamicLossScale(0.5, min_loss_scale=2.0**-4, hysteresis=2)],
+)
+def test_jitted_step_makes_no_host_transfers(loss_scale):
+    opt = jp.loss_scaling(optax.adam(0.1), loss_scale)
+    params = {"w": jnp.ones(3)}
+    grads = {"w": jnp.ones(3)}
+    bad = {"w": jnp.full(3, jnp.nan)}
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    update(grads, state, params)  # compile outside the guard
+    with jax.transfer_guard("disallow"):
+        _, state = update(grads, state, params)
+        _, state = update(bad, state, params)
+        loss, g = jax.jit(jp.scaled_value_and_grad(lambda p: jnp.sum(p["w"] ** 2)))(
+            jp.get_loss_scale(state), params
+        )
+    assert int(state.total_skipped) == 1
+    assert float(loss) == 3.0 and g["w"].shape == (3,)
+
+
+def test_scaled_value_and_grad_argnums_tuple_with_aux_and_float16(maybe_jit):
+    def loss_fn(a, b, c):
+        return jnp.sum(a * b * c), {"ab": a * b}
+
+    g = maybe_jit(jp.scaled_value_and_grad(loss_fn, argnums=(2, 0), has_aux=True))
+    a, b, c = jnp.ones(2), jnp.full(2, 2.0), jnp.full(2, 3.0, jnp.float16)
+    (loss, aux), (gc, ga) = g(jp.DynamicLossScale(2.0**10), a, b, c)
+    assert float(loss) == 12.0 and loss.dtype == jnp.float32
+    np.testing.assert_array_equal(aux["ab"], [2.0, 2.0])
+    assert gc.dtype == jnp.float16 and ga.dtype == jnp.float32
+    np.testing.assert_array_equal(gc, [2.0**11] * 2)
+    np.testing.assert_array_equal(ga, [6.0 * 2**10] * 2)
+    # The gradients are ready for `update`: unscaled they are the true gradients.
+    unscaled = jp.DynamicLossScale(2.0**10).unscale((gc, ga))
+    np.testing.assert_array_equal(unscaled[0], [2.0, 2.0])
+    assert unscaled[0].dtype == jnp.float16
+
+
+def test_multisteps_inside_nan_in_the_middle_of_a_window_over_several_windows():
+    opt = jp.loss_scaling(optax.MultiSteps(optax.sgd(1.0), 3), jp.DynamicLossScale(4.0))
+    params = jnp.zeros(2)
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    seen = []
+    for g in [1.0, np.nan, 2.0, 3.0, 4.0, 5.0, 6.0]:
+        scale = jp.get_loss_scale(state).loss_scale
+        updates, state = update(jnp.array([g, 1.0]) * scale, state, params)
+        params = optax.apply_updates(params, updates)
+        seen.append(float(updates[0]))
+    # The NaN mini-step is dropped; windows (1, 2, 3) and (4, 5, 6) apply their means.
+    assert seen == [0.0, 0.0, 0.0, -2.0, 0.0, 0.0, -5.0]
+    np.testing.assert_array_equal(params, [-7.0, -2.0])
+    assert int(state.total_skipped) == 1 and float(state.loss_scale.loss_scale) == 2.0
+
+
+def test_optax_apply_if_finite_sequence_but_never_applies_a_non_finite_update(maybe_jit):
+    # optax's `apply_if_finite(sgd(1.), 2)` test, with our counters; where optax applies the
+    # third NaN update in a row, we keep skipping.
+    opt = jp.loss_scaling(optax.sgd(1.0), "none")
+    params = jnp.array([1.0])
+    state = opt.init(params)
+    update = maybe_jit(opt.update)
+
+    def step(params, state, x):
+        grads = jax.grad(lambda p: jnp.sum(p * x) + 0.0 * jnp.sum(p))(params)
+        updates, state = update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, state = step(params, state, 2.0)
+    assert float(params[0]) == -1.0 and int(state.consecutive_skipped) == 0
+    for i in range(1, 6):
+        params, state = step(params, state, jnp.nan)
+        assert float(params[0]) == -1.0
+        assert int(state.consecutive_skipped) == i and int(state.total_skipped) == i
+    params, state = step(params, state, 1.0)
+    assert float(params[0]) == -2.0
+    assert int(state.consecutive_skipped) == 0 and int(state.total_skipped) == 5

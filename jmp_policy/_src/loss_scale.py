@@ -1,9 +1,9 @@
 """Loss scales (no-op, static, dynamic) and the tree helpers they need.
 
 A loss scale multiplies the loss before differentiation so that small gradients survive a
-16-bit backward pass, and divides the gradients afterwards. The classes here are pytrees
-registered with :func:`jax.tree_util.register_dataclass`: the arrays (scale, counters) are
-leaves, the settings (period, factor, bounds) are static metadata, so nothing is lost when a
+16-bit backward pass, and divides the gradients afterwards. The classes here are frozen
+dataclasses registered as pytrees from their fields (see ``_register_pytree``): the arrays
+(scale, counters) are leaves, the settings (period, factor, bounds) are static metadata, so nothing is lost when a
 loss scale crosses ``jit``, ``scan``, ``tree.map`` or a checkpoint, and a new scale value never
 forces a recompile.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from typing import Any, TypeAlias, TypeVar
 
 import jax
@@ -52,12 +53,7 @@ def _compute_dtype(dtype: Any) -> Any:
 
 
 def _as_leaf(value: Any, dtype: Any, argument: str) -> Any:
-    """Canonicalises a data field to a ``dtype`` array.
-
-    Runs on construction *and* on every unflattening (``register_dataclass`` calls
-    ``__init__``), so values that are not numbers or arrays (placeholders that tree utilities
-    put in leaf positions) are kept as they are.
-    """
+    """Canonicalises a data field to a ``dtype`` array (on construction, not on unflattening)."""
     if isinstance(value, bool):
         raise TypeError(
             f"`{argument}` must be a number or a scalar array, not a bool. Received: "
@@ -150,6 +146,41 @@ def _unscale_tree(tree: T, loss_scale: ArrayLike) -> T:
     return jax.tree.map(unscale, tree)
 
 
+def _register_pytree(cls: type[T]) -> type[T]:
+    """Registers a frozen dataclass as a pytree: fields marked ``static`` are metadata, the
+    others children.
+
+    Flattening is derived from the dataclass fields, so no field can be forgotten (jmp 0.0.4's
+    hand-written flattening drops ``min_loss_scale``). Unflattening bypasses ``__init__``, as
+    JAX recommends for classes that validate their arguments: tree utilities put placeholders
+    in leaf positions (``tree.map(lambda _: 0, state)`` for ``vmap``'s ``in_axes``, ``None``,
+    ``True``, ``object()``, ``np.zeros_like``), and they must come back as they were, neither
+    rejected as a bad scale nor cast to float32.
+    """
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    data = tuple(f.name for f in fields if not f.metadata.get("static"))
+    meta = tuple(f.name for f in fields if f.metadata.get("static"))
+    keys = tuple(jax.tree_util.GetAttrKey(name) for name in data)
+
+    def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        return tuple(getattr(obj, n) for n in data), tuple(getattr(obj, n) for n in meta)
+
+    def flatten_with_keys(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        children, aux = flatten(obj)
+        return tuple(zip(keys, children, strict=True)), aux
+
+    def unflatten(aux: tuple[Any, ...], children: Any) -> Any:
+        obj = object.__new__(cls)
+        for name, value in zip(meta, aux, strict=True):
+            object.__setattr__(obj, name, value)
+        for name, value in zip(data, children, strict=True):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
 def _tree_equal(a: Any, b: Any) -> Any:
     """Value equality of two loss scales: same class, settings and leaf values.
 
@@ -167,7 +198,7 @@ def _tree_equal(a: Any, b: Any) -> Any:
     )
 
 
-@jax.tree_util.register_dataclass
+@_register_pytree
 @dataclasses.dataclass(frozen=True, eq=False)
 class NoOpLossScale:
     """A loss scale that does nothing: a drop-in for when no scaling is wanted.
@@ -188,6 +219,9 @@ class NoOpLossScale:
 
     __eq__ = _tree_equal
     __hash__ = None  # type: ignore[assignment]  # array leaves
+
+    def __post_init__(self) -> None:
+        _register_with_flax_serialization()
 
     @property
     def loss_scale(self) -> jax.Array:
@@ -224,7 +258,7 @@ class _ScaleByLeaf:
         return _unscale_tree(tree, self.loss_scale)
 
 
-@jax.tree_util.register_dataclass
+@_register_pytree
 @dataclasses.dataclass(frozen=True, eq=False)
 class StaticLossScale(_ScaleByLeaf):
     """A constant loss scale.
@@ -252,6 +286,7 @@ class StaticLossScale(_ScaleByLeaf):
     __hash__ = None  # type: ignore[assignment]  # array leaves
 
     def __post_init__(self) -> None:
+        _register_with_flax_serialization()
         _check_positive_scale(self.loss_scale, "loss_scale")
         object.__setattr__(self, "loss_scale", _as_leaf(self.loss_scale, jnp.float32, "loss_scale"))
 
@@ -261,7 +296,7 @@ class StaticLossScale(_ScaleByLeaf):
         return self
 
 
-@jax.tree_util.register_dataclass
+@_register_pytree
 @dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale(_ScaleByLeaf):
     """A loss scale that grows while gradients are finite and shrinks when they are not.
@@ -333,6 +368,7 @@ class DynamicLossScale(_ScaleByLeaf):
     __hash__ = None  # type: ignore[assignment]  # array leaves
 
     def __post_init__(self) -> None:
+        _register_with_flax_serialization()
         for argument in ("period", "hysteresis"):
             value = getattr(self, argument)
             if isinstance(value, (float, np.floating)) and float(value).is_integer():
@@ -425,6 +461,62 @@ class DynamicLossScale(_ScaleByLeaf):
 
 LossScale: TypeAlias = NoOpLossScale | StaticLossScale | DynamicLossScale
 
+_LOSS_SCALE_CLASSES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+_flax_registered = False
+
+
+def _data_fields(loss_scale: Any) -> list[str]:
+    """The names of the array fields (the leaves) that ``loss_scale`` holds."""
+    return [
+        f.name
+        for f in dataclasses.fields(loss_scale)
+        if not f.metadata.get("static") and getattr(loss_scale, f.name) is not None
+    ]
+
+
+def _to_state_dict(loss_scale: Any) -> dict[str, Any]:
+    serialization = sys.modules["flax.serialization"]
+    return {
+        name: serialization.to_state_dict(getattr(loss_scale, name))
+        for name in _data_fields(loss_scale)
+    }
+
+
+def _from_state_dict(target: Any, state: dict[str, Any]) -> Any:
+    serialization = sys.modules["flax.serialization"]
+    names = _data_fields(target)
+    missing = [name for name in names if name not in state]
+    if missing:
+        raise ValueError(
+            f"Cannot restore a {type(target).__name__} from a state dict without the fields "
+            f"{missing}; it has {sorted(state)}."
+        )
+    values = {
+        name: serialization.from_state_dict(getattr(target, name), state[name]) for name in names
+    }
+    return dataclasses.replace(target, **values) if values else target
+
+
+def _register_with_flax_serialization() -> None:
+    """Teaches ``flax.serialization`` (``to_state_dict``, ``to_bytes``, checkpoints) the loss
+    scales: their array fields become a dict, the settings come from the restore target.
+
+    ``import jmp_policy`` does not import flax, so this runs once flax is there: when this
+    module is imported and whenever a loss scale is built (every ``jit``/``tree.map`` rebuilds
+    one), a dictionary lookup until it has run.
+    """
+    global _flax_registered
+    if _flax_registered:
+        return
+    serialization = sys.modules.get("flax.serialization")
+    if serialization is None:
+        return
+    for cls in _LOSS_SCALE_CLASSES:
+        serialization.register_serialization_state(
+            cls, _to_state_dict, _from_state_dict, override=True
+        )
+    _flax_registered = True
+
 
 def _scalar_bool(pred: Any, argument: str) -> jax.Array:
     shape = np.shape(pred)
@@ -511,3 +603,6 @@ def select_tree(pred: jax.Array, on_true: T, on_false: T) -> T:
             f"{true_def} and {false_def}"
         )
     return jax.tree.map(functools.partial(jnp.where, pred), on_true, on_false)
+
+
+_register_with_flax_serialization()

@@ -76,6 +76,16 @@ def _resolve_loss_scale(loss_scale: Any) -> LossScale:
         loss_scale, (int, float, np.integer, np.floating)
     ):
         return StaticLossScale(float(loss_scale))
+    if (
+        isinstance(loss_scale, (jax.Array, np.ndarray))
+        and not isinstance(loss_scale, jax.core.Tracer)
+        and loss_scale.shape == ()
+        and (
+            jnp.issubdtype(loss_scale.dtype, jnp.floating)
+            or jnp.issubdtype(loss_scale.dtype, jnp.integer)
+        )
+    ):  # `jnp.float32(2**15)` is a jax array, not a NumPy scalar
+        return StaticLossScale(float(loss_scale))
     raise TypeError(
         f"Invalid `loss_scale` argument. Expected 'dynamic', 'auto', 'none', a positive number "
         f"or a loss-scale object (NoOpLossScale, StaticLossScale, DynamicLossScale). Received: "
@@ -142,8 +152,13 @@ def loss_scaling(
     overflow, a branch on the device checks the unscaled ones too.
     Extra arguments of ``update`` (such as ``value=`` for ``optax.contrib.reduce_on_plateau``)
     reach ``inner`` when it accepts them. ``inner`` may be any transformation, a chain, an
-    ``inject_hyperparams`` one or an ``optax.MultiSteps`` (and the result may itself go inside
-    ``MultiSteps``).
+    ``inject_hyperparams`` one or an ``optax.MultiSteps``. Put gradient clipping inside
+    (``loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)))``): only there
+    does it see unscaled gradients. Put ``MultiSteps`` inside too
+    (``loss_scaling(optax.MultiSteps(inner, k))``): each non-finite mini-step is then skipped
+    and backs the scale off at once, and the window goes on. The result may go inside
+    ``MultiSteps``, but there a non-finite mini-step poisons the whole window, and optax 0.2.x
+    keeps that NaN in its accumulator (``0 * NaN``), so every later window is skipped too.
 
     Args:
         inner: the transformation to run on finite, unscaled gradients.
@@ -186,6 +201,7 @@ def loss_scaling(
     inner_tx = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> LossScalingState:
+        ls._register_with_flax_serialization()  # in case flax came after `loss_scaling`
         return LossScalingState(
             inner_state=inner_tx.init(params),
             loss_scale=initial_scale,
@@ -240,8 +256,11 @@ def get_loss_scale(opt_state: Any) -> LossScale:
         >>> import jax.numpy as jnp
         >>> import optax
         >>> import jmp_policy as jp
-        >>> opt = optax.chain(optax.clip_by_global_norm(1.0), jp.loss_scaling(optax.adam(1e-3)))
-        >>> float(jp.get_loss_scale(opt.init({"w": jnp.ones(2)})).loss_scale)
+        >>> # Clip inside the wrapper, where the gradients are unscaled.
+        >>> inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+        >>> opt = jp.loss_scaling(optax.MultiSteps(inner, every_k_schedule=4))
+        >>> train_state = {"step": 0, "opt_state": opt.init({"w": jnp.ones(2)})}
+        >>> float(jp.get_loss_scale(train_state).loss_scale)
         32768.0
     """
 
