@@ -369,9 +369,22 @@ def _interceptor(resolver: _Resolver, root: type) -> Callable[..., Any]:
 
 
 def _record_modules(
-    module: nn.Module, variables: Any, args: Any, kwargs: Any, apply_kwargs: dict[str, Any]
+    module: nn.Module,
+    variables: Any,
+    args: Any,
+    kwargs: Any,
+    apply_kwargs: dict[str, Any],
+    policy_or_map: Any,
+    type_policies: Mapping[type, DTypePolicy],
 ) -> _Infos:
-    """Module classes and own dtypes by path, from a shape-only trace of ``module.apply``."""
+    """Module classes and own dtypes by path, from a shape-only trace of ``module.apply``.
+
+    The trace runs the model as the real call does (parameters, inputs and outputs cast,
+    submodules intercepted), so a model that only type-checks under its policy (a
+    bfloat16 attention cache written with bfloat16 keys) traces too. The parameters are
+    cast before any class is known, so here ``type_policies`` do not reach them: the
+    dtypes of this shape-only trace may differ there, never the modules it calls.
+    """
     infos: _Infos = {}
 
     def record(next_fun: Callable[..., Any], a: Any, k: Any, context: Any) -> Any:
@@ -388,7 +401,16 @@ def _record_modules(
         it = iter(arrays)
         full = [next(it) if flag else leaf for leaf, flag in zip(leaves, is_array, strict=True)]
         v, a, k, r = jax.tree.unflatten(treedef, full)
-        with nn.intercept_methods(record):
+        params = _Resolver(policy_or_map, type_policies, {})
+        v = _with_params(v, lambda p: _cast_params(p, params, variable=False))
+        resolver = _Resolver(policy_or_map, type_policies, infos)
+        root = resolver.module("", type(module), _own_dtype(module))[0]
+        a, k = casting.cast_tree((a, k), root.compute_dtype)
+        with (
+            nn.intercept_methods(record),
+            nn.intercept_methods(_interceptor(resolver, type(module))),
+            global_state.current_policy_scope(root),
+        ):
             module.apply(v, *a, **{**apply_kwargs, "rngs": r}, **k)
 
     jax.eval_shape(run, *[leaf for leaf, flag in zip(leaves, is_array, strict=True) if flag])
@@ -515,7 +537,7 @@ def apply(
         )
         infos = cache.get(key) if key is not None else None
         if infos is None:
-            infos = _record_modules(module, variables, args, kwargs, apply_kwargs)
+            infos = _record_modules(module, variables, args, kwargs, apply_kwargs, resolved, types_)
             if key is not None:
                 if len(cache) >= _CACHE_SIZE:
                     cache.clear()
@@ -706,7 +728,7 @@ def explain(
         "mutable": kwargs.pop("mutable", False),
     }
     _check_method(module, apply_kwargs["method"])
-    infos = _record_modules(module, variables, args, kwargs, apply_kwargs)
+    infos = _record_modules(module, variables, args, kwargs, apply_kwargs, resolved, types_)
     infos.setdefault("", (type(module), _own_dtype(module)))
     resolver = _Resolver(resolved, types_, dict(infos))
 

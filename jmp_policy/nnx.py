@@ -25,7 +25,6 @@ Examples:
 from __future__ import annotations
 
 import functools
-import inspect
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,11 +34,13 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy._src import casting, global_state
+from jmp_policy._src import dtypes as dt
 from jmp_policy._src.apply import as_policy_or_map
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.policy_map import (
     leaf_path,
     normalize_type_policies,
+    parent_path,
     resolve_module,
     resolve_variable,
 )
@@ -88,22 +89,26 @@ def _run_in_policy(policy: DTypePolicy, fn: Callable[..., Any], args: Any, kwarg
 def _policy_method(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        bound = functools.partial(original, self)
+        # Bound as Python would: a function or a transform's wrapper (`@nnx.jit`) gets
+        # `self`; a staticmethod or a plain callable object does not.
+        get = getattr(type(original), "__get__", None)
+        bound = original if get is None else get(original, self, type(self))
         return _run_in_policy(getattr(type(self), _POLICY), bound, args, kwargs)
 
     return method
 
 
 def _method_of(cls: type, name: str) -> Callable[..., Any] | None:
-    """The plain function ``cls`` defines (or inherits) as method ``name``, else None.
+    """The callable ``cls`` defines (or inherits) as method ``name``, else None.
 
-    Looked up in the class's own MRO: ``getattr(cls, "__call__")`` would find the
-    metaclass's ``__call__`` for modules that define none (``nnx.List``).
+    A plain function, or a callable such as the wrapper ``@nnx.jit``/``@nnx.remat``
+    leave on a method. Looked up in the class's own MRO: ``getattr(cls, "__call__")``
+    would find the metaclass's ``__call__`` for modules that define none (``nnx.List``).
     """
     for klass in cls.__mro__:
         if name in vars(klass):
             attr = vars(klass)[name]
-            return attr if inspect.isfunction(attr) else None
+            return attr if callable(attr) else None
     return None
 
 
@@ -136,6 +141,20 @@ def _policy_subclass(cls: type, policy: DTypePolicy, methods: tuple[str, ...]) -
     return subclass
 
 
+def _own_dtype(module: Any) -> np.dtype | None:
+    """The module's own ``dtype`` attribute when it is set to a floating dtype."""
+    value = getattr(module, "dtype", None)
+    if value is None:
+        return None
+    try:
+        dtype = dt.canonicalize_dtype(value)
+    except (TypeError, ValueError):
+        return None
+    if isinstance(module, nnx.Embed) and dtype == dt.canonicalize_dtype(module.param_dtype):
+        return None  # `nnx.Embed` fills an unset `dtype` in from its `param_dtype`.
+    return dtype if dt.is_floating(dtype) else None
+
+
 def _path(parts: tuple[Any, ...]) -> str:
     return "/".join(str(p) for p in parts)
 
@@ -162,7 +181,11 @@ def apply(
     the same as its ``State`` paths without ``.value``. A parameter's policy is resolved
     from its own path (``"embed/embedding"``), so a key may name one variable; otherwise
     it is its module's. With ``type_policies``, a key matching the module's own path wins
-    over its class's policy, which wins over inheritance from an ancestor.
+    over its class's policy, which wins over inheritance from an ancestor. A submodule
+    whose own ``dtype`` attribute is set (``nnx.Linear(..., dtype=jnp.float32)``)
+    computes in that dtype whatever the policy says, as in :mod:`jmp_policy.linen`: its
+    inputs and parameters are cast to it (float32 weights are not rounded through
+    bfloat16) and its output is left in it.
 
     **How it works.** Each call splits ``model`` (``nnx.split``), casts the ``nnx.Param``
     values per variable path and merges a fresh copy of the object graph
@@ -259,9 +282,21 @@ def apply(
     def run(*args: Any, **kwargs: Any) -> Any:
         modules = [(_path(parts), module) for parts, module in nnx.iter_modules(model)]
         classes = {path: getattr(type(m), _ORIGINAL, type(m)) for path, m in modules}
+        owns = {path: own for path, m in modules if (own := _own_dtype(m)) is not None}
 
         def module_policy(path: str) -> DTypePolicy:
-            return resolve_module(resolved, path, classes, types_)[0]
+            policy = resolve_module(resolved, path, classes, types_)[0]
+            own = owns.get(path)
+            if own is not None:  # `nnx.Linear(..., dtype=jnp.float32)` computes in float32.
+                policy = policy.with_compute_dtype(own).with_output_dtype(own)
+            return policy
+
+        def param_policy(path: str) -> DTypePolicy:
+            policy, source = resolve_variable(resolved, path, classes, types_)
+            module = parent_path(path) or ""
+            if module in owns and source == resolve_module(resolved, module, classes, types_)[1]:
+                return module_policy(module)  # No key names the variable itself.
+            return policy
 
         graphdef, state = nnx.split(model)
         stored: dict[str, np.dtype] = {}
@@ -269,7 +304,7 @@ def apply(
         def cast_variable(key_path: Any, variable: Any) -> Any:
             path = leaf_path(key_path)
             if isinstance(variable, nnx.Param):
-                policy = resolve_variable(resolved, path, classes, types_)[0]
+                policy = param_policy(path)
                 return variable.replace(policy.cast_to_compute(variable.get_value()))
             value = variable.get_value()
             if isinstance(value, (jax.Array, np.ndarray)):

@@ -331,6 +331,27 @@ def test_mutable_true_returns_params_as_stored():
             np.testing.assert_array_equal(new, old)  # not rounded through bfloat16
 
 
+class Decoder(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.MultiHeadDotProductAttention(num_heads=2, decode=True, name="attn")(x)
+
+
+def test_decoding_with_a_cache_made_by_init():
+    # `init` makes the cache in the compute dtype; decoding writes bfloat16 keys into it.
+    # (The shape-only pre-pass must see the model as the real call does: cast.)
+    model, x = Decoder(), jax.random.normal(jax.random.key(2), (1, 3, 4))
+    variables = jax.jit(jpl.init(model, "mixed_bfloat16"))(jax.random.key(0), x)
+    assert variables["cache"]["attn"]["cached_key"].dtype == BF16
+    step = jax.jit(jpl.apply(model, "mixed_bfloat16"), static_argnames="mutable")
+    out, state = step(variables, x[:, :1], mutable=("cache",))
+    assert out.dtype == BF16 and out.shape == (1, 1, 4)
+    cache = state["cache"]["attn"]
+    assert cache["cached_key"].dtype == BF16 and int(cache["cache_index"]) == 1
+    assert np.any(np.asarray(cache["cached_key"][:, 0], np.float32) != 0)
+    assert np.all(np.asarray(cache["cached_key"][:, 1:], np.float32) == 0)
+
+
 def test_dropout_with_rngs_and_noise_from_current_policy():
     class Noisy(nn.Module):
         @nn.compact

@@ -522,6 +522,29 @@ def test_variable_key_keeps_one_variable_in_float32():
     assert grads["embed"]["embedding"][...].dtype == F32
 
 
+class RecLinear(nnx.Linear):
+    def __call__(self, x):
+        _record("head", x=x.dtype, kernel=self.kernel[...])
+        return super().__call__(x)
+
+
+def test_a_module_with_its_own_dtype_is_respected():
+    # `nnx.Linear(..., dtype=jnp.float32)`, the usual float32 logits head, computes in
+    # float32 whatever the policy says: its weights are not rounded through bfloat16.
+    head = RecLinear(4, 2, dtype=jnp.float32, rngs=nnx.Rngs(1))
+    model = nnx.Sequential(Dense(3, 4, "body", nnx.Rngs(0)), head)
+    x = jnp.ones((2, 3))
+    out = jpnnx.apply(model, {"": "float32", ".*": "mixed_bfloat16"})(x)
+    assert SEEN["body"]["kernel"] == BF16
+    assert SEEN["head"]["x"] == F32 and SEEN["head"]["kernel"].dtype == F32
+    np.testing.assert_array_equal(SEEN["head"]["kernel"], head.kernel[...])
+    assert SEEN["head"]["policy"].compute_dtype == F32
+    assert out.dtype == F32  # the head's output is left in its own dtype
+    # A key naming one of its variables still wins.
+    jpnnx.apply(model, {".*": "mixed_bfloat16", "layers/1/kernel": "bfloat16"})(x)
+    assert SEEN["head"]["kernel"].dtype == BF16
+
+
 def test_other_method_and_callable_method():
     model = _model()
     out = jpnnx.apply(model, MAP, method="encode")(IDS)
@@ -531,6 +554,34 @@ def test_other_method_and_callable_method():
     out = jpnnx.apply(model, "mixed_bfloat16", method=lambda m, ids: m.head(m.embed(ids)))(IDS)
     assert out.dtype == BF16
     assert SEEN["head"]["policy"] == MIXED and "encoder" not in SEEN
+
+
+class JitDense(Dense):
+    """A layer whose `__call__` is an `nnx.jit` object, not a plain function."""
+
+    @nnx.jit
+    def __call__(self, x):
+        return super().__call__(x)
+
+    @nnx.jit
+    def project(self, x):
+        return super().__call__(x)
+
+
+def test_methods_decorated_with_nnx_transforms_are_wrapped():
+    layer = JitDense(3, 2, "layer", nnx.Rngs(0))
+    model = nnx.Sequential(Dense(3, 3, "first", nnx.Rngs(1)), layer)
+    x = jnp.ones((2, 3))
+    out = jpnnx.apply(model, {"layers/1": "bfloat16"})(x)
+    assert out.dtype == F32  # the root runs under the global policy
+    assert SEEN["layer"]["x"] == BF16 and SEEN["layer"]["kernel"] == BF16
+    assert SEEN["layer"]["policy"] == jp.DTypePolicy("bfloat16")
+    SEEN.clear()  # A new shape: `nnx.jit` traces again, and the probe records again.
+    assert jpnnx.apply(layer, "bfloat16")(x[:1]).dtype == BF16
+    assert SEEN["layer"]["x"] == BF16 and SEEN["layer"]["policy"] == jp.DTypePolicy("bfloat16")
+    SEEN.clear()
+    assert jpnnx.apply(layer, "mixed_bfloat16", method="project")(x).dtype == BF16
+    assert SEEN["layer"]["x"] == BF16 and SEEN["layer"]["kernel"] == BF16
 
 
 # -- training --------------------------------------------------------------------------
