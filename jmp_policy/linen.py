@@ -166,14 +166,7 @@ def _path(module: nn.Module) -> str:
 
 def _own_dtype(module: Any) -> np.dtype | None:
     """The module's own ``dtype`` attribute when it is set to a floating dtype."""
-    value = getattr(module, "dtype", None)
-    if value is None:
-        return None
-    try:
-        dtype = dt.canonicalize_dtype(value)
-    except (TypeError, ValueError):
-        return None
-    return dtype if dt.is_floating(dtype) else None
+    return dt.floating_or_none(getattr(module, "dtype", None))
 
 
 def _is_scan_class(cls: type) -> bool:

@@ -143,16 +143,10 @@ def _policy_subclass(cls: type, policy: DTypePolicy, methods: tuple[str, ...]) -
 
 def _own_dtype(module: Any) -> np.dtype | None:
     """The module's own ``dtype`` attribute when it is set to a floating dtype."""
-    value = getattr(module, "dtype", None)
-    if value is None:
-        return None
-    try:
-        dtype = dt.canonicalize_dtype(value)
-    except (TypeError, ValueError):
-        return None
-    if isinstance(module, nnx.Embed) and dtype == dt.canonicalize_dtype(module.param_dtype):
+    dtype = dt.floating_or_none(getattr(module, "dtype", None))
+    if isinstance(module, nnx.Embed) and dtype == dt.floating_or_none(module.param_dtype):
         return None  # `nnx.Embed` fills an unset `dtype` in from its `param_dtype`.
-    return dtype if dt.is_floating(dtype) else None
+    return dtype
 
 
 def _path(parts: tuple[Any, ...]) -> str:

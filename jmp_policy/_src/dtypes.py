@@ -75,6 +75,20 @@ def is_numeric(dtype: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
 
 
+def floating_or_none(value: Any) -> np.dtype | None:
+    """``value`` as a floating dtype, or None (unset, not a dtype, or not floating).
+
+    Reads a module's own ``dtype=`` attribute for the Flax glue.
+    """
+    if value is None:
+        return None
+    try:
+        dtype = canonicalize_dtype(value)
+    except (TypeError, ValueError):
+        return None
+    return dtype if is_floating(dtype) else None
+
+
 def short_name(dtype: np.dtype) -> str:
     """jmp's short spelling of a dtype (``bf16``), or its numpy name."""
     return _SHORT_NAMES.get(dtype.name, dtype.name)
