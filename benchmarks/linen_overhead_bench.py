@@ -7,8 +7,11 @@ A small Flax transformer's `value_and_grad`, compiled three ways:
 * Flax's own `dtype=jnp.bfloat16` on every layer (float32 parameters).
 
 For each: the compiled temp bytes (activations kept for the backward pass and scratch),
-output bytes, the number of `convert` ops in the optimized HLO, and the step time (median of
-runs interleaved in one process), with ratios to the hand-cast version.
+output bytes, the number of `convert` ops in the optimized HLO, the step time (median of
+runs interleaved in one process) and the trace time of `value_and_grad` (`jax.make_jaxpr`,
+median of interleaved runs; for `jp.linen.apply` both a fresh wrapper, which learns the
+model's modules on its first trace, and a wrapper that has run before), with ratios to the
+hand-cast version.
 
 Run: `python benchmarks/linen_overhead_bench.py [--layers 4 --dim 256 --batch 16 --seq 128]`.
 """
@@ -63,7 +66,9 @@ def _loss(y: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
 
-def make_variants(args: argparse.Namespace) -> tuple[dict[str, Any], Any, jax.Array]:
+def make_variants(
+    args: argparse.Namespace, fresh: bool = False
+) -> tuple[dict[str, Any], Any, jax.Array]:
     model = Transformer(args.layers, args.dim, args.heads)
     flax_model = Transformer(args.layers, args.dim, args.heads, dtype=jnp.bfloat16)
     x = jax.random.normal(jax.random.key(0), (args.batch, args.seq, args.dim), jnp.float32)
@@ -71,7 +76,9 @@ def make_variants(args: argparse.Namespace) -> tuple[dict[str, Any], Any, jax.Ar
     ours = jp.linen.apply(model, "mixed_bfloat16")
 
     def jmp_policy_apply(p, x):
-        return _loss(ours({"params": p}, x))
+        # `fresh`: a new wrapper per trace, which has learnt nothing of the model yet.
+        wrapper = jp.linen.apply(model, "mixed_bfloat16") if fresh else ours
+        return _loss(wrapper({"params": p}, x))
 
     def by_hand(p, x):
         p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), p)
@@ -112,12 +119,25 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             start = time.perf_counter()
             jax.block_until_ready(c(params, x))
             row["times"].append(time.perf_counter() - start)
+    fresh_variants = make_variants(args, fresh=True)[0]
+    tracers = [(row, variants[row["name"]]) for row in rows]
+    first = {**rows[1], "name": "jp.linen.apply (first trace)", "times": rows[1]["times"]}
+    rows.insert(2, first)
+    tracers.insert(2, (first, fresh_variants["jp.linen.apply"]))
+    for row, _ in tracers:
+        row["traces"] = []
+    for _ in range(args.repeats):
+        for row, fn in tracers:
+            start = time.perf_counter()
+            jax.make_jaxpr(fn)(params, x)
+            row["traces"].append(time.perf_counter() - start)
     return rows
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]
     base_time = statistics.median(base["times"])
+    base_trace = statistics.median(base["traces"])
     header = [
         "variant",
         "temp MB",
@@ -127,6 +147,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "converts",
         "x hand",
         "step ms",
+        "x hand",
+        "trace ms",
         "x hand",
     ]
     table = [header]
@@ -143,6 +165,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 f"{row['converts'] / max(base['converts'], 1):.3f}",
                 f"{t * 1e3:.1f}",
                 f"{t / base_time:.3f}",
+                f"{statistics.median(row['traces']) * 1e3:.1f}",
+                f"{statistics.median(row['traces']) / base_trace:.3f}",
             ]
         )
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]

@@ -61,8 +61,45 @@ def test_map_casts_params_per_path_and_arguments_with_the_root_policy(maybe_jit)
     assert seen[-1]["head_w"] == jnp.float32
     assert seen[-1]["x"] == jnp.bfloat16
     assert seen[-1]["policy"] == jp.DTypePolicy("mixed_bfloat16")
-    # bf16 @ f32 promotes to f32; the output is cast to the root policy's output dtype.
-    assert out["out"].dtype == jnp.bfloat16
+    # bf16 @ f32 promotes to f32; a Keras name leaves the output as computed (output rule).
+    assert out["out"].dtype == jnp.float32
+
+
+def test_output_rule_casts_only_when_output_differs_from_compute(maybe_jit):
+    def f(params, x):
+        return x.astype(jnp.float32) @ params["w"]
+
+    params = {"w": jnp.ones((3, 2))}
+    x = jnp.ones((1, 3))
+    assert maybe_jit(jp.cast_apply("mixed_bfloat16")(f))(params, x).dtype == jnp.float32
+    assert maybe_jit(jp.cast_apply("p=f32,c=f32,o=bf16")(f))(params, x).dtype == jnp.bfloat16
+
+
+def test_loops_keep_their_carry_dtype(maybe_jit):
+    # The bodies compute in the policy's dtype (as a submodule would); the carries are
+    # float32 and come back float32 instead of failing JAX's carry type check.
+    def f(params, x):
+        dtype = jp.current_policy().compute_dtype
+
+        def body(c, xi):
+            return (c + xi @ params["w"]).astype(dtype), None
+
+        c, _ = jax.lax.scan(body, jnp.zeros((2,), jnp.float32), x)
+        c = jax.lax.fori_loop(0, 2, lambda i, c: (c * params["w"][0, 0]).astype(dtype), c)
+        return jax.lax.while_loop(
+            lambda c: c.sum() < 30, lambda c: (c + x[0] @ params["w"]).astype(dtype), c
+        )
+
+    params = {"w": jnp.ones((3, 2))}
+    out = maybe_jit(jp.cast_apply("mixed_bfloat16")(f))(params, jnp.ones((4, 3)))
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, [15.0, 15.0])
+    assert jax.lax.scan.__module__.startswith("jax")  # restored after the call
+
+
+def test_non_floating_policies_are_rejected():
+    with pytest.raises(ValueError, match=r'floating compute dtype.*"int8"'):
+        jp.cast_apply("int8")
 
 
 def test_dict_argument_becomes_a_map_with_the_global_default():

@@ -6,53 +6,25 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from jmp_policy._src import global_state, serialization
-from jmp_policy._src.policy import DTypePolicy
-from jmp_policy._src.policy_map import DTypePolicyMap
+from jmp_policy._src import global_state, interception
+from jmp_policy._src.resolution import Options, Resolver, as_policy_or_map, check_floating
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def as_policy_or_map(policy_or_map: Any, argument: str = "policy_or_map") -> Any:
-    """A policy, a name or a config to a policy; a map as is; ``None`` is the global one."""
-    if isinstance(policy_or_map, (DTypePolicy, DTypePolicyMap)):
-        return policy_or_map
-    if policy_or_map is None:
-        return None
-    if isinstance(policy_or_map, dict) and "class_name" not in policy_or_map:
-        return DTypePolicyMap(None, policy_or_map)
-    try:
-        return serialization.get(policy_or_map)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"Invalid `{argument}`: {e}") from e
-
-
-def root_policy(policy_or_map: Any) -> DTypePolicy:
-    """The policy of the root module (path ``""``); the global policy for ``None``."""
-    if policy_or_map is None:
-        return global_state.dtype_policy()
-    if isinstance(policy_or_map, DTypePolicyMap):
-        return policy_or_map[""]
-    return policy_or_map
-
-
-def cast_params(policy_or_map: Any, params: Any) -> Any:
-    """Casts a parameter tree to compute dtypes (per path with a map)."""
-    if policy_or_map is None:
-        return global_state.dtype_policy().cast_to_compute(params)
-    return policy_or_map.cast_to_compute(params)
 
 
 def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
     """A decorator that runs ``apply(params, *args, **kwargs)`` under a policy or a map.
 
-    ``params`` are cast to their compute dtype (per module path with a map), every
-    floating leaf of every positional and keyword argument to the root policy's compute
-    dtype (unlike tf.keras, which casts only the first argument), and the outputs to the
-    root policy's output dtype. The root policy is the policy itself, or the map's policy
-    of the path ``""`` (usually its default). Gradients flow back to the stored dtype.
-    Works under ``jit`` and ``grad``; :func:`current_policy` returns the root policy
-    inside.
+    ``params`` are cast to their compute dtype (per module path with a map: a variable at
+    the top of ``params`` belongs to the root module ``""``), every floating leaf of every
+    positional and keyword argument to the root policy's compute dtype (unlike tf.keras,
+    which casts only the first argument). The outputs follow the output rule: they are cast
+    to the root policy's output dtype only when it differs from its compute dtype
+    (``"p=f32,c=bf16,o=f32"``), and left as computed otherwise (Keras names). The root
+    policy is the policy itself, or the map's policy of the path ``""`` (usually its
+    default). Loops inside keep their carry's dtypes. Gradients flow back to the stored
+    dtype. Works under ``jit`` and ``grad``; :func:`current_policy` returns the root
+    policy inside.
 
     Args:
         policy_or_map: a policy, a name, a ``DTypePolicyMap`` or a ``dict`` (made a map
@@ -60,6 +32,9 @@ def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
 
     Returns:
         A decorator.
+
+    Raises:
+        ValueError: a policy of ``policy_or_map`` does not compute in a floating dtype.
 
     Examples:
         >>> import jax
@@ -76,16 +51,18 @@ def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
         dtype('float32')
     """
     resolved = as_policy_or_map(policy_or_map)
+    check_floating(resolved)
 
     def decorator(fn: F) -> F:
         @functools.wraps(fn)
         def wrapped(params: Any, *args: Any, **kwargs: Any) -> Any:
-            root = root_policy(resolved)
-            params = cast_params(resolved, params)
-            args, kwargs = root.cast_to_compute((args, kwargs))
-            with global_state.current_policy_scope(root):
-                out = fn(params, *args, **kwargs)
-            return root.cast_to_output(out)
+            if resolved is None:
+                cast = global_state.dtype_policy().cast_to_compute(params)
+            else:
+                cast = resolved.cast_to_compute(params)
+            call = interception.Call("", None, Resolver(resolved, Options()).module(""))
+            with interception.loop_carries():
+                return interception.run(call, functools.partial(fn, cast), args, kwargs)
 
         return wrapped  # type: ignore[return-value]
 

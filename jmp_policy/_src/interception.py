@@ -1,0 +1,210 @@
+"""The one per-submodule hook: run one module call under its resolved policy.
+
+Every per-submodule behaviour happens here, once, for ``cast_apply``, Linen and NNX:
+
+1. the floating leaves of the call's arguments are cast to the module's compute dtype
+   (unless ``autocast_exclude`` names the module);
+2. the call runs in a context holding its policy and module path (what
+   :func:`jmp_policy.current_policy` reads);
+3. the call goes through the extensions of the run's options (each
+   ``ext(call, next_fn, args, kwargs) -> outputs``, outermost first): the place where a
+   quantized ``dot_general`` provider or a statistics tap plugs in;
+4. the **output rule**: outputs are cast to the output dtype only when it differs from the
+   compute dtype (jmp's ``"p=f32,c=bf16,o=f32"``); otherwise they are left as computed, as
+   in Keras. An :class:`~jmp_policy._src.resolution.Island` (``NORM_FLOAT32``) returns its
+   outputs in the compute dtype of the module that called it.
+
+The **loop-carry rule** (:func:`loop_carries`): while a wrapper runs a model, the carry of
+every ``jax.lax.scan``, ``jax.lax.while_loop`` and ``jax.lax.fori_loop`` called through
+``jax.lax`` (which is how ``nn.scan``, ``nn.RNN``, ``nn.while_loop``, ``nn.fori_loop``,
+``nnx.scan`` and ``nnx.RNN`` all run) is cast back to the dtypes it entered the loop with.
+JAX rejects any loop whose carry changes dtype, so this changes no program that runs
+without it; it makes loops whose body computes under another policy than their carry's
+run at all. One mechanism for every construct, rather than one recogniser per construct.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jmp_policy._src import casting, global_state
+from jmp_policy._src import dtypes as dt
+from jmp_policy._src.resolution import Resolution
+
+# ext(call, next_fn, args, kwargs) -> outputs
+Extension = Callable[["Call", Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+
+
+class Call(NamedTuple):
+    """One submodule call, as the hook and its extensions see it."""
+
+    path: str  # the module path ("" for the root)
+    module: Any  # the Linen or NNX module, or None for a plain function
+    resolution: Resolution
+
+    @property
+    def policy(self) -> Any:
+        return self.resolution.policy
+
+
+def cast_inputs(tree: Any, dtype: np.dtype, opaque: Callable[[Any], bool] | None = None) -> Any:
+    """Casts every floating leaf of ``tree``; ``opaque`` nodes are passed as they are."""
+    if opaque is None:
+        return casting.cast_tree(tree, dtype)
+    return jax.tree.map(
+        lambda x: x if opaque(x) else casting.cast_leaf(x, dtype), tree, is_leaf=opaque
+    )
+
+
+def run(
+    call: Call,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    extensions: tuple[Extension, ...] = (),
+    opaque: Callable[[Any], bool] | None = None,
+) -> Any:
+    """Runs ``fn(*args, **kwargs)`` as the submodule call ``call`` (the hook).
+
+    Args:
+        call: the call's path, module and resolved policy.
+        fn: the call itself (the module's method, bound).
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        extensions: ``ext(call, next_fn, args, kwargs)`` wrappers, outermost first.
+        opaque: a predicate for argument nodes never cast or traversed (NNX objects).
+
+    Returns:
+        The call's outputs, after the output rule.
+    """
+    resolution = call.resolution
+    policy = resolution.policy
+    caller = global_state.current_policy()
+    if resolution.autocast:
+        args, kwargs = cast_inputs((args, kwargs), policy.compute_dtype, opaque)
+    inner = fn
+    for ext in reversed(extensions):
+        inner = _link(ext, call, inner)
+    with global_state.current_policy_scope(policy):
+        out = inner(*args, **kwargs)
+    if resolution.island:
+        return cast_inputs(out, caller.compute_dtype, opaque)
+    if policy.output_dtype != policy.compute_dtype:
+        return cast_inputs(out, policy.output_dtype, opaque)
+    return out
+
+
+def _link(ext: Extension, call: Call, next_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def linked(*args: Any, **kwargs: Any) -> Any:
+        return ext(call, next_fn, args, kwargs)
+
+    return linked
+
+
+# -- the loop-carry rule ------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+_ACTIVE = 0
+_ORIGINALS: dict[str, Any] = {}
+_DEPTH = threading.local()
+
+
+def _in_scope() -> bool:
+    return getattr(_DEPTH, "value", 0) > 0
+
+
+def _like(new: Any, old: Any) -> Any:
+    """``new`` with each floating array leaf cast to the dtype of ``old``'s leaf.
+
+    Leaves are paired by position, as JAX pairs a loop's carry leaves; another number
+    of leaves is left for JAX to report as it would without us.
+    """
+    new_leaves, treedef = jax.tree.flatten(new)
+    old_leaves = jax.tree.leaves(old)
+    if len(new_leaves) != len(old_leaves):
+        return new
+    leaves = [_leaf_like(n, o) for n, o in zip(new_leaves, old_leaves, strict=True)]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _leaf_like(new: Any, old: Any) -> Any:
+    old_dtype = getattr(old, "dtype", None)
+    if old_dtype is None or not dt.is_floating(old_dtype):
+        return new
+    return casting.cast_leaf(new, old_dtype)
+
+
+def _scan(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def scan(f: Callable[..., Any], init: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _in_scope():
+            return original(f, init, *args, **kwargs)
+
+        def body(carry: Any, x: Any) -> Any:
+            new, y = f(carry, x)
+            return _like(new, carry), y
+
+        return original(body, init, *args, **kwargs)
+
+    return scan
+
+
+def _while_loop(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def while_loop(cond_fun: Callable[..., Any], body_fun: Callable[..., Any], init: Any) -> Any:
+        if not _in_scope():
+            return original(cond_fun, body_fun, init)
+        return original(cond_fun, lambda c: _like(body_fun(c), c), init)
+
+    return while_loop
+
+
+def _fori_loop(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def fori_loop(
+        lower: Any, upper: Any, body_fun: Callable[..., Any], init: Any, **kw: Any
+    ) -> Any:
+        if not _in_scope():
+            return original(lower, upper, body_fun, init, **kw)
+        return original(lower, upper, lambda i, c: _like(body_fun(i, c), c), init, **kw)
+
+    return fori_loop
+
+
+_WRAPPERS = {"scan": _scan, "while_loop": _while_loop, "fori_loop": _fori_loop}
+
+
+@contextlib.contextmanager
+def loop_carries() -> Iterator[None]:
+    """Inside the block, loops keep their carry's dtypes (see the module docstring).
+
+    ``jax.lax.scan``, ``while_loop`` and ``fori_loop`` are wrapped while any thread is
+    inside such a block and restored when the last one leaves; the wrappers act only in
+    the threads that are inside one, and pass through elsewhere.
+    """
+    global _ACTIVE
+    with _LOCK:
+        if _ACTIVE == 0:
+            for name, wrap in _WRAPPERS.items():
+                _ORIGINALS[name] = getattr(jax.lax, name)
+                setattr(jax.lax, name, wrap(_ORIGINALS[name]))
+        _ACTIVE += 1
+    _DEPTH.value = getattr(_DEPTH, "value", 0) + 1
+    try:
+        yield
+    finally:
+        _DEPTH.value -= 1
+        with _LOCK:
+            _ACTIVE -= 1
+            if _ACTIVE == 0:
+                for name, original in _ORIGINALS.items():
+                    setattr(jax.lax, name, original)
+                _ORIGINALS.clear()

@@ -1,0 +1,366 @@
+"""Resolution: which policy a module call and a variable run under.
+
+One rule, shared by ``cast_apply`` and the Linen and NNX integrations. For a module path,
+from the path itself up to its top-level ancestor: a key of the map that names the path
+(exact, else a regular expression by ``fullmatch``) wins, then the module's class in
+``type_policies``; otherwise the default policy (the root ``""`` is not an ancestor).
+Then the module's own ``dtype`` attribute (Flax's ``nn.Dense(..., dtype=...)``) wins over
+the compute and output dtypes, unless ``module_dtype="override"``. A variable takes the
+policy of a key that names the variable itself (DESIGN's rule: a key that matches the
+variable's path and not its module path), else its module's.
+
+The options of the apply wrappers travel in one frozen :class:`Options` value, built once
+per ``apply``/``init``/``explain``: a new option is one field here and one keyword.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jmp_policy._src import dtypes as dt
+from jmp_policy._src import global_state, serialization
+from jmp_policy._src.policy import DTypePolicy
+from jmp_policy._src.policy_map import DTypePolicyMap, parent_path
+
+MODULE_DTYPE_MODES = ("respect", "override")
+
+
+@dataclasses.dataclass(frozen=True)
+class Island:
+    """A type policy that computes in ``policy`` and returns to the caller's dtype.
+
+    The ready ``NORM_FLOAT32`` mappings use it: a norm layer computes in float32 and
+    hands its output back in the compute dtype of the module that called it, as Keras's
+    normalization layers and Haiku's ``p=f32,c=f32,o=half`` recipe do, so the residual
+    stream stays 16-bit.
+    """
+
+    policy: DTypePolicy
+
+    def __repr__(self) -> str:
+        return f"Island({self.policy!r})"
+
+
+class ModuleInfo(NamedTuple):
+    """What the glue knows of the module at a path: its class and its own ``dtype``."""
+
+    cls: type | None
+    own_dtype: np.dtype | None
+
+
+class Resolution(NamedTuple):
+    """The resolved policy of one module path, and why."""
+
+    policy: DTypePolicy  # what the module computes in (own dtype applied)
+    resolved: DTypePolicy  # what the map (or type_policies) chose
+    source: str  # "key '<key>'", "type <Class>" or "default"
+    key: str | None  # the map key that chose it, if any
+    own_dtype: np.dtype | None  # the module's own floating `dtype` attribute
+    set_dtype: np.dtype | None  # module_dtype="override": the dtype to give the module
+    autocast: bool  # whether inputs are cast (False: autocast_exclude)
+    island: bool  # outputs go back to the caller's compute dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of the apply wrappers, validated once (frozen, as qwix's rules)."""
+
+    type_policies: Mapping[type, DTypePolicy | Island] = dataclasses.field(default_factory=dict)
+    module_dtype: str = "respect"
+    exclude_types: tuple[type, ...] = ()
+    exclude_patterns: tuple[re.Pattern[str], ...] = ()
+    extensions: tuple[Callable[..., Any], ...] = ()
+
+    def excluded(self, path: str, cls: type | None) -> bool:
+        """Whether ``autocast_exclude`` names this module (by class or by path)."""
+        if cls is not None and self.exclude_types and issubclass(cls, self.exclude_types):
+            return True
+        return any(p.fullmatch(path) for p in self.exclude_patterns)
+
+
+def as_policy_or_map(policy_or_map: Any, argument: str = "policy_or_map") -> Any:
+    """A policy, a name or a config to a policy; a map as is; ``None`` is the global one."""
+    if isinstance(policy_or_map, (DTypePolicy, DTypePolicyMap)):
+        return policy_or_map
+    if policy_or_map is None:
+        return None
+    if isinstance(policy_or_map, dict) and "class_name" not in policy_or_map:
+        return DTypePolicyMap(None, policy_or_map)
+    try:
+        return serialization.get(policy_or_map)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"Invalid `{argument}`: {e}") from e
+
+
+def _policies_of(policy_or_map: Any) -> Iterable[DTypePolicy]:
+    if isinstance(policy_or_map, DTypePolicyMap):
+        yield from policy_or_map.values()
+        yield policy_or_map.default_policy
+    elif isinstance(policy_or_map, DTypePolicy):
+        yield policy_or_map
+
+
+def check_floating(policy_or_map: Any, argument: str = "policy_or_map") -> None:
+    """Apply wrappers run only policies with a floating compute dtype (as the global one)."""
+    for policy in _policies_of(policy_or_map):
+        compute = policy.compute_dtype
+        if compute is None or not dt.is_floating(compute):
+            raise ValueError(
+                "Apply wrappers run only policies with a floating compute dtype, such as "
+                "'float32', 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32' (quantized policies "
+                f"name their float source: 'int8_from_mixed_bfloat16'). Received: "
+                f"{argument}={policy_or_map!r}, which holds {policy!r}"
+            )
+
+
+def as_entry(value: Any, what: str) -> DTypePolicy | Island:
+    """A ``type_policies`` value: a policy, a name or an :class:`Island`."""
+    if isinstance(value, Island):
+        return value
+    try:
+        policy = as_policy_or_map(value, "type_policies")
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"Invalid `type_policies` value for {what}: {e}") from e
+    if not isinstance(policy, DTypePolicy):
+        raise TypeError(
+            f"Values of `type_policies` must be policies or policy names. Received for "
+            f"{what}: {value!r}"
+        )
+    check_floating(policy, f"type_policies[{what}]")
+    return policy
+
+
+def make_options(
+    type_policies: Any = None,
+    module_dtype: Any = "respect",
+    autocast_exclude: Any = (),
+    *,
+    module_base: type | None = None,
+    base_name: str = "",
+    example: str = "",
+) -> Options:
+    """Validates the apply wrappers' options into one frozen :class:`Options`.
+
+    ``module_base`` is the class every module class named in the options derives from
+    (``nn.Module``), ``base_name`` and ``example`` how errors spell it.
+    """
+    types: dict[type, DTypePolicy | Island] = {}
+    if type_policies is not None:
+        if not isinstance(type_policies, Mapping):
+            raise TypeError(
+                "`type_policies` must be a mapping from module classes to policies, such "
+                f"as {{{example or 'LayerNorm'}: 'float32'}}. Received: "
+                f"type_policies={type_policies!r}"
+            )
+        for cls, value in type_policies.items():
+            _check_class(cls, "type_policies", module_base, base_name, example)
+            types[cls] = as_entry(value, cls.__name__)
+    if not isinstance(module_dtype, str) or module_dtype not in MODULE_DTYPE_MODES:
+        raise ValueError(
+            "`module_dtype` must be 'respect' (a module's own `dtype` attribute wins over "
+            "the policy, as an explicit layer dtype does in Keras) or 'override' (the "
+            f"policy wins everywhere). Received: module_dtype={module_dtype!r}"
+        )
+    if isinstance(autocast_exclude, (str, type)):
+        autocast_exclude = (autocast_exclude,)
+    try:
+        entries = tuple(autocast_exclude)
+    except TypeError:
+        raise TypeError(
+            "`autocast_exclude` must be a sequence of module classes and/or path regular "
+            f"expressions. Received: autocast_exclude={autocast_exclude!r}"
+        ) from None
+    exclude_types: list[type] = []
+    patterns: list[re.Pattern[str]] = []
+    for entry in entries:
+        if isinstance(entry, str):
+            try:
+                patterns.append(re.compile(entry))
+            except re.error as e:
+                raise ValueError(
+                    f"`autocast_exclude` holds an invalid regular expression {entry!r}: {e}"
+                ) from e
+        elif isinstance(entry, type):
+            _check_class(entry, "autocast_exclude", module_base, base_name, example)
+            exclude_types.append(entry)
+        else:
+            raise TypeError(
+                "`autocast_exclude` entries must be module classes or path regular "
+                f"expressions (strings). Received: {entry!r} (of type {type(entry).__name__})"
+            )
+    return Options(
+        type_policies=types,
+        module_dtype=module_dtype,
+        exclude_types=tuple(exclude_types),
+        exclude_patterns=tuple(patterns),
+    )
+
+
+def _check_class(cls: Any, argument: str, base: type | None, base_name: str, example: str) -> None:
+    if not isinstance(cls, type):
+        raise TypeError(
+            f"`{argument}` takes module classes. Received {cls!r} (of type {type(cls).__name__})"
+        )
+    if base is not None and not issubclass(cls, base):
+        raise TypeError(
+            f"`{argument}` takes {base_name or base.__qualname__} subclasses, such as "
+            f"{example}. Received {cls!r}"
+        )
+
+
+def _match(policy_map: DTypePolicyMap, path: str) -> str | None:
+    match = getattr(policy_map, "match", None)  # TODO(merge): the map's public method
+    return match(path) if match is not None else policy_map._match(path)
+
+
+def _match_variable(policy_map: DTypePolicyMap, path: str) -> str | None:
+    match = getattr(policy_map, "match_variable", None)  # TODO(merge)
+    return match(path) if match is not None else policy_map._match(path, variable=True)
+
+
+class Resolver:
+    """Module and variable policies of one model run, cached per path.
+
+    ``infos`` (path -> :class:`ModuleInfo`) is what the glue has learnt of the model's
+    modules; it grows as modules are called (:meth:`module` records them).
+    """
+
+    def __init__(
+        self,
+        policy_or_map: Any,
+        options: Options,
+        infos: dict[str, ModuleInfo] | None = None,
+    ):
+        self.policy_or_map = policy_or_map
+        self.options = options
+        self.infos: dict[str, ModuleInfo] = {} if infos is None else infos
+        self._modules: dict[str, Resolution] = {}
+        self.used_keys: set[str] = set()
+
+    def _default(self) -> DTypePolicy:
+        if isinstance(self.policy_or_map, DTypePolicyMap):
+            return self.policy_or_map.default_policy
+        if self.policy_or_map is None:
+            return global_state.dtype_policy()
+        return self.policy_or_map
+
+    def _choose(self, path: str) -> tuple[DTypePolicy | Island, str, str | None]:
+        policy_map = self.policy_or_map if isinstance(self.policy_or_map, DTypePolicyMap) else None
+        types = self.options.type_policies
+        current: str | None = path
+        while current is not None:
+            if policy_map is not None:
+                key = _match(policy_map, current)
+                if key is not None:
+                    self.used_keys.add(key)
+                    return policy_map[key], f"key {key!r}", key
+            if types:
+                info = self.infos.get(current)
+                if info is not None and info.cls is not None:
+                    for base in info.cls.__mro__:
+                        if base in types:
+                            return types[base], f"type {info.cls.__name__}", None
+            current = parent_path(current) or None
+        return self._default(), "default", None
+
+    def module(
+        self, path: str, cls: type | None = None, own_dtype: np.dtype | None = None
+    ) -> Resolution:
+        """The resolution of a module path (recording ``cls`` and ``own_dtype``)."""
+        cached = self._modules.get(path)
+        if cached is not None:
+            return cached
+        if cls is not None:
+            self.infos.setdefault(path, ModuleInfo(cls, own_dtype))
+        info = self.infos.get(path, ModuleInfo(None, None))
+        chosen, source, key = self._choose(path)
+        island = isinstance(chosen, Island)
+        resolved = chosen.policy if isinstance(chosen, Island) else chosen
+        policy, set_dtype, own = resolved, None, info.own_dtype
+        if own is not None and own != resolved.compute_dtype:
+            if self.options.module_dtype == "override":
+                set_dtype = resolved.compute_dtype
+            else:
+                policy = resolved.with_compute_dtype(own).with_output_dtype(own)
+                island = False
+        autocast = not self.options.excluded(path, info.cls)
+        result = Resolution(policy, resolved, source, key, own, set_dtype, autocast, island)
+        self._modules[path] = result
+        return result
+
+    def variable(self, path: str) -> tuple[DTypePolicy, bool]:
+        """A variable's policy (its compute dtype is what the module reads) and whether a
+        key names the variable itself."""
+        if isinstance(self.policy_or_map, DTypePolicyMap):
+            key = _match_variable(self.policy_or_map, path)
+            if key is not None:
+                self.used_keys.add(key)
+                return self.policy_or_map[key], True
+        return self.module(parent_path(path) or "").policy, False
+
+    def variable_dtype(self, path: str) -> np.dtype:
+        """The dtype a variable is stored in (``init``): the resolved policy's."""
+        if isinstance(self.policy_or_map, DTypePolicyMap):
+            key = _match_variable(self.policy_or_map, path)
+            if key is not None:
+                return self.policy_or_map[key].variable_dtype
+        return self.module(parent_path(path) or "").resolved.variable_dtype
+
+    def overridden(self) -> list[str]:
+        """Paths whose own ``dtype`` overrides the policy's compute dtype (``respect``)."""
+        return [
+            path
+            for path, r in self._modules.items()
+            if r.own_dtype is not None and r.own_dtype != r.resolved.compute_dtype
+        ]
+
+    def unused_keys(self) -> list[str]:
+        """The map's keys that chose nothing in this run (typos, most likely)."""
+        if not isinstance(self.policy_or_map, DTypePolicyMap):
+            return []
+        return [k for k in self.policy_or_map if k not in self.used_keys]
+
+
+# -- what a run tells the user ------------------------------------------------------------
+
+_WARNED: set[tuple[Any, ...]] = set()
+
+
+def warn_once(resolver: Resolver, model: str, once: Any) -> None:
+    """Warns (once per ``once`` key) when the run quietly turned the user's request off.
+
+    Two cases: modules' own ``dtype`` attributes overriding the policy for most of the
+    model (the way out: ``module_dtype="override"``), and keys of the map that chose no
+    module or variable (typos, most likely; ``unused_keys`` lists them).
+    """
+    overridden = resolver.overridden()
+    total = len(resolver.infos)
+    if overridden and 2 * len(overridden) >= total and (once, "dtype") not in _WARNED:
+        _WARNED.add((once, "dtype"))
+        asked = sorted({resolver.module(p).resolved.compute_dtype.name for p in overridden})
+        own = sorted({str(resolver.module(p).own_dtype) for p in overridden})
+        warnings.warn(
+            f"{len(overridden)} of {total} modules of {model} set their own `dtype` "
+            f"({', '.join(own)}), which wins over the policy's compute dtype "
+            f"({', '.join(asked)}), so most of the model does not run in the policy's "
+            'dtype. Pass `module_dtype="override"` to let the policy win everywhere, or '
+            "leave the modules' `dtype` unset.",
+            UserWarning,
+            stacklevel=4,
+        )
+    unused = resolver.unused_keys()
+    if unused and (once, "keys") not in _WARNED:
+        _WARNED.add((once, "keys"))
+        warnings.warn(
+            f"Keys of the DTypePolicyMap resolve no module or variable of {model}: "
+            f"{unused}. Check them for typos; `DTypePolicyMap.unused_keys(params)` lists "
+            "them for a parameter tree.",
+            UserWarning,
+            stacklevel=4,
+        )

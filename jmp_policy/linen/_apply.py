@@ -1,0 +1,432 @@
+"""Running a Linen model per submodule: the interceptor, parameter casts, apply and init."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax.core.scope import in_filter
+
+from jmp_policy._src import casting, interception
+from jmp_policy._src.policy_map import leaf_path
+from jmp_policy._src.resolution import (
+    Options,
+    Resolver,
+    as_policy_or_map,
+    check_floating,
+    warn_once,
+)
+from jmp_policy.linen import _modules as m
+
+_INIT_MUTABLE = nn.DenyList("intermediates")  # `module.init`'s default
+_MAX_RETRACES = 8
+
+
+@contextlib.contextmanager
+def _dtype_set(module: nn.Module, dtype: Any) -> Iterator[None]:
+    """``module_dtype="override"``: the module's own ``dtype`` is the policy's for a call."""
+    if dtype is None:
+        yield
+        return
+    old = module.dtype  # type: ignore[attr-defined]
+    object.__setattr__(module, "dtype", dtype)
+    try:
+        yield
+    finally:
+        object.__setattr__(module, "dtype", old)
+
+
+def interceptor(resolver: Resolver, root_method: str | None) -> Callable[..., Any]:
+    """The ``nn.intercept_methods`` interceptor: finds the call and hands it to the hook.
+
+    Intercepted: every module's ``__call__``, and the root's ``root_method``.
+    """
+    extensions = resolver.options.extensions
+
+    def intercept(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
+        module = context.module
+        name = context.method_name
+        if name != "__call__" and not (name == root_method and not module.path):
+            return next_fun(*args, **kwargs)
+        path = m.path_of(module)
+        resolution = resolver.module(path, type(module), m.own_dtype(module))
+        call = interception.Call(path, module, resolution)
+        with _dtype_set(module, resolution.set_dtype):
+            return interception.run(call, next_fun, args, kwargs, extensions=extensions)
+
+    return intercept
+
+
+def _cast_params(params: Any, resolver: Resolver) -> Any:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [
+        casting.cast_leaf(leaf, resolver.variable(leaf_path(kp))[0].compute_dtype)
+        for kp, leaf in flat
+    ]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _decisions(params: Any, resolver: Resolver) -> dict[str, Any]:
+    """The compute dtype each parameter is read in, by path."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = [leaf_path(kp) for kp, leaf in flat if hasattr(leaf, "dtype")]
+    return {p: resolver.variable(p)[0].compute_dtype for p in paths}
+
+
+def _with_params(variables: Mapping[str, Any], fn: Callable[[Any], Any]) -> Any:
+    if "params" not in variables:
+        return variables
+    result = dict(variables)
+    result["params"] = fn(variables["params"])
+    return result
+
+
+def _restore_params(returned: Any, passed: Any, stored: Any, resolver: Resolver) -> Any:
+    """``mutable`` "params" back in their stored dtypes (the stored leaf when unchanged)."""
+
+    def by_path(tree: Any) -> dict[str, Any]:
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {leaf_path(key_path): leaf for key_path, leaf in flat}
+
+    passed_leaves, stored_leaves = by_path(passed), by_path(stored)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(returned)
+    leaves = []
+    for key_path, leaf in flat:
+        path = leaf_path(key_path)
+        if path in stored_leaves and leaf is passed_leaves[path]:
+            leaves.append(stored_leaves[path])
+        elif path in stored_leaves and hasattr(stored_leaves[path], "dtype"):
+            leaves.append(casting.cast_leaf(leaf, stored_leaves[path].dtype))
+        else:
+            leaves.append(casting.cast_leaf(leaf, resolver.variable_dtype(path)))
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _root_method(method: Any) -> str:
+    return "__call__" if method is None else method if isinstance(method, str) else ""
+
+
+def run_traced(
+    module: nn.Module,
+    resolved: Any,
+    options: Options,
+    known: dict[str, Any],
+    variables: Mapping[str, Any],
+    call: Callable[[Any, Resolver], Any],
+    method: Any,
+) -> tuple[Any, Resolver, Any]:
+    """Runs ``call(cast_variables, resolver)`` under the interceptor, learning the model's modules.
+
+    Parameters are cast before the model runs, so their dtypes are chosen from what is
+    known of the modules (``known``: classes and own dtypes from earlier runs). The run
+    records every module it calls; when that changes any parameter's dtype (a class in
+    ``type_policies``, a module's own ``dtype``), the model is run again with what it
+    learnt, so a float32 island's weights are never rounded through bfloat16. A model
+    whose modules are known, or whose policies depend on paths only, is traced once.
+
+    Returns:
+        ``(result, resolver, cast_variables)`` of the run that counts.
+    """
+    params = variables.get("params", {})
+    for _ in range(_MAX_RETRACES):
+        chosen = Resolver(resolved, options, dict(known))
+        cast_variables = _with_params(variables, lambda p: _cast_params(p, chosen))  # noqa: B023
+        resolver = Resolver(resolved, options, dict(known))
+        error: Exception | None = None
+        try:
+            with (
+                nn.intercept_methods(interceptor(resolver, _root_method(method))),
+                interception.loop_carries(),
+            ):
+                result = call(cast_variables, resolver)
+        except Exception as e:
+            error = e
+        resolver.used_keys |= chosen.used_keys
+        learnt = Resolver(resolved, options, dict(resolver.infos))
+        stale = _decisions(params, chosen) != _decisions(params, learnt)
+        known.update(resolver.infos)
+        if error is not None:
+            if not stale:
+                raise error
+            continue
+        if not stale:
+            return result, resolver, cast_variables
+    raise RuntimeError(  # pragma: no cover - only a model that changes with every trace
+        f"{type(module).__name__} calls different modules on every trace; jmp_policy "
+        "could not settle the dtypes of its parameters."
+    )
+
+
+def method_for(resolver: Resolver, method: Any) -> Any:
+    """``method`` for ``module.apply``; a callable (not a module method) runs in the hook."""
+    if not callable(method):
+        return method
+
+    def run_root(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        resolution = resolver.module("", type(module), m.own_dtype(module))
+        call = interception.Call("", module, resolution)
+        return interception.run(
+            call,
+            lambda *a, **k: method(module, *a, **k),
+            args,
+            kwargs,
+            extensions=resolver.options.extensions,
+        )
+
+    return run_root
+
+
+def apply(
+    module: nn.Module,
+    policy_or_map: Any,
+    method: Any = None,
+    *,
+    type_policies: Mapping[type, Any] | None = None,
+    module_dtype: str = "respect",
+    autocast_exclude: Any = (),
+) -> Callable[..., Any]:
+    """Makes ``module.apply`` run every submodule under its own policy.
+
+    The returned function has ``module.apply``'s signature,
+    ``fn(variables, *args, rngs=None, method=None, mutable=False,
+    capture_intermediates=False, **kwargs)``, and returns what ``module.apply`` returns
+    (``(outputs, mutated)`` when ``mutable`` is set). Each submodule's parameters and every
+    floating leaf of its arguments are cast to its compute dtype, and
+    :func:`jmp_policy.current_policy` returns its policy while it runs; its outputs are
+    cast only when its policy's output dtype differs from its compute dtype
+    (``"p=f32,c=bf16,o=f32"``), and left as computed otherwise (Keras names), so a
+    float32 head returns float32 logits. The root module runs under the policy of the
+    path ``""``. Only the ``"params"`` collection is cast: BatchNorm statistics and caches
+    stay in their stored dtype; when ``mutable`` includes ``"params"``, the parameters
+    come back as stored (not as cast). The carry of every loop in the model keeps the
+    dtype it entered with.
+
+    Works under ``jax.jit``, ``jax.grad`` (gradients come back in the stored dtype,
+    float32 for float32 master weights), ``nn.scan``, ``nn.RNN``, ``nn.while_loop``,
+    ``nn.fori_loop``, ``nn.remat``, ``nn.vmap``, with ``rngs=`` and ``mutable=``. Warns
+    once when modules' own ``dtype`` overrides the policy for most of the model, and when
+    a key of the map chooses nothing (a typo). See :mod:`jmp_policy.linen`.
+
+    Args:
+        module: a ``flax.linen`` Module instance.
+        policy_or_map: a policy, a policy name, a :class:`~jmp_policy.DTypePolicyMap`, a
+            ``dict`` of keys to policies (a map whose default is the global policy) or
+            ``None`` (the global policy). Only floating compute dtypes.
+        method: the method to run (a name or ``fn(module, *args)``); ``None`` is
+            ``__call__``. The returned function's ``method=`` overrides it.
+        type_policies: ``{ModuleClass: policy or name}``: every instance of a class (or a
+            subclass) gets that policy, unless a key of the map matches its own path; it
+            wins over inheritance from an ancestor. See :data:`NORM_FLOAT32`.
+        module_dtype: ``"respect"`` (a module's own ``dtype=`` wins, as an explicit layer
+            dtype does in Keras) or ``"override"`` (the policy wins everywhere: the
+            module runs with its ``dtype`` set to the policy's compute dtype).
+        autocast_exclude: module classes and/or path regular expressions whose modules
+            receive their inputs as given (a diffusion timestep, positions as floats).
+
+    Returns:
+        A function with ``module.apply``'s signature.
+
+    Raises:
+        TypeError: ``module`` is not a Linen module, ``method``, ``type_policies``,
+            ``autocast_exclude`` or ``variables`` has the wrong type.
+        ValueError: ``policy_or_map`` names no policy or a non-floating one, ``method``
+            names no method, or ``module_dtype`` is neither "respect" nor "override".
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import flax.linen as nn
+        >>> import jmp_policy as jp
+        >>> class Model(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         h = nn.Dense(8, name="body")(x)
+        ...         return nn.Dense(2, name="head")(h)
+        >>> model = Model()
+        >>> x = jnp.ones((4, 3))
+        >>> variables = model.init(jax.random.key(0), x)
+        >>> fn = jp.linen.apply(model, jp.DTypePolicyMap(
+        ...     "mixed_bfloat16", {"head": "float32"}))
+        >>> fn(variables, x).dtype   # the float32 head's output, as computed
+        dtype('float32')
+        >>> loss = lambda p: fn({"params": p}, x).sum()
+        >>> grads = jax.jit(jax.grad(loss))(variables["params"])
+        >>> grads["body"]["kernel"].dtype
+        dtype('float32')
+        >>> jp.linen.apply(model, "mixed_bfloat16")(variables, x).dtype
+        dtype(bfloat16)
+    """
+    m.check_module(module)
+    resolved = as_policy_or_map(policy_or_map)
+    check_floating(resolved)
+    options = m.options(type_policies, module_dtype, autocast_exclude)
+    m.check_method(module, method)
+    default_method = method
+    known: dict[str, Any] = {}
+    once = (id(resolved), type(module))
+
+    def apply_fn(
+        variables: Mapping[str, Any],
+        *args: Any,
+        rngs: Any = None,
+        method: Any = None,
+        mutable: Any = False,
+        capture_intermediates: Any = False,
+        **kwargs: Any,
+    ) -> Any:
+        m.check_variables(variables)
+        method = default_method if method is None else method
+        m.check_method(module, method)
+
+        def call(cast_variables: Any, resolver: Resolver) -> Any:
+            return module.apply(
+                cast_variables,
+                *args,
+                rngs=rngs,
+                method=method_for(resolver, method),
+                mutable=mutable,
+                capture_intermediates=capture_intermediates,
+                **kwargs,
+            )
+
+        result, resolver, cast_variables = run_traced(
+            module, resolved, options, known, variables, call, method
+        )
+        warn_once(resolver, type(module).__name__, once)
+        if mutable is not False or capture_intermediates:
+            out, state = result
+            if isinstance(state, Mapping) and "params" in state and "params" in variables:
+                state = dict(state)
+                state["params"] = _restore_params(
+                    state["params"], cast_variables["params"], variables["params"], resolver
+                )
+            return out, state
+        return result
+
+    return apply_fn
+
+
+def init(
+    module: nn.Module,
+    policy_or_map: Any,
+    method: Any = None,
+    *,
+    type_policies: Mapping[type, Any] | None = None,
+    module_dtype: str = "respect",
+    autocast_exclude: Any = (),
+) -> Callable[..., Any]:
+    """Makes ``module.init`` run under a policy or a map; parameters in their variable dtype.
+
+    The returned function has ``module.init``'s signature,
+    ``fn(rngs, *args, method=None, mutable=DenyList("intermediates"),
+    capture_intermediates=False, **kwargs)``, and returns the variables. Submodules run
+    as under :func:`apply`; each leaf of the ``"params"`` collection is then cast to the
+    variable dtype of its path's policy (usually float32, the master weights). Other
+    collections are returned as created.
+
+    Args:
+        module: a ``flax.linen`` Module instance.
+        policy_or_map: as in :func:`apply`.
+        method: as in :func:`apply`.
+        type_policies: as in :func:`apply`.
+        module_dtype: as in :func:`apply`.
+        autocast_exclude: as in :func:`apply`.
+
+    Returns:
+        A function with ``module.init``'s signature.
+
+    Raises:
+        TypeError: ``module`` is not a Linen module, or an option has the wrong type.
+        ValueError: ``policy_or_map`` names no policy or a non-floating one, or ``method``
+            names no method.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import flax.linen as nn
+        >>> import jmp_policy as jp
+        >>> model = nn.Dense(2, param_dtype=jnp.bfloat16)
+        >>> fn = jp.linen.init(model, {"": "p=f32,c=bf16,o=f32"})
+        >>> variables = fn(jax.random.key(0), jnp.ones((1, 3)))
+        >>> variables["params"]["kernel"].dtype
+        dtype('float32')
+        >>> jp.linen.init(model, "bfloat16")(jax.random.key(0), jnp.ones((1, 3)))[
+        ...     "params"]["bias"].dtype
+        dtype(bfloat16)
+    """
+    m.check_module(module)
+    resolved = as_policy_or_map(policy_or_map)
+    check_floating(resolved)
+    options = m.options(type_policies, module_dtype, autocast_exclude)
+    m.check_method(module, method)
+    default_method = method
+    once = (id(resolved), type(module))
+
+    def init_fn(
+        rngs: Any,
+        *args: Any,
+        method: Any = None,
+        mutable: Any = _INIT_MUTABLE,
+        capture_intermediates: Any = False,
+        **kwargs: Any,
+    ) -> Any:
+        method = default_method if method is None else method
+        m.check_method(module, method)
+        # 1. Flax creates the parameters (in their `param_dtype`) and reads them as
+        #    created; the run learns the model's modules.
+        first = Resolver(resolved, options)
+        with (
+            nn.intercept_methods(interceptor(first, _root_method(method))),
+            interception.loop_carries(),
+        ):
+            created = module.init(
+                rngs,
+                *args,
+                method=method_for(first, method),
+                mutable=mutable,
+                capture_intermediates=capture_intermediates,
+                **kwargs,
+            )
+        known = dict(first.infos)
+        if "params" not in created:
+            warn_once(first, type(module).__name__, once)
+            return created
+        params = created["params"]
+
+        # 2. The other collections (caches, batch statistics, float8 state) are made as
+        #    `apply` will use them: by a run on the parameters cast to compute dtypes.
+        apply_rngs = rngs if isinstance(rngs, Mapping) else {"params": rngs}
+
+        def call(cast_variables: Any, resolver: Resolver) -> Any:
+            return module.apply(
+                cast_variables,
+                *args,
+                rngs=apply_rngs,
+                method=method_for(resolver, method),
+                mutable=True,
+                capture_intermediates=capture_intermediates,
+                **kwargs,
+            )
+
+        (_, state), resolver, _ = run_traced(
+            module, resolved, options, known, {"params": params}, call, method
+        )
+
+        def to_variable(params: Any) -> Any:
+            flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+            leaves = [
+                casting.cast_leaf(leaf, resolver.variable_dtype(leaf_path(kp))) for kp, leaf in flat
+            ]
+            return jax.tree_util.tree_unflatten(treedef, leaves)
+
+        variables = {"params": to_variable(params)}
+        for name, collection in state.items():
+            if name != "params" and in_filter(mutable, name):
+                variables[name] = collection
+        warn_once(resolver, type(module).__name__, once)
+        return variables
+
+    return init_fn

@@ -1,0 +1,37 @@
+"""Flax NNX integration: run an NNX model per submodule under a policy or a map.
+
+:func:`apply` makes a function that runs an NNX model with each submodule's inputs and
+parameters in its own compute dtype, without changing the model's stored parameters;
+:func:`explain` says which policy each submodule gets and why. The rules (the output rule,
+loop carries, a module's own ``dtype`` and ``module_dtype``, ``autocast_exclude``,
+``type_policies``) are the ones of :mod:`jmp_policy.linen`: both integrations only find
+the calls and hand them to one hook. ``NORM_FLOAT32`` is a ready ``type_policies``
+mapping that computes NNX's normalisation layers (``LayerNorm``, ``RMSNorm``,
+``BatchNorm``, ``GroupNorm``, ``InstanceNorm``) in float32 and returns their outputs in
+the caller's compute dtype.
+
+Examples:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jmp_policy as jp
+    >>> sorted(cls.__name__ for cls in jp.nnx.NORM_FLOAT32)
+    ['BatchNorm', 'GroupNorm', 'InstanceNorm', 'LayerNorm', 'RMSNorm']
+    >>> norm = nnx.LayerNorm(4, rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((2, 4))
+    >>> jp.nnx.apply(norm, "bfloat16")(x).dtype
+    dtype(bfloat16)
+    >>> jp.nnx.apply(norm, "bfloat16", type_policies={nnx.LayerNorm: "float32"})(x).dtype
+    dtype('float32')
+"""
+
+from __future__ import annotations
+
+from jmp_policy.nnx._apply import apply as apply
+from jmp_policy.nnx._explain import explain as explain
+from jmp_policy.nnx._modules import NORM_FLOAT32 as NORM_FLOAT32
+
+__all__ = ["NORM_FLOAT32", "apply", "explain"]
+
+
+def __dir__() -> list[str]:
+    return list(__all__)

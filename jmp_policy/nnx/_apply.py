@@ -1,0 +1,253 @@
+"""Running an NNX model per submodule: a policy-running copy of the object graph."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jmp_policy._src import casting, interception
+from jmp_policy._src.policy_map import leaf_path
+from jmp_policy._src.resolution import (
+    Resolution,
+    Resolver,
+    as_policy_or_map,
+    check_floating,
+    warn_once,
+)
+from jmp_policy.nnx import _modules as m
+
+# The attributes a policy-running subclass keeps its original class and its call under.
+_ORIGINAL = "_jmp_policy_original_class"
+_CALL = "_jmp_policy_call"
+_SUBCLASSES: dict[tuple[Any, ...], type] = {}
+
+
+def _policy_method(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Bound as Python would: a function or a transform's wrapper (`@nnx.jit`) gets
+        # `self`; a staticmethod or a plain callable object does not.
+        get = getattr(type(original), "__get__", None)
+        bound = original if get is None else get(original, self, type(self))
+        path, resolution, extensions = getattr(type(self), _CALL)
+        call = interception.Call(path, self, resolution)
+        return interception.run(
+            call, bound, args, kwargs, extensions=extensions, opaque=m.is_nnx_object
+        )
+
+    return method
+
+
+def resolver_for(model: nnx.Module, resolved: Any, options: Any) -> Resolver:
+    """A resolver that knows every module of ``model`` (classes and own dtypes)."""
+    resolver = Resolver(resolved, options)
+    modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]) > 0)  # root first
+    for parts, module in modules:
+        cls = getattr(type(module), _ORIGINAL, type(module))
+        resolver.module(m.path_of(parts), cls, m.own_dtype(module))
+    return resolver
+
+
+def _policy_subclass(
+    cls: type, path: str, resolution: Resolution, extensions: Any, methods: tuple[str, ...]
+) -> type:
+    """A subclass of ``cls`` whose ``methods`` run through the hook (cached).
+
+    The call's path and resolution are class attributes, not instance attributes nor an
+    ``id()``-keyed table, so NNX transforms that split and re-merge a submodule inside
+    the model (``nnx.scan``, ``nnx.remat``, ``nnx.vmap``) recreate it with the same
+    behaviour.
+    """
+    cls = getattr(cls, _ORIGINAL, cls)
+    # Equal policies may have different names: keep the ones the user gave.
+    names = (resolution.policy.name, resolution.resolved.name)
+    key = (cls, path, resolution, names, extensions, methods)
+    subclass = _SUBCLASSES.get(key)
+    if subclass is None:
+        namespace: dict[str, Any] = {
+            _ORIGINAL: cls,
+            _CALL: (path, resolution, extensions),
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+        }
+        for name in methods:
+            original = m.method_of(cls, name)
+            if original is not None:
+                namespace[name] = _policy_method(original)
+        subclass = type(cls)(
+            cls.__name__, (cls,), namespace, pytree=getattr(cls, "_pytree__is_pytree", True)
+        )
+        _SUBCLASSES[key] = subclass
+    return subclass
+
+
+def apply(
+    model: nnx.Module,
+    policy_or_map: Any,
+    method: str | Callable[..., Any] = "__call__",
+    *,
+    type_policies: Mapping[type, Any] | None = None,
+    module_dtype: str = "respect",
+    autocast_exclude: Any = (),
+) -> Callable[..., Any]:
+    """Makes a function that runs an NNX ``model`` per submodule under a policy or a map.
+
+    The returned function takes ``method``'s arguments. Each submodule (the root under
+    the path ``""``) runs with the floating leaves of its positional and keyword
+    arguments and its ``nnx.Param`` values in its own compute dtype, under
+    :func:`jmp_policy.current_policy` returning its policy; its outputs are cast only when
+    its policy's output dtype differs from its compute dtype (Keras names leave them as
+    computed), and the carry of every loop (``nnx.scan``, ``nnx.RNN``, ``nnx.fori_loop``)
+    keeps the dtype it entered with. A module's path is its ``'/'``-joined attribute path,
+    integers as digits (``"layers/0"``), the same as its ``State`` paths without
+    ``.value``. A parameter's policy is resolved from its own path (``"embed/embedding"``),
+    so a key may name one variable; otherwise it is its module's. With ``type_policies``,
+    a key matching the module's own path wins over its class's policy, which wins over
+    inheritance from an ancestor. A submodule whose own ``dtype`` attribute is set
+    (``nnx.Linear(..., dtype=jnp.float32)``) computes in that dtype whatever the policy
+    says, unless ``module_dtype="override"``; when that turns the policy off for most of
+    the model, or a key of the map chooses nothing, it warns once.
+
+    **How it works.** Each call splits ``model`` (``nnx.split``), casts the ``nnx.Param``
+    values per variable path and merges a fresh copy of the object graph
+    (``nnx.merge``), so ``model`` keeps its stored parameters and ``nnx.grad`` through
+    the call gives gradients in their stored dtype (float32 master weights get float32
+    gradients). In the copy, each submodule's class is swapped for a cached subclass
+    whose ``__call__`` (and ``method``, when a name) hands the call to the one
+    per-submodule hook (inputs, ``current_policy()``, the output rule). The call is a
+    class attribute, so NNX transforms used inside the model (which re-merge submodules
+    into new instances) keep it. After the call, every non-``Param`` variable of the copy
+    (``BatchStat``, RNG counts, ``Cache``, sown ``Intermediate``) is written back into
+    ``model`` with ``nnx.update``, cast to its stored dtype.
+
+    Works under ``nnx.jit``, ``nnx.grad``/``nnx.value_and_grad``, ``nnx.vmap`` and
+    ``nnx.scan`` over a model and ``jax.jit`` of a ``split``/``merge`` function: call
+    ``apply`` inside the transformed function, on the model it receives.
+
+    **Not covered.** Only ``__call__`` (and ``method``) of submodules is wrapped: other
+    methods a parent calls on a submodule (``self.embed.attend(x)``) and code that reads
+    a submodule's parameters directly (``x @ self.linear.kernel``) run with the caller's
+    inputs and ``current_policy()``, on parameters already cast for their owner. A module
+    or parameter shared at several paths (tied weights) gets the policy of the first path
+    NNX's graph traversal finds. Changes to ``nnx.Param`` values made inside the call are
+    not written back. Modules created inside the call run unwrapped. Non-``Param``
+    variables (batch statistics, caches) are not cast to the compute dtype: create caches
+    in the compute dtype.
+
+    Args:
+        model: an ``nnx.Module``; never modified except for its non-``Param`` state.
+        policy_or_map: a policy, a policy name, a ``DTypePolicyMap``, a ``dict`` of keys
+            to policies (a map whose default is the global policy) or ``None`` (the
+            global policy). Only floating compute dtypes.
+        method: the name of the model's method to run (``"__call__"``), or a function
+            ``fn(model, *args, **kwargs)`` that runs under the root policy.
+        type_policies: ``{module class: policy or name}``, such as
+            :data:`NORM_FLOAT32`, giving every instance of a class (or subclass) a policy.
+        module_dtype: ``"respect"`` (a module's own ``dtype`` wins) or ``"override"``
+            (the policy wins everywhere: the copy's modules get the policy's dtype).
+        autocast_exclude: module classes and/or path regular expressions whose modules
+            receive their inputs as given.
+
+    Returns:
+        A function ``(*args, **kwargs)`` returning the method's outputs.
+
+    Raises:
+        TypeError: ``model`` is not an ``nnx.Module``, ``method`` is neither a string nor
+            callable, or an option has the wrong type.
+        ValueError: ``policy_or_map`` or a policy of ``type_policies`` is not a valid
+            floating policy, or the model has no method ``method``.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jmp_policy as jp
+        >>> class Model(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.encoder = nnx.Linear(3, 4, rngs=rngs)
+        ...         self.head = nnx.Linear(4, 2, rngs=rngs)
+        ...     def __call__(self, x):
+        ...         return self.head(self.encoder(x))
+        >>> model = Model(nnx.Rngs(0))
+        >>> policy_map = jp.DTypePolicyMap("mixed_bfloat16", {"head": "float32"})
+        >>> run = jp.nnx.apply(model, policy_map)
+        >>> run(jnp.ones((1, 3))).dtype   # the float32 head's logits
+        dtype('float32')
+        >>> model.encoder.kernel.dtype  # the stored parameters are unchanged
+        dtype('float32')
+        >>> loss = lambda m, x: jp.nnx.apply(m, "mixed_bfloat16")(x).astype("float32").sum()
+        >>> grads = nnx.grad(loss)(model, jnp.ones((1, 3)))
+        >>> {x.dtype for x in jax.tree.leaves(grads)}
+        {dtype('float32')}
+    """
+    m.check_model(model)
+    resolved = as_policy_or_map(policy_or_map)
+    check_floating(resolved)
+    options = m.options(type_policies, module_dtype, autocast_exclude)
+    methods = m.methods_for(model, method)
+    extensions = options.extensions
+    once = (id(resolved), type(model))
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        resolver = resolver_for(model, resolved, options)
+        graphdef, state = nnx.split(model)
+        stored: dict[str, np.dtype] = {}
+
+        def cast_variable(key_path: Any, variable: Any) -> Any:
+            path = leaf_path(key_path)
+            if isinstance(variable, nnx.Param):
+                policy = resolver.variable(path)[0]
+                return variable.replace(policy.cast_to_compute(variable.get_value()))
+            value = variable.get_value()
+            if isinstance(value, (jax.Array, np.ndarray)):
+                stored[path] = value.dtype
+            return variable.replace(variable.get_value())  # A fresh variable for the copy.
+
+        copy_state = jax.tree_util.tree_map_with_path(
+            cast_variable, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+        copy = nnx.merge(graphdef, copy_state)
+        for parts, module in list(nnx.iter_modules(copy)):
+            path = m.path_of(parts)
+            resolution = resolver.module(path)
+            if resolution.set_dtype is not None:
+                object.__setattr__(module, "dtype", resolution.set_dtype)
+            wrapped = tuple(name for name in methods if m.method_of(type(module), name))
+            if wrapped:
+                subclass = _policy_subclass(type(module), path, resolution, extensions, wrapped)
+                object.__setattr__(module, "__class__", subclass)
+
+        with interception.loop_carries():
+            if isinstance(method, str):
+                out = getattr(copy, method)(*args, **kwargs)
+            else:
+                call = interception.Call("", copy, resolver.module(""))
+                out = interception.run(
+                    call,
+                    functools.partial(method, copy),
+                    args,
+                    kwargs,
+                    extensions=extensions,
+                    opaque=m.is_nnx_object,
+                )
+
+        def restore(key_path: Any, variable: Any) -> Any:
+            dtype = stored.get(leaf_path(key_path))
+            if dtype is None:  # Created during the call, or not an array: kept as is.
+                return variable
+            return variable.replace(casting.cast_leaf(variable.get_value(), dtype))
+
+        updates = nnx.state(copy, nnx.Not(nnx.Param))
+        updates = jax.tree_util.tree_map_with_path(
+            restore, updates, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+        nnx.update(model, updates)
+        warn_once(resolver, type(model).__name__, once)
+        return out
+
+    return run

@@ -1,0 +1,66 @@
+"""``explain``: which policy every submodule of an NNX model runs under, and why."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flax import nnx
+
+from jmp_policy._src.explain import table
+from jmp_policy._src.resolution import as_policy_or_map, check_floating
+from jmp_policy.nnx import _apply
+from jmp_policy.nnx import _modules as m
+
+
+def explain(
+    model: nnx.Module,
+    policy_or_map: Any,
+    *,
+    type_policies: Mapping[type, Any] | None = None,
+    module_dtype: str = "respect",
+    autocast_exclude: Any = (),
+) -> str:
+    """A table of the policy every submodule of ``model`` runs under, and why.
+
+    One row per module path (and one per variable that a key of the map names itself),
+    in the order of ``nnx.iter_modules``: the module's class, the policy resolved for it,
+    its source (``key '<key>'``, ``type <Class>`` or ``default``), the module's own
+    ``dtype`` when set, the stored and compute dtypes of its ``nnx.Param`` values and
+    their bytes stored and in compute. Nothing is run (NNX modules exist before they are
+    called); ``jax.eval_shape``-made models (``nnx.eval_shape``) work too.
+
+    Args:
+        model: an ``nnx.Module``.
+        policy_or_map: as in :func:`apply`.
+        type_policies: as in :func:`apply`.
+        module_dtype: as in :func:`apply`.
+        autocast_exclude: as in :func:`apply`.
+
+    Returns:
+        The table as a string.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jmp_policy as jp
+        >>> class Model(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.body = nnx.Linear(3, 4, rngs=rngs)
+        ...         self.norm = nnx.LayerNorm(4, rngs=rngs)
+        ...         self.head = nnx.Linear(4, 2, dtype=jnp.float32, rngs=rngs)
+        >>> model = Model(nnx.Rngs(0))
+        >>> print(jp.nnx.explain(model, "mixed_bfloat16", type_policies=jp.nnx.NORM_FLOAT32))
+        path    class      policy          source          own  stored  compute  bytes  compute bytes
+        <root>  Model      mixed_bfloat16  default
+        body    Linear     mixed_bfloat16  default              f32     bf16        64             32
+        head    Linear     mixed_bfloat16  default         f32  f32     f32         40             40
+        norm    LayerNorm  float32         type LayerNorm       f32     f32         32             32
+        total                                                                      136            104
+    """
+    m.check_model(model)
+    resolved = as_policy_or_map(policy_or_map)
+    check_floating(resolved)
+    options = m.options(type_policies, module_dtype, autocast_exclude)
+    resolver = _apply.resolver_for(model, resolved, options)
+    return table(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
