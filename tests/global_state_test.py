@@ -259,4 +259,3 @@ def test_call_is_a_named_tuple_of_policy_and_path():
     assert call.policy == jp.DTypePolicy("float32")
     assert call.path == "a/b"
     assert call._fields == ("policy", "path")
-

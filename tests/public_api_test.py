@@ -19,6 +19,7 @@ DOCUMENTED = [
     "Policy",
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
+    "Int4DTypePolicy",
     "get",
     "get_policy",
     "serialize",
@@ -90,6 +91,7 @@ def test_module_docstring_has_example():
         jp.Policy,
         jp.QuantizedDTypePolicy,
         jp.QuantizedFloat8DTypePolicy,
+        jp.Int4DTypePolicy,
     ],
 )
 @pytest.mark.parametrize("member", POLICY_MEMBERS)
@@ -101,6 +103,7 @@ def test_policy_classes_are_one_family():
     for cls in (jp.FloatDTypePolicy, jp.Policy, jp.QuantizedDTypePolicy):
         assert issubclass(cls, jp.DTypePolicy)
     assert issubclass(jp.QuantizedFloat8DTypePolicy, jp.QuantizedDTypePolicy)
+    assert issubclass(jp.Int4DTypePolicy, jp.QuantizedDTypePolicy)
 
 
 def test_version_is_a_string():

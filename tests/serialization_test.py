@@ -141,7 +141,7 @@ KERAS_CONFIGS = [
             "config": {"mode": "int4/128", "source_name": "mixed_bfloat16"},
             "registered_name": None,
         },
-        jp.QuantizedDTypePolicy,
+        jp.Int4DTypePolicy,
         "int4/128_from_mixed_bfloat16",
         (F32, BF16, BF16),
     ),
@@ -305,7 +305,7 @@ def test_deserialize_ill_typed_config_raises_type_error(config, match):
         jp.deserialize(config)
 
 
-@pytest.mark.parametrize("bad", [3, None, ["float32"], jnp.float32])
+@pytest.mark.parametrize("bad", [3, ["float32"], jnp.float32])
 def test_deserialize_non_dict_raises_type_error(bad):
     with pytest.raises(TypeError, match="`config` must be a dict"):
         jp.deserialize(bad)
@@ -342,7 +342,8 @@ def test_get_none_is_global_policy():
         ("half", jp.DTypePolicy),
         ("int32", jp.DTypePolicy),
         ("int8_from_mixed_bfloat16", jp.QuantizedDTypePolicy),
-        ("int4/64_from_float32", jp.QuantizedDTypePolicy),
+        ("int4/64_from_float32", jp.Int4DTypePolicy),
+        ("int4_from_float32", jp.QuantizedDTypePolicy),
         ("float8_from_float32", jp.QuantizedFloat8DTypePolicy),
         ("float8_from_mixed_float16", jp.QuantizedFloat8DTypePolicy),
     ],
@@ -616,7 +617,10 @@ def test_serialize_keras_format_of_map():
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda: jp.get_policy("p=f32,c=bf16,o=f32"), r"Keras has no output dtype.*p=f32,c=bf16,o=f32"),
+        (
+            lambda: jp.get_policy("p=f32,c=bf16,o=f32"),
+            r"Keras has no output dtype.*p=f32,c=bf16,o=f32",
+        ),
         (lambda: jp.get_policy("p=bf16,c=f32"), r"Keras cannot represent.*p=bf16,c=f32"),
         (lambda: jp.Policy("_infer"), r"Keras 3 has no '_infer' policy"),
         (lambda: MyPolicy("float32"), r"Keras cannot represent.*subclass 'MyPolicy'"),
