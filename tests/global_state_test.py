@@ -259,3 +259,18 @@ def test_call_is_a_named_tuple_of_policy_and_path():
     assert call.policy == jp.DTypePolicy("float32")
     assert call.path == "a/b"
     assert call._fields == ("policy", "path")
+
+
+def test_jitted_function_keeps_the_policy_it_was_traced_under():
+    # README "Good to know": the global policy is read at trace time.
+    import jax
+
+    def body(x):
+        return x.astype(jp.dtype_policy().compute_dtype)
+
+    make = jax.jit(body)
+    x = jnp.ones(2)
+    with jp.policy_scope("mixed_bfloat16"):
+        assert make(x).dtype == jnp.bfloat16
+    assert make(x).dtype == jnp.bfloat16  # cached trace: the scope has ended
+    assert jax.jit(lambda x: body(x))(x).dtype == jnp.float32  # a new trace reads it again
