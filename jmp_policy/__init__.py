@@ -8,18 +8,18 @@ Examples:
     dtype(bfloat16)
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
+import importlib as _importlib
 
 # --- policies ---
 from jmp_policy._src.policy import DTypePolicy as DTypePolicy
 from jmp_policy._src.policy import FloatDTypePolicy as FloatDTypePolicy
 from jmp_policy._src.policy import Policy as Policy
-from jmp_policy._src.policy import QuantizedDTypePolicy as QuantizedDTypePolicy
-from jmp_policy._src.policy import QuantizedFloat8DTypePolicy as QuantizedFloat8DTypePolicy
-from jmp_policy._src.policy import get_policy as get_policy
+from jmp_policy._src.policy_names import get_policy as get_policy
+from jmp_policy._src.quantized_policy import Int4DTypePolicy as Int4DTypePolicy
+from jmp_policy._src.quantized_policy import QuantizedDTypePolicy as QuantizedDTypePolicy
+from jmp_policy._src.quantized_policy import (
+    QuantizedFloat8DTypePolicy as QuantizedFloat8DTypePolicy,
+)
 from jmp_policy._src.casting import cast_to_full as cast_to_full
 from jmp_policy._src.casting import cast_to_half as cast_to_half
 from jmp_policy._src.casting import half_dtype as half_dtype
@@ -58,6 +58,7 @@ __all__ = [
     # policies
     "DTypePolicy",
     "FloatDTypePolicy",
+    "Int4DTypePolicy",
     "Policy",
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
@@ -94,8 +95,14 @@ __all__ = [
 _LAZY_SUBMODULES = ("linen", "nnx")
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     # `jmp_policy.linen` / `jmp_policy.nnx` import flax only when first used.
     if name in _LAZY_SUBMODULES:
-        return importlib.import_module(f"jmp_policy.{name}")
+        return _importlib.import_module(f"jmp_policy.{name}")
     raise AttributeError(f"module 'jmp_policy' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # The public names and the lazy integrations (without importing flax), no helpers.
+    dunders = [n for n in globals() if n.startswith("__") and n.endswith("__")]
+    return sorted({*__all__, *_LAZY_SUBMODULES, *dunders})

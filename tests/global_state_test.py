@@ -227,3 +227,50 @@ def test_new_policies_follow_scope():
         assert jp.DTypePolicy().compute_dtype == jnp.bfloat16
         assert jp.QuantizedDTypePolicy("int8").name == "int8_from_mixed_bfloat16"
         assert jp.get(None).name == "mixed_bfloat16"
+
+
+# -- the current call: what glue sets and `current_policy` / `current_path` read --------------
+
+
+def test_current_path_is_none_outside_a_call():
+    assert jp._src.global_state.current_path() is None
+
+
+def test_current_policy_scope_sets_policy_and_path_and_restores():
+    from jmp_policy._src import context, global_state
+
+    policy = jp.DTypePolicy("mixed_bfloat16")
+    with global_state.current_policy_scope(policy, path="encoder/mlp"):
+        assert jp.current_policy() is policy
+        assert global_state.current_path() == "encoder/mlp"
+        assert context.CALL.get() == context.Call(policy, "encoder/mlp")
+        with global_state.current_policy_scope(jp.DTypePolicy("float16")):
+            assert global_state.current_path() is None
+            assert jp.current_policy().name == "float16"
+        assert global_state.current_path() == "encoder/mlp"
+    assert global_state.current_path() is None
+    assert jp.current_policy() == jp.dtype_policy()
+
+
+def test_call_is_a_named_tuple_of_policy_and_path():
+    from jmp_policy._src import context
+
+    call = context.Call(jp.DTypePolicy("float32"), "a/b")
+    assert call.policy == jp.DTypePolicy("float32")
+    assert call.path == "a/b"
+    assert call._fields == ("policy", "path")
+
+
+def test_jitted_function_keeps_the_policy_it_was_traced_under():
+    # README "Good to know": the global policy is read at trace time.
+    import jax
+
+    def body(x):
+        return x.astype(jp.dtype_policy().compute_dtype)
+
+    make = jax.jit(body)
+    x = jnp.ones(2)
+    with jp.policy_scope("mixed_bfloat16"):
+        assert make(x).dtype == jnp.bfloat16
+    assert make(x).dtype == jnp.bfloat16  # cached trace: the scope has ended
+    assert jax.jit(lambda x: body(x))(x).dtype == jnp.float32  # a new trace reads it again

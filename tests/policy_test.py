@@ -280,7 +280,7 @@ def test_int8_policy_takes_dtypes_from_source(source, expected):
 def test_int4_policy_parses_block_size(mode, block):
     policy = jp.QuantizedDTypePolicy(mode, "mixed_bfloat16")
     assert policy.quantization_mode == "int4"
-    assert policy.mode == mode
+    assert policy.mode == "int4"  # Keras's `mode`; the block is `block_size`
     assert policy.block_size == block
     assert policy.name == f"{mode}_from_mixed_bfloat16"
     assert dtypes_of(policy) == (F32, BF16, BF16)
@@ -302,7 +302,7 @@ def test_int4_and_float8_accept_float16_compute(source):
     [
         ("int8_from_mixed_bfloat16", jp.QuantizedDTypePolicy, "int8"),
         ("int4_from_float32", jp.QuantizedDTypePolicy, "int4"),
-        ("int4/128_from_float32", jp.QuantizedDTypePolicy, "int4"),
+        ("int4/128_from_float32", jp.Int4DTypePolicy, "int4"),
         ("float8_from_mixed_bfloat16", jp.QuantizedFloat8DTypePolicy, "float8"),
         ("int8_from_p=f32,c=bf16,o=f32", jp.QuantizedDTypePolicy, "int8"),
     ],
@@ -602,7 +602,7 @@ def test_copy_and_deepcopy_give_equal_policy(policy):
     [
         (jp.DTypePolicy("mixed_bfloat16"), '<DTypePolicy "mixed_bfloat16">'),
         (jp.DTypePolicy("float32"), '<DTypePolicy "float32">'),
-        (jp.FloatDTypePolicy("mixed_float16"), '<FloatDTypePolicy "mixed_float16">'),
+        (jp.FloatDTypePolicy("mixed_float16"), '<DTypePolicy "mixed_float16">'),  # Keras's
         (jp.Policy("mixed_float16"), '<Policy "mixed_float16">'),
         (jp.DTypePolicy("c=f16"), '<DTypePolicy "c=f16">'),
         (
@@ -704,7 +704,7 @@ def test_with_dtype_leaves_original_unchanged():
 def test_with_dtype_on_quantized_keeps_kind_and_mode():
     policy = jp.QuantizedDTypePolicy("int4/128", "mixed_bfloat16").with_output_dtype("float32")
     assert type(policy) is jp.QuantizedDTypePolicy
-    assert policy.mode == "int4/128"
+    assert (policy.mode, policy.block_size) == ("int4", 128)
     assert dtypes_of(policy) == (F32, BF16, F32)
     assert policy == jp.get("int4/128_from_p=f32,c=bf16,o=f32")
     f8 = jp.QuantizedFloat8DTypePolicy("float8", "float32", 16).with_compute_dtype("bfloat16")
@@ -760,3 +760,173 @@ def test_jmp_constructor_rejects_two_variable_dtypes_and_bad_dtypes():
         jp.DTypePolicy(jnp.float32, "x")
     with pytest.raises(TypeError, match="`output_dtype` must be a numeric dtype"):
         jp.DTypePolicy(jnp.float32, jnp.float32, object)
+
+
+# -- Keras's and tf.keras's own classes and names ------------------------------------------
+
+
+def test_float_dtype_policy_repr_is_keras():
+    # Keras prints a FloatDTypePolicy under its first name.
+    assert repr(jp.FloatDTypePolicy("mixed_float16")) == '<DTypePolicy "mixed_float16">'
+    assert repr(jp.DTypePolicy("mixed_float16")) == '<DTypePolicy "mixed_float16">'
+    assert repr(jp.Policy("mixed_float16")) == '<Policy "mixed_float16">'
+
+
+def test_int4_dtype_policy_is_keras_class():
+    policy = jp.Int4DTypePolicy(mode="int4", source_name="float32", block_size=128)
+    assert type(policy) is jp.Int4DTypePolicy
+    assert isinstance(policy, jp.QuantizedDTypePolicy)
+    assert policy.mode == "int4"
+    assert policy.quantization_mode == "int4"
+    assert policy.block_size == 128
+    assert policy.name == "int4/128_from_float32"
+    assert repr(policy) == '<Int4DTypePolicy "int4/128_from_float32">'
+    assert policy.get_config() == {"mode": "int4/128", "source_name": "float32"}
+    assert dtypes_of(policy) == (F32, F32, F32)
+
+
+def test_int4_dtype_policy_defaults_to_blocks_of_128():
+    with jp.policy_scope("mixed_bfloat16"):
+        policy = jp.Int4DTypePolicy()
+    assert policy.block_size == 128
+    assert policy.name == "int4/128_from_mixed_bfloat16"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jp.QuantizedDTypePolicy("int4/128", "float32"),
+        lambda: jp.Int4DTypePolicy("int4/128", "float32"),  # Keras 3's positional form
+        lambda: jp.get("int4/128_from_float32"),
+        lambda: jp.get("int4/128_from_p=f32"),
+    ],
+)
+def test_int4_spellings_make_equal_policies(make):
+    policy = make()
+    expected = jp.Int4DTypePolicy("int4", "float32", 128)
+    assert policy == expected
+    assert hash(policy) == hash(expected)
+    assert policy.mode == "int4"
+    assert policy.block_size == 128
+
+
+def test_get_int4_block_name_returns_int4_class():
+    policy = jp.get("int4/128_from_float32")
+    assert type(policy) is jp.Int4DTypePolicy
+    assert policy.mode == "int4"
+    assert policy.block_size == 128
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jp.get("int4/None_from_float32"),
+        lambda: jp.QuantizedDTypePolicy("int4/None", "float32"),
+        lambda: jp.Int4DTypePolicy("int4", "float32", block_size=None),
+        lambda: jp.Int4DTypePolicy("int4", "float32", block_size=-1),
+        lambda: jp.Int4DTypePolicy("int4/-1", "float32"),
+    ],
+)
+def test_int4_legacy_none_block_and_minus_one_are_per_channel(make):
+    policy = make()
+    assert policy.block_size == -1
+    assert policy.mode == "int4"
+    assert policy == jp.QuantizedDTypePolicy("int4", "float32")
+    assert policy.name == "int4/-1_from_float32"
+
+
+def test_int4_dtype_policy_conflicting_block_sizes_raise():
+    with pytest.raises(ValueError, match=r"`block_size`.*block_size=64.*mode='int4/32'"):
+        jp.Int4DTypePolicy("int4/32", "float32", block_size=64)
+
+
+@pytest.mark.parametrize("block", [0, -2])
+def test_int4_dtype_policy_bad_block_size_raises_value_error(block):
+    with pytest.raises(ValueError, match=rf"`block_size`.*-1.*Received: block_size={block}"):
+        jp.Int4DTypePolicy("int4", "float32", block_size=block)
+
+
+@pytest.mark.parametrize("block", [128.0, "128", True])
+def test_int4_dtype_policy_non_int_block_size_raises_type_error(block):
+    with pytest.raises(TypeError, match=r"`block_size` must be an integer"):
+        jp.Int4DTypePolicy("int4", "float32", block_size=block)
+
+
+@pytest.mark.parametrize("mode", ["int8", "float8", "int4/x"])
+def test_int4_dtype_policy_other_mode_raises_value_error(mode):
+    with pytest.raises(ValueError, match=r"mode"):
+        jp.Int4DTypePolicy(mode, "float32")
+
+
+@pytest.mark.parametrize(
+    ("policy", "text"),
+    [
+        (jp.get("int8_from_mixed_bfloat16"), "int8_from_p=f32,c=bf16,o=bf16"),
+        (jp.get("int4/128_from_float32"), "int4/128_from_p=f32,c=f32,o=f32"),
+        (jp.get("int4_from_float32"), "int4_from_p=f32,c=f32,o=f32"),
+        (jp.get("float8_from_mixed_bfloat16"), "float8_from_p=f32,c=bf16,o=bf16"),
+    ],
+    ids=repr,
+)
+def test_str_of_quantized_policy_keeps_mode_and_round_trips(policy, text):
+    assert str(policy) == text
+    assert jp.get(str(policy)) == policy
+    assert jp.get_policy(str(policy)) == policy
+
+
+# -- tf.keras's "_infer" ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [jp.DTypePolicy, jp.Policy, jp.get, jp.get_policy])
+def test_infer_policy_has_no_dtypes(make):
+    policy = make("_infer")
+    assert policy.name == "_infer"
+    assert policy.compute_dtype is None
+    assert policy.variable_dtype is None
+    assert policy.param_dtype is None
+    assert policy.output_dtype is None
+    assert policy.quantization_mode is None
+    assert str(policy) == "_infer"
+    assert jp.get(str(policy)) == policy
+    assert policy == jp.Policy("_infer")
+    assert hash(policy) == hash(jp.Policy("_infer"))
+    assert policy != jp.DTypePolicy("float32")
+
+
+def test_infer_policy_casts_nothing(maybe_jit):
+    policy = jp.Policy("_infer")
+    tree = {"a": jnp.ones(2, jnp.bfloat16), "b": np.ones(2, np.float16), "c": 1.0}
+
+    def cast(tree):
+        return (
+            policy.cast_to_compute(tree),
+            policy.cast_to_variable(tree),
+            policy.cast_to_output(tree),
+        )
+
+    for out in maybe_jit(cast)(tree):
+        assert out["a"].dtype == jnp.bfloat16
+        assert out["b"].dtype == np.float16
+        assert out["c"] == 1.0
+    eager = cast(tree)[0]
+    assert eager["a"] is tree["a"] and eager["b"] is tree["b"]
+
+
+def test_infer_policy_is_never_global():
+    with pytest.raises(ValueError, match=r"floating compute dtype.*_infer"):
+        jp.set_dtype_policy("_infer")
+    with pytest.raises(ValueError, match=r"floating compute dtype.*_infer"):
+        jp.set_dtype_policy(jp.Policy("_infer"))
+    with (
+        pytest.raises(ValueError, match=r"floating compute dtype.*_infer"),
+        jp.policy_scope("_infer"),
+    ):
+        pass
+    assert jp.dtype_policy().name == "float32"
+
+
+def test_infer_policy_cannot_be_derived_or_quantized():
+    with pytest.raises(ValueError, match=r"'_infer' policy has no dtypes"):
+        jp.Policy("_infer").with_compute_dtype("bfloat16")
+    with pytest.raises(ValueError, match=r"needs a floating compute dtype.*source_name='_infer'"):
+        jp.QuantizedDTypePolicy("int8", "_infer")

@@ -19,6 +19,7 @@ DOCUMENTED = [
     "Policy",
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
+    "Int4DTypePolicy",
     "get",
     "get_policy",
     "serialize",
@@ -90,6 +91,7 @@ def test_module_docstring_has_example():
         jp.Policy,
         jp.QuantizedDTypePolicy,
         jp.QuantizedFloat8DTypePolicy,
+        jp.Int4DTypePolicy,
     ],
 )
 @pytest.mark.parametrize("member", POLICY_MEMBERS)
@@ -101,6 +103,7 @@ def test_policy_classes_are_one_family():
     for cls in (jp.FloatDTypePolicy, jp.Policy, jp.QuantizedDTypePolicy):
         assert issubclass(cls, jp.DTypePolicy)
     assert issubclass(jp.QuantizedFloat8DTypePolicy, jp.QuantizedDTypePolicy)
+    assert issubclass(jp.Int4DTypePolicy, jp.QuantizedDTypePolicy)
 
 
 def test_version_is_a_string():
@@ -152,3 +155,23 @@ def test_flax_integration_names_are_exported_and_documented(module, name):
     if name == "NORM_FLOAT32":  # a mapping: its module docstring shows it in use
         doc = integration.__doc__
     assert doc and ">>>" in doc
+
+
+def test_dir_shows_public_names_and_lazy_integrations_only():
+    names = dir(jp)
+    assert names == sorted(names)
+    for name in ("Any", "annotations", "importlib", "_src", "_LAZY_SUBMODULES"):
+        assert name not in names
+    assert set(jp.__all__) <= set(names)
+    assert {"linen", "nnx", "__version__"} <= set(names)
+    public = [n for n in names if not n.startswith("__")]
+    assert sorted(public) == sorted([*jp.__all__, "linen", "nnx"])
+
+
+def test_dir_does_not_import_flax():
+    result = _run_python(
+        "import sys, jmp_policy as jp; names = dir(jp); "
+        "assert 'flax' not in sys.modules; assert 'linen' in names; print('ok')"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

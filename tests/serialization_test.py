@@ -141,7 +141,7 @@ KERAS_CONFIGS = [
             "config": {"mode": "int4/128", "source_name": "mixed_bfloat16"},
             "registered_name": None,
         },
-        jp.QuantizedDTypePolicy,
+        jp.Int4DTypePolicy,
         "int4/128_from_mixed_bfloat16",
         (F32, BF16, BF16),
     ),
@@ -225,7 +225,7 @@ def test_reads_peer_configs(reader, config, cls, name, dtypes):
 def test_int4_config_keeps_block_size_and_float8_history():
     int4 = jp.deserialize(KERAS_CONFIGS[4][0])
     assert int4.block_size == 128
-    assert int4.mode == "int4/128"
+    assert int4.mode == "int4"
     float8 = jp.deserialize(KERAS_CONFIGS[5][0])
     assert float8.amax_history_length == 512
 
@@ -305,7 +305,7 @@ def test_deserialize_ill_typed_config_raises_type_error(config, match):
         jp.deserialize(config)
 
 
-@pytest.mark.parametrize("bad", [3, None, ["float32"], jnp.float32])
+@pytest.mark.parametrize("bad", [3, ["float32"], jnp.float32])
 def test_deserialize_non_dict_raises_type_error(bad):
     with pytest.raises(TypeError, match="`config` must be a dict"):
         jp.deserialize(bad)
@@ -342,7 +342,8 @@ def test_get_none_is_global_policy():
         ("half", jp.DTypePolicy),
         ("int32", jp.DTypePolicy),
         ("int8_from_mixed_bfloat16", jp.QuantizedDTypePolicy),
-        ("int4/64_from_float32", jp.QuantizedDTypePolicy),
+        ("int4/64_from_float32", jp.Int4DTypePolicy),
+        ("int4_from_float32", jp.QuantizedDTypePolicy),
         ("float8_from_float32", jp.QuantizedFloat8DTypePolicy),
         ("float8_from_mixed_float16", jp.QuantizedFloat8DTypePolicy),
     ],
@@ -428,3 +429,220 @@ def test_keras_error_phrases_and_types():
         jp.DTypePolicy(123)
     with pytest.raises(TypeError, match="'name' must be a string"):
         jp.QuantizedFloat8DTypePolicy(mode="float8", source_name=123)
+
+
+# --- tf.keras's "_infer" ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [jp.Policy, jp.DTypePolicy, jp.get])
+def test_infer_policy_serializes_to_none_and_back(make):
+    assert jp.serialize(make("_infer")) is None
+    restored = jp.deserialize(None)
+    assert type(restored) is jp.Policy  # tf.keras's class
+    assert restored.name == "_infer"
+    assert restored == make("_infer")
+    assert restored.compute_dtype is None
+
+
+def test_get_none_is_still_the_global_policy():
+    # `deserialize(None)` is tf.keras's "_infer"; `get(None)` is Keras's global policy.
+    with jp.policy_scope("mixed_bfloat16"):
+        assert jp.get(None) == jp.DTypePolicy("mixed_bfloat16")
+
+
+def test_infer_policy_config_round_trips():
+    policy = jp.Policy("_infer")
+    assert policy.get_config() == {"name": "_infer"}
+    assert jp.Policy.from_config(policy.get_config()) == policy
+    assert jp.deserialize({"class_name": "Policy", "config": {"name": "_infer"}}) == policy
+
+
+# --- a user's subclass ---------------------------------------------------------------------
+
+
+class MyPolicy(jp.DTypePolicy):
+    """A user's policy class (as Keras's and tf.keras's tests define one)."""
+
+    __slots__ = ()
+
+
+class MyQuantized(jp.QuantizedDTypePolicy):
+    __slots__ = ()
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [lambda: MyPolicy("mixed_bfloat16"), lambda: MyQuantized("int8", "mixed_bfloat16")],
+)
+def test_user_subclass_serializes_under_its_own_name(policy):
+    policy = policy()
+    config = jp.serialize(policy)
+    assert config["class_name"] == type(policy).__name__
+    assert config["config"] == policy.get_config()
+    assert json.loads(json.dumps(config)) == config
+    name = type(policy).__name__
+    restored = jp.deserialize(config, custom_objects={name: type(policy)})
+    assert type(restored) is type(policy)
+    assert restored == policy
+    assert restored.name == policy.name
+
+
+def test_user_subclass_without_custom_objects_raises_value_error():
+    config = jp.serialize(MyPolicy("mixed_bfloat16"))
+    with pytest.raises(ValueError, match=r"Unknown `class_name` 'MyPolicy'.*custom_objects"):
+        jp.deserialize(config)
+
+
+def test_custom_objects_win_over_library_classes():
+    config = jp.serialize(jp.DTypePolicy("float16"))
+    config["class_name"] = "MyPolicy"
+    assert type(jp.deserialize(config, custom_objects={"MyPolicy": MyPolicy})) is MyPolicy
+
+
+def test_map_entries_use_custom_objects():
+    policy_map = jp.DTypePolicyMap(MyPolicy("float32"), {"head": MyPolicy("mixed_bfloat16")})
+    config = jp.serialize(policy_map)
+    restored = jp.deserialize(json.loads(json.dumps(config)), custom_objects={"MyPolicy": MyPolicy})
+    assert type(restored["head"]) is MyPolicy
+    assert type(restored["other"]) is MyPolicy
+    assert restored["head"] == jp.DTypePolicy("mixed_bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("custom_objects", "match"),
+    [
+        (["MyPolicy"], r"`custom_objects` must be a dict.*\['MyPolicy'\]"),
+        ({"MyPolicy": 3}, r"`custom_objects\['MyPolicy'\]` must be a class.*3"),
+    ],
+)
+def test_bad_custom_objects_raise_type_error(custom_objects, match):
+    with pytest.raises(TypeError, match=match):
+        jp.deserialize(jp.serialize(MyPolicy("float16")), custom_objects=custom_objects)
+
+
+# --- Keras 3's own format -------------------------------------------------------------------
+
+
+def _keras_entry(module, class_name, config):
+    return {"module": module, "class_name": class_name, "config": config, "registered_name": None}
+
+
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (
+            lambda: jp.DTypePolicy("mixed_bfloat16"),
+            _keras_entry("keras", "DTypePolicy", {"name": "mixed_bfloat16"}),
+        ),
+        (
+            lambda: jp.get_policy("p=f32,c=bf16"),  # Keras calls it "mixed_bfloat16"
+            _keras_entry("keras", "DTypePolicy", {"name": "mixed_bfloat16"}),
+        ),
+        (
+            lambda: jp.FloatDTypePolicy("float16"),
+            _keras_entry("keras", "FloatDTypePolicy", {"name": "float16"}),
+        ),
+        (
+            lambda: jp.Policy("int32"),
+            _keras_entry("keras", "DTypePolicy", {"name": "int32"}),
+        ),
+        (
+            lambda: jp.get("int8_from_mixed_bfloat16"),
+            _keras_entry(
+                "keras.dtype_policies",
+                "QuantizedDTypePolicy",
+                {"mode": "int8", "source_name": "mixed_bfloat16"},
+            ),
+        ),
+        (
+            lambda: jp.get("int4_from_float32"),
+            _keras_entry(
+                "keras.dtype_policies",
+                "QuantizedDTypePolicy",
+                {"mode": "int4", "source_name": "float32"},
+            ),
+        ),
+        (
+            lambda: jp.QuantizedDTypePolicy("int4/64", "float32"),
+            _keras_entry(
+                "keras.dtype_policies",
+                "Int4DTypePolicy",
+                {"mode": "int4/64", "source_name": "float32"},
+            ),
+        ),
+        (
+            lambda: jp.QuantizedFloat8DTypePolicy("float8", "mixed_bfloat16", 16),
+            _keras_entry(
+                "keras.dtype_policies",
+                "QuantizedFloat8DTypePolicy",
+                {"mode": "float8", "source_name": "mixed_bfloat16", "amax_history_length": 16},
+            ),
+        ),
+    ],
+)
+def test_serialize_keras_format_of_policies(make, expected):
+    config = jp.serialize(make(), format="keras")
+    assert config == expected
+    assert jp.deserialize(config) == make()
+
+
+def test_serialize_keras_format_of_map():
+    policy_map = jp.DTypePolicyMap(
+        "float32", {"encoder/.*": "mixed_bfloat16", "head": "int8_from_float32"}
+    )
+    config = jp.serialize(policy_map, format="keras")
+    assert config == _keras_entry(
+        "keras.dtype_policies",
+        "DTypePolicyMap",
+        {
+            "default_policy": _keras_entry("keras", "DTypePolicy", {"name": "float32"}),
+            "policy_map": {
+                "encoder/.*": _keras_entry("keras", "DTypePolicy", {"name": "mixed_bfloat16"}),
+                "head": _keras_entry(
+                    "keras.dtype_policies",
+                    "QuantizedDTypePolicy",
+                    {"mode": "int8", "source_name": "float32"},
+                ),
+            },
+        },
+    )
+    restored = jp.deserialize(json.loads(json.dumps(config)))
+    assert dict(restored.items()) == dict(policy_map.items())
+    assert jp.serialize(jp.DTypePolicyMap(), format="keras")["config"] == {
+        "default_policy": None,
+        "policy_map": {},
+    }
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (
+            lambda: jp.get_policy("p=f32,c=bf16,o=f32"),
+            r"Keras has no output dtype.*p=f32,c=bf16,o=f32",
+        ),
+        (lambda: jp.get_policy("p=bf16,c=f32"), r"Keras cannot represent.*p=bf16,c=f32"),
+        (lambda: jp.Policy("_infer"), r"Keras 3 has no '_infer' policy"),
+        (lambda: MyPolicy("float32"), r"Keras cannot represent.*subclass 'MyPolicy'"),
+        (
+            lambda: jp.get("int8_from_p=f32,c=bf16,o=f32"),
+            r"Keras has no output dtype.*int8_from_p=f32,c=bf16,o=f32",
+        ),
+        (
+            lambda: jp.DTypePolicyMap(None, {"a": "float32", "b": "p=f32,c=bf16,o=f32"}),
+            r"key 'b'.*Keras has no output dtype",
+        ),
+        (
+            lambda: jp.DTypePolicyMap(jp.get_policy("c=bf16,o=f32")),
+            r"`default_policy`.*Keras has no output dtype",
+        ),
+    ],
+)
+def test_serialize_keras_format_rejects_what_keras_cannot_represent(make, match):
+    with pytest.raises(ValueError, match=match):
+        jp.serialize(make(), format="keras")
+
+
+def test_serialize_unknown_format_raises_value_error():
+    with pytest.raises(ValueError, match=r"`format`.*'jmp_policy', 'keras'.*format='tf'"):
+        jp.serialize(jp.DTypePolicy("float32"), format="tf")

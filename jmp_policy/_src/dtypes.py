@@ -48,6 +48,9 @@ _JMP_KEYS: dict[str, str] = {
 }
 _MIXED: dict[str, str] = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16"}
 
+# tf.keras's policy whose dtypes follow the inputs (its TF1 leftover).
+INFER = "_infer"
+
 INT_QUANTIZATION_MODES = ("int8", "int4")
 QUANTIZATION_MODES = ("int8", "int4", "float8")
 
@@ -56,7 +59,8 @@ VALID_FORMS = (
     "'mixed_float16', 'mixed_bfloat16', a jmp string such as 'p=f32,c=bf16,o=f32' "
     "(keys p/params, c/compute, o/output; values bf16, bfloat16, f16, float16, f32, "
     "float32, full, f64, float64, half), or a quantized name such as "
-    "'int8_from_mixed_bfloat16', 'int4/128_from_float32' or 'float8_from_mixed_bfloat16'"
+    "'int8_from_mixed_bfloat16', 'int4/128_from_float32' or 'float8_from_mixed_bfloat16' "
+    "(and tf.keras's '_infer')"
 )
 
 
@@ -66,13 +70,16 @@ def canonicalize_dtype(dtype: Any) -> np.dtype:
 
 
 def is_floating(dtype: Any) -> bool:
-    """True for every floating dtype, float8 types included."""
-    return bool(jnp.issubdtype(dtype, jnp.floating))
+    """True for every floating dtype, float8 types included; False for ``None``."""
+    # `jnp.issubdtype(None, ...)` reads None as float64: "_infer" has no dtype.
+    return dtype is not None and bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def is_numeric(dtype: Any) -> bool:
-    """True for bool and numeric dtypes (the dtypes a policy may name)."""
-    return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
+    """True for bool and numeric dtypes (the dtypes a policy may name); False for ``None``."""
+    return dtype is not None and bool(
+        jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+    )
 
 
 def floating_or_none(value: Any) -> np.dtype | None:
@@ -210,7 +217,8 @@ def split_quantized_name(name: str) -> tuple[str, str] | None:
 def parse_int_mode(mode: Any) -> tuple[str, int | None]:
     """Validates an integer quantization mode.
 
-    Returns ``("int8", None)`` or ``("int4", block)`` where ``block`` is -1 for per channel.
+    Returns ``("int8", None)`` or ``("int4", block)`` where ``block`` is -1 for per channel
+    (``"int4"``, ``"int4/-1"`` and Keras's legacy ``"int4/None"``).
     """
     if not isinstance(mode, str):
         raise TypeError(
@@ -221,7 +229,7 @@ def parse_int_mode(mode: Any) -> tuple[str, int | None]:
     if base == "int8" and not sep:
         return "int8", None
     if base == "int4":
-        if not sep:
+        if not sep or block_text == "None":
             return "int4", -1
         try:
             block = int(block_text)

@@ -1,19 +1,21 @@
-"""The global dtype policy: a process default plus a context-local scope."""
+"""The global dtype policy: a process default plus a context-local scope, and the policy
+and path of the submodule call running now.
+
+The values live in :mod:`jmp_policy._src.context`; this module holds the rules.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 from typing import Any
 
+from jmp_policy._src import context
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.policy import DTypePolicy, policy_from_name
+from jmp_policy._src.policy import DTypePolicy
+from jmp_policy._src.policy_names import policy_from_name
 
-_DEFAULT: DTypePolicy | None = None
-_SCOPE: contextvars.ContextVar[DTypePolicy | None] = contextvars.ContextVar(
-    "jmp_policy_scope", default=None
-)
+_FLOAT32 = DTypePolicy("float32")
 
 
 def _as_global(policy: Any, argument: str = "policy") -> DTypePolicy:
@@ -54,8 +56,7 @@ def set_dtype_policy(policy: DTypePolicy | str | None) -> None:
         >>> jp.dtype_policy()
         <DTypePolicy "float32">
     """
-    global _DEFAULT
-    _DEFAULT = None if policy is None else _as_global(policy)
+    context.DEFAULT.policy = None if policy is None else _as_global(policy)
 
 
 def dtype_policy() -> DTypePolicy:
@@ -66,13 +67,8 @@ def dtype_policy() -> DTypePolicy:
         >>> jp.dtype_policy()
         <DTypePolicy "float32">
     """
-    scoped = _SCOPE.get()
-    if scoped is not None:
-        return scoped
-    global _DEFAULT
-    if _DEFAULT is None:
-        _DEFAULT = DTypePolicy("float32")
-    return _DEFAULT
+    policy = context.global_policy_or_none()
+    return _FLOAT32 if policy is None else policy
 
 
 set_global_policy = set_dtype_policy
@@ -101,16 +97,11 @@ def policy_scope(policy: DTypePolicy | str) -> Iterator[DTypePolicy]:
         'float32'
     """
     resolved = _as_global(policy)
-    token = _SCOPE.set(resolved)
+    token = context.SCOPE.set(resolved)
     try:
         yield resolved
     finally:
-        _SCOPE.reset(token)
-
-
-_CURRENT: contextvars.ContextVar[DTypePolicy | None] = contextvars.ContextVar(
-    "jmp_policy_current", default=None
-)
+        context.SCOPE.reset(token)
 
 
 def current_policy() -> DTypePolicy:
@@ -132,15 +123,32 @@ def current_policy() -> DTypePolicy:
         >>> apply({}, jax.random.key(0)).dtype
         dtype(bfloat16)
     """
-    policy = _CURRENT.get()
-    return dtype_policy() if policy is None else policy
+    call = context.CALL.get()
+    return dtype_policy() if call is None else call.policy
+
+
+def current_path() -> str | None:
+    """The module path of the submodule call running now; ``None`` when none is known.
+
+    Examples:
+        >>> from jmp_policy._src import global_state
+        >>> import jmp_policy as jp
+        >>> with global_state.current_policy_scope(jp.DTypePolicy("float32"), path="mlp"):
+        ...     global_state.current_path()
+        'mlp'
+        >>> global_state.current_path() is None
+        True
+    """
+    call = context.CALL.get()
+    return None if call is None else call.path
 
 
 @contextlib.contextmanager
-def current_policy_scope(policy: DTypePolicy) -> Iterator[None]:
-    """Makes ``policy`` what :func:`current_policy` returns inside the block (for glue)."""
-    token = _CURRENT.set(policy)
+def current_policy_scope(policy: DTypePolicy, path: str | None = None) -> Iterator[None]:
+    """Makes ``policy`` (and ``path``) what :func:`current_policy` (and :func:`current_path`)
+    return inside the block; nests and restores (for the glue)."""
+    token = context.CALL.set(context.Call(policy, path))
     try:
         yield
     finally:
-        _CURRENT.reset(token)
+        context.CALL.reset(token)

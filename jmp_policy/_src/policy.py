@@ -1,5 +1,6 @@
-"""Dtype policies: frozen values that say which dtype parameters, computations and
-outputs use, and cast whole pytrees accordingly."""
+"""Float dtype policies: frozen values that say which dtype parameters, computations and
+outputs use, and cast whole pytrees accordingly (the quantized ones build on them in
+``quantized_policy``)."""
 
 from __future__ import annotations
 
@@ -8,25 +9,32 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 from jax.typing import DTypeLike
 
-from jmp_policy._src import casting
+from jmp_policy._src import casting, context
 from jmp_policy._src import dtypes as dt
 
 T = TypeVar("T")
 
 
-def _global_name() -> str:
-    # Imported here: the global state holds policies, so it imports this module.
-    from jmp_policy._src.global_state import dtype_policy
+def global_name() -> str:
+    """The global policy's name (for a quantized global, its source's): what ``None`` means.
 
-    policy = dtype_policy()
-    return policy.source_name if isinstance(policy, QuantizedDTypePolicy) else policy.name
+    Read from ``context``, under everything, so that this module never imports the global
+    state (which imports it).
+    """
+    policy = context.global_policy_or_none()
+    if policy is None:
+        return "float32"
+    return str(getattr(policy, "source_name", policy.name))
 
 
 class DTypePolicy:
     """A float dtype policy: the dtypes of variables, of computation and of outputs.
 
     Accepts every name of Keras (``"float32"``, ``"mixed_bfloat16"``), jmp
-    (``"p=f32,c=bf16,o=f32"``) and any numpy dtype name. Policies are immutable, compare
+    (``"p=f32,c=bf16,o=f32"``) and any numpy dtype name. tf.keras's ``"_infer"`` (dtypes
+    follow the inputs) makes a policy whose three dtypes are ``None``: its casts return
+    their input, it serializes to ``None``, and it can be neither global nor applied
+    (recognise it by ``policy.compute_dtype is None``). Policies are immutable, compare
     and hash by value (so they can be ``jax.jit`` static arguments and dict keys),
     pickle and deep-copy. Two policies are equal when their kinds and their three dtypes
     are equal, whatever their names.
@@ -70,6 +78,7 @@ class DTypePolicy:
     _kind: ClassVar[str] = "float"
 
     _name: str
+    # None only for tf.keras's "_infer" policy (its dtypes follow the inputs).
     _variable_dtype: np.dtype
     _compute_dtype: np.dtype
     _output_dtype: np.dtype
@@ -87,7 +96,10 @@ class DTypePolicy:
             self._init_from_dtypes(name, compute_dtype, output_dtype, param_dtype, variable_dtype)
             return
         if name is None:
-            name = _global_name()
+            name = global_name()
+        if isinstance(name, str) and name.strip() == dt.INFER:
+            self._init(dt.INFER, None, None, None)
+            return
         parsed = dt.parse_float_name(name)
         self._init(name.strip(), parsed.params, parsed.compute, parsed.output)
 
@@ -113,7 +125,7 @@ class DTypePolicy:
         output_ = compute_ if output is None else _as_dtype(output, "output_dtype")
         self._init(dt.float_policy_name(params, compute_, output_), params, compute_, output_)
 
-    def _init(self, name: str, variable: np.dtype, compute: np.dtype, output: np.dtype) -> None:
+    def _init(self, name: str, variable: Any, compute: Any, output: Any) -> None:
         if hasattr(self, "_name"):
             raise AttributeError(
                 f"{type(self).__name__} is immutable; it cannot be re-initialized."
@@ -152,9 +164,14 @@ class DTypePolicy:
         return self
 
     def __repr__(self) -> str:
-        return f'<{type(self).__name__} "{self._name}">'
+        # Keras prints a FloatDTypePolicy under its first name.
+        cls = "DTypePolicy" if type(self) is FloatDTypePolicy else type(self).__name__
+        return f'<{cls} "{self._name}">'
 
     def __str__(self) -> str:
+        """jmp's short form (``"p=f32,c=bf16,o=bf16"``); ``get_policy(str(p)) == p``."""
+        if self._compute_dtype is None:
+            return dt.INFER
         return (
             f"p={dt.short_name(self._variable_dtype)},"
             f"c={dt.short_name(self._compute_dtype)},"
@@ -170,12 +187,12 @@ class DTypePolicy:
 
     @property
     def compute_dtype(self) -> np.dtype:
-        """The dtype computations run in."""
+        """The dtype computations run in (``None`` for tf.keras's ``"_infer"``)."""
         return self._compute_dtype
 
     @property
     def variable_dtype(self) -> np.dtype:
-        """The dtype variables (parameters) are stored in."""
+        """The dtype variables (parameters) are stored in (``None`` for ``"_infer"``)."""
         return self._variable_dtype
 
     @property
@@ -185,7 +202,7 @@ class DTypePolicy:
 
     @property
     def output_dtype(self) -> np.dtype:
-        """The dtype outputs are returned in."""
+        """The dtype outputs are returned in (``None`` for ``"_infer"``)."""
         return self._output_dtype
 
     @property
@@ -197,21 +214,33 @@ class DTypePolicy:
 
     def cast_to_compute(self, tree: T) -> T:
         """Casts every floating array leaf of ``tree`` to :attr:`compute_dtype`."""
+        if self._compute_dtype is None:  # "_infer"
+            return tree
         return casting.cast_tree(tree, self._compute_dtype)
 
     def cast_to_variable(self, tree: T) -> T:
         """Casts every floating array leaf of ``tree`` to :attr:`variable_dtype`."""
+        if self._variable_dtype is None:  # "_infer"
+            return tree
         return casting.cast_tree(tree, self._variable_dtype)
 
     cast_to_param = cast_to_variable
 
     def cast_to_output(self, tree: T) -> T:
         """Casts every floating array leaf of ``tree`` to :attr:`output_dtype`."""
+        if self._output_dtype is None:  # "_infer"
+            return tree
         return casting.cast_tree(tree, self._output_dtype)
 
     # -- derivation -----------------------------------------------------------------------
 
     def _with(self, variable: Any, compute: Any, output: Any) -> DTypePolicy:
+        if self._compute_dtype is None:
+            raise ValueError(
+                f"The '{dt.INFER}' policy has no dtypes to derive another policy from; "
+                "name the three dtypes instead, as in DTypePolicy('p=f32,c=bf16,o=f32'). "
+                f"Received: policy={self!r}"
+            )
         v, c, o = (_as_dtype(d) for d in (variable, compute, output))
         return DTypePolicy(dt.float_policy_name(v, c, o))
 
@@ -260,10 +289,14 @@ class DTypePolicy:
 class FloatDTypePolicy(DTypePolicy):
     """Keras's second name for :class:`DTypePolicy` (the same kind: equal to it by value).
 
+    Its ``repr`` is Keras's, under the first name.
+
     Examples:
         >>> import jmp_policy as jp
         >>> jp.FloatDTypePolicy("mixed_float16") == jp.DTypePolicy("mixed_float16")
         True
+        >>> jp.FloatDTypePolicy("mixed_float16")
+        <DTypePolicy "mixed_float16">
     """
 
     __slots__ = ()
@@ -272,186 +305,17 @@ class FloatDTypePolicy(DTypePolicy):
 class Policy(DTypePolicy):
     """tf.keras's name for :class:`DTypePolicy` (the same kind: equal to it by value).
 
+    tf.keras's ``"_infer"`` policy is read too (its dtypes are ``None``).
+
     Examples:
         >>> import jmp_policy as jp
         >>> jp.Policy("mixed_float16").compute_dtype
         dtype('float16')
+        >>> jp.Policy("_infer").compute_dtype is None
+        True
     """
 
     __slots__ = ()
-
-
-class QuantizedDTypePolicy(DTypePolicy):
-    """A weight-quantized policy (``int8``, ``int4`` or ``int4/<block>``).
-
-    Compute, variable and output dtypes come from the source policy. ``int4/<block>``
-    quantizes in blocks of ``<block>`` rows; ``int4`` (like ``int4/-1``) per channel.
-
-    Args:
-        mode: ``"int8"``, ``"int4"`` or ``"int4/<block>"``.
-        source_name: the float policy the dtypes come from; ``None`` takes the global one.
-
-    Raises:
-        ValueError: an unknown mode, a quantized or invalid source name, or ``int8`` with
-            a float16 compute dtype (it "doesn't work well", as Keras says).
-
-    Examples:
-        >>> import jmp_policy as jp
-        >>> policy = jp.QuantizedDTypePolicy("int8", "mixed_bfloat16")
-        >>> policy
-        <QuantizedDTypePolicy "int8_from_mixed_bfloat16">
-        >>> policy.quantization_mode, policy.compute_dtype
-        ('int8', dtype(bfloat16))
-        >>> jp.get("int4/128_from_float32").block_size
-        128
-    """
-
-    __slots__ = ("_block_size", "_mode", "_quantization_mode", "_source_name")
-    _kind: ClassVar[str] = "quantized"
-
-    _mode: str
-    _quantization_mode: str
-    _block_size: int | None
-    _source_name: str
-
-    def __init__(self, mode: str, source_name: str | None = None):
-        base, block = dt.parse_int_mode(mode)
-        self._init_quantized(mode, base, block, source_name)
-
-    def _init_quantized(
-        self, mode: str, base: str, block: int | None, source_name: str | None
-    ) -> None:
-        if source_name is None:
-            source_name = _global_name()
-        dt.check_name_type(source_name, "source_name")
-        if dt.split_quantized_name(source_name) is not None:
-            raise ValueError(
-                f"Cannot convert {source_name!r} to a float source policy: `source_name` "
-                f"must be a float policy name, not a quantized one. "
-                f"Received: source_name={source_name!r}"
-            )
-        parsed = dt.parse_float_name(source_name)
-        if base == "int8" and parsed.compute == np.float16:
-            raise ValueError(
-                f"Quantization mode='{mode}' doesn't work well with compute_dtype='float16'. "
-                "Use a bfloat16 or float32 source policy, such as 'mixed_bfloat16'. "
-                f"Received: source_name={source_name!r}"
-            )
-        if not dt.is_floating(parsed.compute):
-            raise ValueError(
-                f"A quantized policy needs a floating compute dtype. "
-                f"Received: source_name={source_name!r}"
-            )
-        source_name = source_name.strip()
-        self._init(f"{mode}_from_{source_name}", parsed.params, parsed.compute, parsed.output)
-        object.__setattr__(self, "_mode", mode)
-        object.__setattr__(self, "_quantization_mode", base)
-        object.__setattr__(self, "_block_size", block)
-        object.__setattr__(self, "_source_name", source_name)
-
-    def _key(self) -> tuple[Any, ...]:
-        return (*super()._key(), self._quantization_mode, self._block_size)
-
-    @property
-    def quantization_mode(self) -> str:
-        """``"int8"``, ``"int4"`` or ``"float8"`` (without a block size)."""
-        return self._quantization_mode
-
-    @property
-    def mode(self) -> str:
-        """The mode as given, block size included (``"int4/128"``)."""
-        return self._mode
-
-    @property
-    def block_size(self) -> int | None:
-        """int4's block size along the input axis (-1: per channel); ``None`` otherwise."""
-        return self._block_size
-
-    @property
-    def source_name(self) -> str:
-        """The name of the float policy the dtypes come from."""
-        return self._source_name
-
-    @property
-    def source_policy(self) -> DTypePolicy:
-        """The float policy the dtypes come from."""
-        return DTypePolicy(self._source_name)
-
-    def _rebuild_from(self, source: DTypePolicy) -> QuantizedDTypePolicy:
-        return QuantizedDTypePolicy(self._mode, source.name)
-
-    def _with(self, variable: Any, compute: Any, output: Any) -> QuantizedDTypePolicy:  # type: ignore[override]
-        return self._rebuild_from(self.source_policy._with(variable, compute, output))
-
-    def get_config(self) -> dict[str, Any]:
-        return {"mode": self._mode, "source_name": self._source_name}
-
-
-class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
-    """A float8 policy with delayed scaling (e4m3 forward, e5m2 for gradients).
-
-    Args:
-        mode: ``"float8"``.
-        source_name: the float policy the dtypes come from; ``None`` takes the global one.
-        amax_history_length: length of the amax history window, a positive ``int``.
-
-    Raises:
-        TypeError: ``amax_history_length`` is not an ``int`` (bools included).
-        ValueError: another mode, a bad source name, or ``amax_history_length < 1``.
-
-    Examples:
-        >>> import jmp_policy as jp
-        >>> policy = jp.QuantizedFloat8DTypePolicy("float8", "mixed_bfloat16", 16)
-        >>> policy.amax_history_length
-        16
-        >>> jp.get("float8_from_mixed_bfloat16").amax_history_length
-        1024
-    """
-
-    __slots__ = ("_amax_history_length",)
-    _kind: ClassVar[str] = "float8"
-    default_amax_history_length: ClassVar[int] = 1024
-
-    _amax_history_length: int
-
-    def __init__(
-        self,
-        mode: str = "float8",
-        source_name: str | None = None,
-        amax_history_length: int = 1024,
-    ):
-        if mode != "float8":
-            raise ValueError(
-                f"Invalid quantization mode. Expected 'float8' for QuantizedFloat8DTypePolicy "
-                f"(use QuantizedDTypePolicy for 'int8' and 'int4'). Received: mode={mode!r}"
-            )
-        if isinstance(amax_history_length, bool) or not isinstance(amax_history_length, int):
-            raise TypeError(
-                "`amax_history_length` must be an integer. "
-                f"Received: amax_history_length={amax_history_length!r} "
-                f"(of type {type(amax_history_length).__name__})"
-            )
-        if amax_history_length < 1:
-            raise ValueError(
-                "`amax_history_length` must be at least 1. "
-                f"Received: amax_history_length={amax_history_length!r}"
-            )
-        self._init_quantized(mode, "float8", None, source_name)
-        object.__setattr__(self, "_amax_history_length", amax_history_length)
-
-    def _key(self) -> tuple[Any, ...]:
-        return (*super()._key(), self._amax_history_length)
-
-    @property
-    def amax_history_length(self) -> int:
-        """The length of the amax history window used to compute scales."""
-        return self._amax_history_length
-
-    def _rebuild_from(self, source: DTypePolicy) -> QuantizedFloat8DTypePolicy:
-        return QuantizedFloat8DTypePolicy(self._mode, source.name, self._amax_history_length)
-
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "amax_history_length": self._amax_history_length}
 
 
 def _as_dtype(dtype: Any, argument: str = "dtype") -> np.dtype:
@@ -473,41 +337,3 @@ def _as_dtype(dtype: Any, argument: str = "dtype") -> np.dtype:
 
 def _rebuild(cls: type[DTypePolicy], config: dict[str, Any]) -> DTypePolicy:
     return cls.from_config(config)
-
-
-def policy_from_name(name: str) -> DTypePolicy:
-    """Any accepted name to the right policy class (quantized names included)."""
-    dt.check_name_type(name)
-    split = dt.split_quantized_name(name)
-    if split is None:
-        return DTypePolicy(name)
-    mode, source = split
-    if mode == "float8":
-        return QuantizedFloat8DTypePolicy(mode, source)
-    return QuantizedDTypePolicy(mode, source)
-
-
-def get_policy(name: str) -> DTypePolicy:
-    """jmp's spelling: the policy of a name (any form :func:`get` accepts as a string).
-
-    Args:
-        name: a Keras name, a jmp string or a quantized name.
-
-    Returns:
-        The policy.
-
-    Raises:
-        TypeError: ``name`` is not a string.
-        ValueError: ``name`` is not an accepted name.
-
-    Examples:
-        >>> import jmp_policy as jp
-        >>> p = jp.get_policy("p=f32,c=bf16,o=f32")
-        >>> p.param_dtype, p.compute_dtype, p.output_dtype
-        (dtype('float32'), dtype(bfloat16), dtype('float32'))
-        >>> jp.get_policy("c=f16")
-        <DTypePolicy "c=f16">
-        >>> str(jp.get_policy("half"))
-        'p=bf16,c=bf16,o=bf16'
-    """
-    return policy_from_name(name)

@@ -1,23 +1,26 @@
-"""Serialization of policies (and maps): JSON-ready dicts, and ``get``.
+"""Serialization of policies (and maps): JSON-ready dicts, Keras 3's own format, and ``get``.
 
 Reads this library's configs, Keras 3's (``"module": "keras"``), tf.keras's
-(``{"class_name": "Policy", "config": {"name": ...}}``) and tf.keras's old experimental
-configs, whose ``loss_scale`` field is dropped as tf.keras did.
+(``{"class_name": "Policy", "config": {"name": ...}}``, and ``None`` for its ``"_infer"``
+policy) and tf.keras's old experimental configs, whose ``loss_scale`` field is dropped as
+tf.keras did. A user's subclass is written under its own class name and read back through
+``custom_objects``, as in Keras and tf.keras.
 """
 
 from __future__ import annotations
 
+import contextvars
+from collections.abc import Mapping
 from typing import Any
 
 from jmp_policy._src import global_state
-from jmp_policy._src.dtypes import TypeAndValueError, canonicalize_dtype, is_numeric
-from jmp_policy._src.policy import (
-    DTypePolicy,
-    FloatDTypePolicy,
-    Policy,
+from jmp_policy._src.dtypes import INFER, TypeAndValueError, canonicalize_dtype, is_numeric
+from jmp_policy._src.policy import DTypePolicy, FloatDTypePolicy, Policy
+from jmp_policy._src.policy_names import policy_from_name
+from jmp_policy._src.quantized_policy import (
+    Int4DTypePolicy,
     QuantizedDTypePolicy,
     QuantizedFloat8DTypePolicy,
-    policy_from_name,
 )
 
 # Class names this library and its peers write, to the class that reads them back.
@@ -27,28 +30,69 @@ _CLASSES: dict[str, type[Any]] = {
     "Policy": Policy,
     "PolicyV1": Policy,  # tf.keras's experimental policy (with a loss scale).
     "QuantizedDTypePolicy": QuantizedDTypePolicy,
-    "Int4DTypePolicy": QuantizedDTypePolicy,  # Keras 3's class for "int4/<block>".
+    "Int4DTypePolicy": Int4DTypePolicy,
     "QuantizedFloat8DTypePolicy": QuantizedFloat8DTypePolicy,
 }
+_OWN_CLASSES: set[type[Any]] = set(_CLASSES.values())
+
+_FORMATS = ("jmp_policy", "keras")
+
+# The `custom_objects` of the `deserialize` call in progress, so that the configs nested in
+# a map's config (read through `get`) find the user's classes too.
+_CUSTOM_OBJECTS: contextvars.ContextVar[Mapping[str, type[Any]] | None] = contextvars.ContextVar(
+    "jmp_policy_custom_objects", default=None
+)
+
+# Keras 3's dtype names (`keras.src.backend.common.dtypes.ALLOWED_DTYPES`, "string" aside).
+_KERAS_DTYPES = frozenset(
+    {
+        *("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"),
+        *("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"),
+        *("bool", "complex64", "complex128"),
+    }
+)
 
 
 def register_serializable(cls: type[Any]) -> type[Any]:
     """Lets :func:`deserialize` read configs whose ``class_name`` is ``cls.__name__``."""
     _CLASSES[cls.__name__] = cls
+    _OWN_CLASSES.add(cls)
     return cls
 
 
-def serialize(obj: Any) -> dict[str, Any]:
+def _is_serializable(obj: Any) -> bool:
+    return isinstance(obj, tuple(_OWN_CLASSES)) and hasattr(obj, "get_config")
+
+
+def serialize(obj: Any, format: str = "jmp_policy") -> dict[str, Any] | None:
     """A JSON-ready dict for a policy or a policy map; :func:`deserialize` reverses it.
+
+    A user's subclass of a policy class is written under its own class name (and its
+    module); :func:`deserialize` reads it back given ``custom_objects``. tf.keras's
+    ``"_infer"`` policy is written as ``None``, as tf.keras does.
+
+    ``format="keras"`` writes Keras 3's own format, which
+    ``keras.saving.deserialize_keras_object`` (and :func:`deserialize`) read: policies as
+    Keras's classes under their Keras names (``get_policy("p=f32,c=bf16")`` is written
+    ``"mixed_bfloat16"``), maps as Keras's ``DTypePolicyMap``. In Keras a map resolves a
+    path by exact key, then regular expression, then its default: a submodule does not
+    inherit its ancestor's policy there.
 
     Args:
         obj: a policy or a ``DTypePolicyMap``.
+        format: ``"jmp_policy"`` (the default) or ``"keras"``.
 
     Returns:
-        ``{"module": "jmp_policy", "class_name": ..., "config": ...}``.
+        ``{"module": "jmp_policy", "class_name": ..., "config": ...}`` (with
+        ``format="keras"``, Keras's ``module`` and a ``registered_name``); ``None`` for
+        tf.keras's ``"_infer"`` policy.
 
     Raises:
         TypeError: ``obj`` is not a policy or a map.
+        ValueError: an unknown ``format``; with ``format="keras"``, what Keras cannot
+            represent (the message names it): an output dtype other than the compute
+            dtype, variable and compute dtypes that no Keras name gives, ``"_infer"``, a
+            user's subclass, or a map holding one of these.
 
     Examples:
         >>> import jmp_policy as jp
@@ -56,29 +100,140 @@ def serialize(obj: Any) -> dict[str, Any]:
         {'module': 'jmp_policy', 'class_name': 'DTypePolicy', 'config': {'name': 'mixed_bfloat16'}}
         >>> jp.deserialize(jp.serialize(jp.get("int8_from_float32")))
         <QuantizedDTypePolicy "int8_from_float32">
+        >>> jp.serialize(jp.get_policy("p=f32,c=bf16"), format="keras")
+        {'module': 'keras', 'class_name': 'DTypePolicy', 'config': {'name': 'mixed_bfloat16'}, 'registered_name': None}
+        >>> jp.serialize(jp.Policy("_infer")) is None
+        True
     """
-    if type(obj).__name__ not in _CLASSES or not hasattr(obj, "get_config"):
+    if format not in _FORMATS:
+        raise ValueError(
+            f"Unknown `format`; expected one of {', '.join(map(repr, _FORMATS))}. "
+            f"Received: format={format!r}"
+        )
+    if not _is_serializable(obj):
         raise TypeError(
             f"`obj` must be a dtype policy or a DTypePolicyMap. Received: obj={obj!r} "
             f"(of type {type(obj).__name__})"
         )
-    return {"module": "jmp_policy", "class_name": type(obj).__name__, "config": obj.get_config()}
+    if format == "keras":
+        return _to_keras(obj)
+    if isinstance(obj, DTypePolicy) and obj.compute_dtype is None:
+        return None  # tf.keras's "_infer"
+    cls = type(obj)
+    module = "jmp_policy" if cls in _OWN_CLASSES else cls.__module__
+    return {"module": module, "class_name": cls.__name__, "config": obj.get_config()}
 
 
-def deserialize(config: dict[str, Any] | str) -> Any:
+# -- Keras 3's format ---------------------------------------------------------------------
+
+
+def _keras_entry(module: str, class_name: str, config: dict[str, Any]) -> dict[str, Any]:
+    return {"module": module, "class_name": class_name, "config": config, "registered_name": None}
+
+
+def _keras_float_name(policy: DTypePolicy) -> str:
+    """The Keras name of a policy's dtypes, or a ValueError saying why there is none."""
+    variable, compute, output = policy.variable_dtype, policy.compute_dtype, policy.output_dtype
+    if output != compute:
+        raise ValueError(
+            f"Keras has no output dtype: the policy {policy.name!r} returns {output.name} "
+            f"while it computes in {compute.name}, which Keras cannot represent."
+        )
+    if variable == compute and variable.name in _KERAS_DTYPES:
+        return str(variable.name)
+    if variable == "float32" and compute.name in ("float16", "bfloat16"):
+        return f"mixed_{compute.name}"
+    raise ValueError(
+        f"Keras cannot represent the policy {policy.name!r} (variables {variable.name}, "
+        f"compute {compute.name}): a Keras name is one dtype for both, 'mixed_float16' or "
+        "'mixed_bfloat16'."
+    )
+
+
+def _to_keras(obj: Any) -> dict[str, Any]:
+    if not isinstance(obj, DTypePolicy):
+        return _map_to_keras(obj)
+    if type(obj) not in _OWN_CLASSES:
+        raise ValueError(
+            f"Keras cannot represent a user's subclass {type(obj).__name__!r}: write it with "
+            f"`serialize(policy)` and read it with `deserialize(config, custom_objects=...)`. "
+            f"Received: obj={obj!r}"
+        )
+    if obj.compute_dtype is None:
+        raise ValueError(
+            f"Keras 3 has no '{INFER}' policy (tf.keras's, whose dtypes follow the inputs). "
+            f"Received: obj={obj!r}"
+        )
+    if not isinstance(obj, QuantizedDTypePolicy):
+        class_name = "FloatDTypePolicy" if type(obj) is FloatDTypePolicy else "DTypePolicy"
+        return _keras_entry("keras", class_name, {"name": _keras_float_name(obj)})
+    config = {**obj.get_config(), "source_name": _keras_float_name(obj)}
+    if isinstance(obj, QuantizedFloat8DTypePolicy):
+        class_name = "QuantizedFloat8DTypePolicy"
+    else:
+        # Keras's QuantizedDTypePolicy takes no block ("int4/128"): its Int4DTypePolicy does.
+        class_name = "Int4DTypePolicy" if "/" in config["mode"] else "QuantizedDTypePolicy"
+    return _keras_entry("keras.dtype_policies", class_name, config)
+
+
+def _map_to_keras(policy_map: Any) -> dict[str, Any]:
+    default = policy_map.get_config()["default_policy"]
+    try:
+        keras_default = None if default is None else _to_keras(deserialize(default))
+    except ValueError as e:
+        raise ValueError(f"Cannot write the map's `default_policy` for Keras: {e}") from e
+    entries = {}
+    for key, policy in policy_map.items():
+        try:
+            entries[key] = _to_keras(policy)
+        except ValueError as e:
+            raise ValueError(f"Cannot write the map's key {key!r} for Keras: {e}") from e
+    return _keras_entry(
+        "keras.dtype_policies",
+        "DTypePolicyMap",
+        {"default_policy": keras_default, "policy_map": entries},
+    )
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def _check_custom_objects(custom_objects: Any) -> Mapping[str, type[Any]]:
+    if custom_objects is None:
+        return {}
+    if not isinstance(custom_objects, Mapping):
+        raise TypeError(
+            "`custom_objects` must be a dict of class names to classes, such as "
+            f"{{'MyPolicy': MyPolicy}}. Received: custom_objects={custom_objects!r}"
+        )
+    for name, cls in custom_objects.items():
+        if not isinstance(cls, type) or not hasattr(cls, "from_config"):
+            raise TypeError(
+                f"`custom_objects[{name!r}]` must be a class with `from_config`, such as a "
+                f"subclass of DTypePolicy. Received: {cls!r}"
+            )
+    return custom_objects
+
+
+def deserialize(config: Any, custom_objects: Mapping[str, type[Any]] | None = None) -> Any:
     """Builds a policy or map from a serialized config (never modifying ``config``).
 
-    Accepts this library's :func:`serialize` output, Keras 3 configs, tf.keras ``Policy``
-    configs (the old experimental ``loss_scale`` field is dropped) and plain names.
+    Accepts this library's :func:`serialize` output (either format), Keras 3 configs,
+    tf.keras ``Policy`` configs (the old experimental ``loss_scale`` field is dropped),
+    plain names, and ``None``, which is tf.keras's ``"_infer"`` policy (as in tf.keras).
 
     Args:
-        config: a dict with ``class_name`` and ``config``, or a policy name.
+        config: a dict with ``class_name`` and ``config``, a policy name, or ``None``.
+        custom_objects: class names to the user's classes (subclasses of the policy
+            classes), looked up before this library's; the configs nested in a map's
+            config use them too.
 
     Returns:
         The policy or map.
 
     Raises:
-        TypeError: ``config`` is neither a dict nor a string.
+        TypeError: ``config`` is neither a dict, a string nor ``None``; ``custom_objects``
+            is not a dict of classes.
         ValueError: an unknown ``class_name``, or a config the class rejects.
 
     Examples:
@@ -88,7 +243,19 @@ def deserialize(config: dict[str, Any] | str) -> Any:
         >>> jp.deserialize({"module": "keras", "class_name": "DTypePolicy",
         ...                 "config": {"name": "mixed_bfloat16"}, "registered_name": None})
         <DTypePolicy "mixed_bfloat16">
+        >>> jp.deserialize(None)
+        <Policy "_infer">
+        >>> class MyPolicy(jp.DTypePolicy):
+        ...     pass
+        >>> config = jp.serialize(MyPolicy("mixed_float16"))
+        >>> config["class_name"]
+        'MyPolicy'
+        >>> jp.deserialize(config, custom_objects={"MyPolicy": MyPolicy})
+        <MyPolicy "mixed_float16">
     """
+    known = {**(_CUSTOM_OBJECTS.get() or {}), **_check_custom_objects(custom_objects)}
+    if config is None:
+        return Policy(INFER)  # tf.keras's reading of `None`
     if isinstance(config, str):
         return policy_from_name(config)
     if not isinstance(config, dict):
@@ -97,15 +264,23 @@ def deserialize(config: dict[str, Any] | str) -> Any:
             f"or a policy name. Received: config={config!r} (of type {type(config).__name__})"
         )
     class_name = config.get("class_name")
-    if class_name not in _CLASSES:
+    cls = None
+    if isinstance(class_name, str):
+        cls = known.get(class_name) or _CLASSES.get(class_name)
+    if cls is None:
         raise ValueError(
             f"Unknown `class_name` {class_name!r} in `config`; expected one of "
-            f"{sorted(_CLASSES)}. Received: config={config!r}"
+            f"{sorted(_CLASSES)}, or a class of your own passed as "
+            f"`custom_objects={{{class_name!r}: YourClass}}`. Received: config={config!r}"
         )
     inner = config.get("config", {})
     if not isinstance(inner, dict):
         raise ValueError(f"`config['config']` must be a dict. Received: config={config!r}")
-    return _CLASSES[class_name].from_config(inner)
+    token = _CUSTOM_OBJECTS.set(known)
+    try:
+        return cls.from_config(inner)
+    finally:
+        _CUSTOM_OBJECTS.reset(token)
 
 
 def get(identifier: Any = None) -> Any:

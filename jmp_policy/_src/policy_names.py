@@ -1,0 +1,57 @@
+"""From a name to a policy: the one place that picks the policy class for any accepted name
+(float, quantized, tf.keras's ``"_infer"``), and jmp's ``get_policy``."""
+
+from __future__ import annotations
+
+from jmp_policy._src import dtypes as dt
+from jmp_policy._src.policy import DTypePolicy
+from jmp_policy._src.quantized_policy import (
+    Int4DTypePolicy,
+    QuantizedDTypePolicy,
+    QuantizedFloat8DTypePolicy,
+)
+
+
+def policy_from_name(name: str) -> DTypePolicy:
+    """Any accepted name to the right policy class, as Keras picks it.
+
+    ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"int4_from_…"`` and
+    ``"int8_from_…"`` a :class:`QuantizedDTypePolicy`, ``"float8_from_…"`` a
+    :class:`QuantizedFloat8DTypePolicy`, every other name a :class:`DTypePolicy`.
+    """
+    dt.check_name_type(name)
+    split = dt.split_quantized_name(name)
+    if split is None:
+        return DTypePolicy(name)
+    mode, source = split
+    if mode == "float8":
+        return QuantizedFloat8DTypePolicy(mode, source)
+    if mode.startswith("int4/"):
+        return Int4DTypePolicy(mode, source)
+    return QuantizedDTypePolicy(mode, source)
+
+
+def get_policy(name: str) -> DTypePolicy:
+    """jmp's spelling: the policy of a name (any form :func:`get` accepts as a string).
+
+    Args:
+        name: a Keras name, a jmp string or a quantized name.
+
+    Returns:
+        The policy.
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        ValueError: ``name`` is not an accepted name.
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> p = jp.get_policy("p=f32,c=bf16,o=f32")
+        >>> p.param_dtype, p.compute_dtype, p.output_dtype
+        (dtype('float32'), dtype(bfloat16), dtype('float32'))
+        >>> jp.get_policy("c=f16")
+        <DTypePolicy "c=f16">
+        >>> str(jp.get_policy("half"))
+        'p=bf16,c=bf16,o=bf16'
+    """
+    return policy_from_name(name)

@@ -1,0 +1,285 @@
+"""Quantized dtype policies (int8, int4 with its block size, float8 with delayed scaling):
+float policies that also name a quantization mode; their dtypes come from a source policy."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+
+from jmp_policy._src import dtypes as dt
+from jmp_policy._src.policy import DTypePolicy, global_name
+
+_DEFAULT_INT4_BLOCK = 128
+
+
+def _mode_text(base: str, block: int | None) -> str:
+    """The mode as configs and names write it: ``"int8"``, ``"int4/128"``, ``"float8"``."""
+    return base if block is None else f"{base}/{block}"
+
+
+class QuantizedDTypePolicy(DTypePolicy):
+    """A weight-quantized policy (``int8``, ``int4`` or ``int4/<block>``).
+
+    Compute, variable and output dtypes come from the source policy. ``int4/<block>``
+    quantizes in blocks of ``<block>`` rows; ``int4`` (like ``int4/-1`` and Keras's legacy
+    ``int4/None``) per channel. ``mode`` is the quantization mode alone (``"int4"``, as in
+    Keras) and ``block_size`` the block; ``QuantizedDTypePolicy("int4/128", source)`` equals
+    :class:`Int4DTypePolicy` ``("int4", source, 128)``. ``str`` writes the mode before jmp's
+    short form of the dtypes (``"int8_from_p=f32,c=bf16,o=bf16"``), which :func:`get` reads
+    back.
+
+    Args:
+        mode: ``"int8"``, ``"int4"`` or ``"int4/<block>"``.
+        source_name: the float policy the dtypes come from; ``None`` takes the global one.
+
+    Raises:
+        ValueError: an unknown mode, a quantized or invalid source name, or ``int8`` with
+            a float16 compute dtype (it "doesn't work well", as Keras says).
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> policy = jp.QuantizedDTypePolicy("int8", "mixed_bfloat16")
+        >>> policy
+        <QuantizedDTypePolicy "int8_from_mixed_bfloat16">
+        >>> policy.quantization_mode, policy.compute_dtype
+        ('int8', dtype(bfloat16))
+        >>> str(policy)
+        'int8_from_p=f32,c=bf16,o=bf16'
+        >>> int4 = jp.QuantizedDTypePolicy("int4/128", "float32")
+        >>> int4.mode, int4.block_size
+        ('int4', 128)
+    """
+
+    __slots__ = ("_block_size", "_mode", "_quantization_mode", "_source_name")
+    _kind: ClassVar[str] = "quantized"
+
+    # The mode as configs write it ("int4/128"); `mode` gives the quantization mode alone.
+    _mode: str
+    _quantization_mode: str
+    _block_size: int | None
+    _source_name: str
+
+    def __init__(self, mode: str, source_name: str | None = None):
+        base, block = dt.parse_int_mode(mode)
+        # "int4" stays "int4" (Keras's own spelling); a given block is written canonically.
+        text = mode if block is None or "/" not in mode else _mode_text(base, block)
+        self._init_quantized(text, base, block, source_name)
+
+    def _init_quantized(
+        self, mode: str, base: str, block: int | None, source_name: str | None
+    ) -> None:
+        if source_name is None:
+            source_name = global_name()
+        dt.check_name_type(source_name, "source_name")
+        if dt.split_quantized_name(source_name) is not None:
+            raise ValueError(
+                f"Cannot convert {source_name!r} to a float source policy: `source_name` "
+                f"must be a float policy name, not a quantized one. "
+                f"Received: source_name={source_name!r}"
+            )
+        if source_name.strip() == dt.INFER:
+            raise ValueError(
+                "A quantized policy needs a floating compute dtype; tf.keras's '_infer' has "
+                f"none. Received: source_name={source_name!r}"
+            )
+        parsed = dt.parse_float_name(source_name)
+        if base == "int8" and parsed.compute == np.float16:
+            raise ValueError(
+                f"Quantization mode='{mode}' doesn't work well with compute_dtype='float16'. "
+                "Use a bfloat16 or float32 source policy, such as 'mixed_bfloat16'. "
+                f"Received: source_name={source_name!r}"
+            )
+        if not dt.is_floating(parsed.compute):
+            raise ValueError(
+                f"A quantized policy needs a floating compute dtype. "
+                f"Received: source_name={source_name!r}"
+            )
+        source_name = source_name.strip()
+        self._init(f"{mode}_from_{source_name}", parsed.params, parsed.compute, parsed.output)
+        object.__setattr__(self, "_mode", mode)
+        object.__setattr__(self, "_quantization_mode", base)
+        object.__setattr__(self, "_block_size", block)
+        object.__setattr__(self, "_source_name", source_name)
+
+    def _key(self) -> tuple[Any, ...]:
+        return (*super()._key(), self._quantization_mode, self._block_size)
+
+    def __str__(self) -> str:
+        """``"<mode>_from_<jmp short form>"``; :func:`get` reads it back (float8's
+        ``amax_history_length`` aside, which no name carries)."""
+        return f"{self._mode}_from_{super().__str__()}"
+
+    @property
+    def quantization_mode(self) -> str:
+        """``"int8"``, ``"int4"`` or ``"float8"`` (without a block size)."""
+        return self._quantization_mode
+
+    @property
+    def mode(self) -> str:
+        """The quantization mode, as Keras's ``mode``: ``"int4"`` (see :attr:`block_size`)."""
+        return self._quantization_mode
+
+    @property
+    def block_size(self) -> int | None:
+        """int4's block size along the input axis (-1: per channel); ``None`` otherwise."""
+        return self._block_size
+
+    @property
+    def source_name(self) -> str:
+        """The name of the float policy the dtypes come from."""
+        return self._source_name
+
+    @property
+    def source_policy(self) -> DTypePolicy:
+        """The float policy the dtypes come from."""
+        return DTypePolicy(self._source_name)
+
+    def _rebuild_from(self, source: DTypePolicy) -> QuantizedDTypePolicy:
+        return QuantizedDTypePolicy(self._mode, source.name)
+
+    def _with(self, variable: Any, compute: Any, output: Any) -> QuantizedDTypePolicy:  # type: ignore[override]
+        return self._rebuild_from(self.source_policy._with(variable, compute, output))
+
+    def get_config(self) -> dict[str, Any]:
+        return {"mode": self._mode, "source_name": self._source_name}
+
+
+class Int4DTypePolicy(QuantizedDTypePolicy):
+    """Keras's int4 class: ``mode == "int4"`` and a separate ``block_size``.
+
+    Equal to ``QuantizedDTypePolicy("int4/<block>", source_name)``; :func:`get` returns
+    this class for ``"int4/<block>_from_<source>"`` names, as Keras does. Keras 3's
+    positional form ``Int4DTypePolicy("int4/128", "float32")`` works too, and its legacy
+    ``"int4/None"`` reads as per channel.
+
+    Args:
+        mode: ``"int4"`` (or ``"int4/<block>"``, whose block is used).
+        source_name: the float policy the dtypes come from; ``None`` takes the global one.
+        block_size: rows per block along the input axis; ``-1`` (or ``None``) per channel.
+
+    Raises:
+        TypeError: ``block_size`` is not an ``int`` (bools included) or ``None``.
+        ValueError: another mode, a ``block_size`` of 0 or below -1, a ``block_size`` that
+            contradicts the block in ``mode``, or a bad source name.
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> policy = jp.Int4DTypePolicy("int4", "mixed_bfloat16", block_size=64)
+        >>> policy
+        <Int4DTypePolicy "int4/64_from_mixed_bfloat16">
+        >>> policy.mode, policy.block_size
+        ('int4', 64)
+        >>> policy == jp.QuantizedDTypePolicy("int4/64", "mixed_bfloat16")
+        True
+        >>> type(jp.get("int4/128_from_float32")).__name__
+        'Int4DTypePolicy'
+    """
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        mode: str = "int4",
+        source_name: str | None = None,
+        block_size: int | None = _DEFAULT_INT4_BLOCK,
+    ):
+        base, mode_block = dt.parse_int_mode(mode)
+        if base != "int4":
+            raise ValueError(
+                "Invalid mode for Int4DTypePolicy. Expected 'int4' or 'int4/<block_size>' "
+                f"(use QuantizedDTypePolicy for other modes). Received: mode={mode!r}"
+            )
+        if block_size is not None and (
+            isinstance(block_size, bool) or not isinstance(block_size, int)
+        ):
+            raise TypeError(
+                "`block_size` must be an integer (-1 or None: per channel). "
+                f"Received: block_size={block_size!r} (of type {type(block_size).__name__})"
+            )
+        block = -1 if block_size is None else block_size
+        if block == 0 or block < -1:
+            raise ValueError(
+                "`block_size` must be -1 (per channel) or a positive integer. "
+                f"Received: block_size={block_size!r}"
+            )
+        if "/" in mode:
+            # The block in `mode` (Keras 3's form) wins over the default, never over a
+            # different explicit one.
+            if block_size != _DEFAULT_INT4_BLOCK and block != mode_block:
+                raise ValueError(
+                    f"`block_size` contradicts the block in `mode`. "
+                    f"Received: block_size={block_size!r}, mode={mode!r}"
+                )
+            block = mode_block if mode_block is not None else block
+        self._init_quantized(_mode_text("int4", block), "int4", block, source_name)
+
+    def _rebuild_from(self, source: DTypePolicy) -> Int4DTypePolicy:
+        return Int4DTypePolicy("int4", source.name, self._block_size)
+
+
+class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
+    """A float8 policy with delayed scaling (e4m3 forward, e5m2 for gradients).
+
+    Args:
+        mode: ``"float8"``.
+        source_name: the float policy the dtypes come from; ``None`` takes the global one.
+        amax_history_length: length of the amax history window, a positive ``int``.
+
+    Raises:
+        TypeError: ``amax_history_length`` is not an ``int`` (bools included).
+        ValueError: another mode, a bad source name, or ``amax_history_length < 1``.
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> policy = jp.QuantizedFloat8DTypePolicy("float8", "mixed_bfloat16", 16)
+        >>> policy.amax_history_length
+        16
+        >>> jp.get("float8_from_mixed_bfloat16").amax_history_length
+        1024
+    """
+
+    __slots__ = ("_amax_history_length",)
+    _kind: ClassVar[str] = "float8"
+    default_amax_history_length: ClassVar[int] = 1024
+
+    _amax_history_length: int
+
+    def __init__(
+        self,
+        mode: str = "float8",
+        source_name: str | None = None,
+        amax_history_length: int = 1024,
+    ):
+        if mode != "float8":
+            raise ValueError(
+                f"Invalid quantization mode. Expected 'float8' for QuantizedFloat8DTypePolicy "
+                f"(use QuantizedDTypePolicy for 'int8' and 'int4'). Received: mode={mode!r}"
+            )
+        if isinstance(amax_history_length, bool) or not isinstance(amax_history_length, int):
+            raise TypeError(
+                "`amax_history_length` must be an integer. "
+                f"Received: amax_history_length={amax_history_length!r} "
+                f"(of type {type(amax_history_length).__name__})"
+            )
+        if amax_history_length < 1:
+            raise ValueError(
+                "`amax_history_length` must be at least 1. "
+                f"Received: amax_history_length={amax_history_length!r}"
+            )
+        self._init_quantized(mode, "float8", None, source_name)
+        object.__setattr__(self, "_amax_history_length", amax_history_length)
+
+    def _key(self) -> tuple[Any, ...]:
+        return (*super()._key(), self._amax_history_length)
+
+    @property
+    def amax_history_length(self) -> int:
+        """The length of the amax history window used to compute scales."""
+        return self._amax_history_length
+
+    def _rebuild_from(self, source: DTypePolicy) -> QuantizedFloat8DTypePolicy:
+        return QuantizedFloat8DTypePolicy(self._mode, source.name, self._amax_history_length)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "amax_history_length": self._amax_history_length}

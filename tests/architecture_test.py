@@ -1,0 +1,154 @@
+"""The package's import graph: no cycle among jmp_policy's modules, flax only in the glue.
+
+Reads every module under ``jmp_policy/`` with ``ast`` (imports inside functions too), so it
+keeps working as modules are added, moved or split into packages.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = "jmp_policy"
+# The integration modules (or packages) that may import flax.
+FLAX_GLUE = ("linen", "nnx")
+# Modules that must import nothing of jmp_policy (they sit under everything).
+BOTTOM = ("jmp_policy._src.context",)
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+
+def _imports(name: str, path: pathlib.Path) -> list[tuple[str, int]]:
+    """Every module ``name`` imports (absolute names), with the line, at any depth."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            found.append((module, node.lineno))
+            # `from pkg import sub` imports the submodule `pkg.sub` when there is one.
+            found += [(f"{module}.{alias.name}", node.lineno) for alias in node.names]
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None))
+            in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.append((node.args[0].value, node.lineno))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for imported, _ in _imports(name, path):
+            if imported in modules and imported != name:
+                graph[name].add(imported)
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    white, grey, black = 0, 1, 2
+    color = dict.fromkeys(graph, white)
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        color[node] = grey
+        stack.append(node)
+        for succ in sorted(graph[node]):
+            if color[succ] == grey:
+                return [*stack[stack.index(succ) :], succ]
+            if color[succ] == white:
+                cycle = visit(succ)
+                if cycle:
+                    return cycle
+        stack.pop()
+        color[node] = black
+        return None
+
+    for node in sorted(graph):
+        if color[node] == white:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_finds_the_package_modules():
+    modules = _modules()
+    assert "jmp_policy" in modules
+    assert "jmp_policy._src.policy" in modules
+    assert "jmp_policy._src.context" in modules
+
+
+def test_graph_sees_imports_inside_functions():
+    graph = _graph()
+    # `from jmp_policy._src import dtypes as dt` at the top of policy.py is an edge.
+    assert "jmp_policy._src.dtypes" in graph["jmp_policy._src.policy"]
+    # The facade imports every public module.
+    assert "jmp_policy._src.policy" in graph["jmp_policy"]
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_among_jmp_policy_modules():
+    cycle = _find_cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("bottom", BOTTOM)
+def test_bottom_modules_import_nothing_of_ours(bottom):
+    path = _modules()[bottom]
+    ours = [(m, line) for m, line in _imports(bottom, path) if m.split(".")[0] == PACKAGE]
+    assert ours == [], f"{bottom} must import nothing of {PACKAGE}: {ours}"
+
+
+def _is_glue(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) > 1 and parts[1] in FLAX_GLUE
+
+
+def test_flax_is_imported_only_by_the_glue():
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {imported}"
+        for name, path in _modules().items()
+        if not _is_glue(name)
+        for imported, line in _imports(name, path)
+        if imported.split(".")[0] == "flax"
+    ]
+    assert offenders == [], "flax imported outside jmp_policy/linen* and jmp_policy/nnx*:\n" + (
+        "\n".join(offenders)
+    )
+
+
+def test_glue_is_recognised_as_module_or_package():
+    assert _is_glue("jmp_policy.linen")
+    assert _is_glue("jmp_policy.nnx._interception")
+    assert not _is_glue("jmp_policy._src.linen_helpers")
+    assert not _is_glue("jmp_policy")
