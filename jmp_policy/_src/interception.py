@@ -93,7 +93,7 @@ def run(
     inner = fn
     for ext in reversed(extensions):
         inner = _link(ext, call, inner)
-    with global_state.current_policy_scope(policy):
+    with global_state.current_policy_scope(policy, call.path):
         out = inner(*args, **kwargs)
     if resolution.island:
         return cast_inputs(out, caller.compute_dtype, opaque)

@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 from flax.core.scope import in_filter
 
+import jmp_policy.linen._modules as m
 from jmp_policy._src import casting, interception
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import (
@@ -19,7 +20,6 @@ from jmp_policy._src.resolution import (
     check_floating,
     warn_once,
 )
-from jmp_policy.linen import _modules as m
 
 _INIT_MUTABLE = nn.DenyList("intermediates")  # `module.init`'s default
 _MAX_RETRACES = 8

@@ -9,10 +9,10 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+import jmp_policy.linen._apply as _apply
+import jmp_policy.linen._modules as m
 from jmp_policy._src.explain import table
 from jmp_policy._src.resolution import Resolver, as_policy_or_map, check_floating
-from jmp_policy.linen import _apply
-from jmp_policy.linen import _modules as m
 
 
 def explain(

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+import jmp_policy.nnx._modules as m
 from jmp_policy._src import casting, interception
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import (
@@ -19,7 +20,6 @@ from jmp_policy._src.resolution import (
     check_floating,
     warn_once,
 )
-from jmp_policy.nnx import _modules as m
 
 # The attributes a policy-running subclass keeps its original class and its call under.
 _ORIGINAL = "_jmp_policy_original_class"

@@ -7,10 +7,10 @@ from typing import Any
 
 from flax import nnx
 
+import jmp_policy.nnx._apply as _apply
+import jmp_policy.nnx._modules as m
 from jmp_policy._src.explain import table
 from jmp_policy._src.resolution import as_policy_or_map, check_floating
-from jmp_policy.nnx import _apply
-from jmp_policy.nnx import _modules as m
 
 
 def explain(
