@@ -20,12 +20,8 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jmp_policy._src import numerics
-from jmp_policy._src.state_pytree import (
-    register_state,
-    register_with_flax_serialization,
-    replace_leaves,
-    tree_equal,
-)
+from jmp_policy._src.state_pytree import register_state, replace_leaves, tree_equal
+from jmp_policy._src.state_pytree import register_with_flax_serialization as _register_flax
 
 T = TypeVar("T")
 
@@ -59,13 +55,10 @@ def _concrete(value: Any) -> np.ndarray | None:
 
 
 def _overflow_hint(value: Any) -> str:
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None and np.dtype(dtype).itemsize <= 2 and jnp.issubdtype(dtype, jnp.floating):
-        return (
-            f" (a value beyond {np.dtype(dtype).name}'s range is inf there: pass a Python "
-            f"float or a float32 array)"
-        )
-    return ""
+    dtype = np.dtype(getattr(value, "dtype", np.float64))
+    if dtype.itemsize > 2 or not jnp.issubdtype(dtype, jnp.floating):
+        return ""
+    return f" (beyond {dtype.name}'s range a value is inf: pass a Python float or float32)"
 
 
 def _as_leaf(value: Any, dtype: Any, argument: str) -> Any:
@@ -172,7 +165,7 @@ class NoOpLossScale:
     __hash__ = None  # type: ignore[assignment]  # array leaves
 
     def __post_init__(self) -> None:
-        register_with_flax_serialization()
+        _register_flax()
 
     @property
     def loss_scale(self) -> jax.Array:
@@ -237,7 +230,7 @@ class StaticLossScale(_ScaleByLeaf):
     __hash__ = None  # type: ignore[assignment]  # array leaves
 
     def __post_init__(self) -> None:
-        register_with_flax_serialization()
+        _register_flax()
         _check_positive_scale(self.loss_scale, "loss_scale")
         object.__setattr__(self, "loss_scale", _as_leaf(self.loss_scale, jnp.float32, "loss_scale"))
 
@@ -326,7 +319,7 @@ class DynamicLossScale(_ScaleByLeaf):
     __hash__ = None  # type: ignore[assignment]  # array leaves
 
     def __post_init__(self) -> None:
-        register_with_flax_serialization()
+        _register_flax()
         object.__setattr__(self, "period", _count(self.period, "period", _MAX_PERIOD))
         hysteresis = _count(self.hysteresis, "hysteresis", _MAX_HYSTERESIS)
         object.__setattr__(self, "hysteresis", hysteresis)
