@@ -4,15 +4,51 @@ On a ~20M-parameter float32 tree with adam, times in one run (interleaved, media
 repetitions, after warm-up, every variant jitted with the same donation):
 
 - the plain ``adam.update`` (gradients already unscaled),
-- ``jmp_policy.loss_scaling(adam)`` (unscale, global finiteness, skip, adjust),
+- the floor for any wrapper: the plain update plus one finiteness reduction (``isfinite``;
+  and the same with the former ``sum(x - x)`` check, which fast-math compilation folds away),
+- ``jmp_policy.loss_scaling(adam)`` (unscale, global finiteness, skip, adjust), with the
+  default floor ``2**-14`` and with ``min_loss_scale=1`` (the same program: scales below 1
+  are handled by checking the unscaled gradients, not by a second code path),
+- the same steps with ``lax.cond`` around the inner update instead of selects,
 - a jmp-style hand-written composition (``unscale`` + ``all_finite`` + ``select_tree`` +
   ``adjust``, as jmp's README does it),
-- the same steps with ``lax.cond`` around the inner update instead of selects,
 - ``optax.apply_if_finite(adam)`` on unscaled gradients,
-- the floor for any wrapper: the plain update plus one finiteness reduction.
 
-Prints milliseconds, the ratio to the plain update and, where XLA reports it, the compiled
-memory. Run: ``python benchmarks/loss_scaling_bench.py [--reps 30] [--params 20e6]``.
+then a whole training step (forward, backward, update). Prints milliseconds, ratios to the
+plain update and to the floor, XLA's ``cost_analysis`` bytes and whether the program holds a
+conditional. Run: ``python benchmarks/loss_scaling_bench.py [--reps 30] [--params 20e6]
+[--hlo]``.
+
+What stops the wrapper at the floor (``--hlo`` prints the kernels):
+
+- No wrapper that skips non-finite steps can reach the floor's bytes where XLA fuses the
+  floor's reduction into the update as a sibling output (GPU: floor 1.000x plain). Skipping
+  means the update's writes depend on the *global* reduction, so the reduction is its own
+  kernel and reads the gradients once more: at least 7 of adam's 6 array reads and writes,
+  1.167x. That is what the wrapper compiles to on GPU, two kernels per leaf::
+
+    %input_reduce_fusion = pred[512] fusion(%updates__w__, %loss_scale), kind=kInput
+    %loop_select_fusion = (f32[256,1024], f32[256,1024], f32[256,1024])
+        fusion(%count.., %mu__w__, %updates__w__, %nu__w__, %finite, %loss_scale), kind=kLoop
+
+  (one multi-output kernel reads g, mu, nu once and writes the update and the selected
+  moments). Its time is 1.10x the floor's on an H100, the whole step 1.07x plain: the extra
+  reduction kernels (two stages per leaf) and scalar kernels for the scale, the counters and
+  the skipped-step counts. The ``lax.cond`` variant, a jmp-style step and
+  ``apply_if_finite`` measure the same there (1.19-1.22x plain).
+- XLA:CPU has no multi-output fusion, so adam's update kernel recomputes the new moments
+  from g, mu and nu (the materialised moments are the *selected* ones, which differ from the
+  update's inputs when a step is skipped)::
+
+    %broadcast_select_fusion = f32[256,1024] fusion(%bias_nu, %nu, %bias_mu, %mu, %g,
+        %inverse_scale, %finite_sum)   # reads g, mu, nu again: 4 arrays instead of 2
+
+  so the wrapper moves 1.278x the plain update's bytes against the floor's 1.167x (1.095x).
+  Inner optimizers are opaque to the wrapper, so it cannot hand the update the selected
+  moments. On CPU the ``isfinite`` reduction also materialises a bool array (XLA:CPU fuses
+  only arithmetic into its reductions): the floor is 1.167x with ``isfinite`` against 1.111x
+  with ``sum(x - x)``, the price of a check that fast math cannot fold away. On GPU both
+  checks fuse into one read.
 """
 
 from __future__ import annotations
@@ -54,6 +90,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--params", type=float, default=20e6)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--hlo", action="store_true", help="print the default wrapper's kernels")
+    parser.add_argument("--full-reps", type=int, default=10)
     parser.add_argument(
         "--donate", action="store_true", help="donate the optimizer state (XLA:CPU then copies)"
     )
@@ -66,9 +104,8 @@ def main() -> None:
     scaled_grads = scale.scale(grads)
 
     adam = optax.adam(1e-3)
-    wrapped = jp.loss_scaling(adam, scale)
-    # With a minimum scale of 1 no branch is compiled for scales below 1, so XLA's byte
-    # count shows what the common path really moves.
+    wrapped = jp.loss_scaling(adam, scale)  # the default floor, 2**-14
+    # Scales below 1 cost nothing extra: the same program as with a floor of 1.
     wrapped_min1 = jp.loss_scaling(adam, jp.DynamicLossScale(2.0**15, min_loss_scale=1.0))
     guarded = optax.apply_if_finite(adam, max_consecutive_errors=5)
 
@@ -112,9 +149,18 @@ def main() -> None:
         updates, state = adam.update(scale.unscale(g), state, p)
         return (updates, jp.all_finite(g)), state
 
+    def old_check_step(g: Any, state: Any, p: Any) -> Any:
+        # The same floor with the former check, `sum(x - x)` (wrong under fast math).
+        updates, state = adam.update(scale.unscale(g), state, p)
+        finite = jnp.array(True)
+        for x in jax.tree.leaves(g):
+            finite = finite & jnp.isfinite(jnp.sum(x - x))
+        return (updates, finite), state
+
     variants: dict[str, tuple[Callable[..., Any], Any, Any]] = {
         "plain adam": (plain_step, grads, adam.init(params)),
         "plain + finiteness check": (check_only_step, scaled_grads, adam.init(params)),
+        "  same, sum(x - x) check": (old_check_step, scaled_grads, adam.init(params)),
         "jp.loss_scaling(adam)": (wrapped_step, scaled_grads, wrapped.init(params)),
         "  same, min_loss_scale=1": (wrapped_min1_step, scaled_grads, wrapped_min1.init(params)),
         "same with lax.cond": (cond_step, scaled_grads, (adam.init(params), scale)),
@@ -166,42 +212,57 @@ def main() -> None:
             times[name].append(wall)
             cpu_times[name].append(cpu)
 
-    def ratio(samples: dict[str, list[float]], name: str, stat: Any) -> str:
-        return f"{stat(samples[name]) / stat(samples['plain adam']):7.3f}"
+    def ratio(samples: dict[str, list[float]], name: str, stat: Any, base: str) -> str:
+        return f"{stat(samples[name]) / stat(samples[base]):7.3f}"
 
     median = statistics.median
+    plain, floor = "plain adam", "plain + finiteness check"
     print(
-        f"jax {jax.__version__}, {jax.devices()[0].platform} ({os.cpu_count()} cores), "
+        f"jax {jax.__version__}, {jax.devices()[0].device_kind} ({os.cpu_count()} cores), "
         f"{num / 1e6:.1f}M float32 params in {len(jax.tree.leaves(params))} leaves, adam, "
         f"state {'donated' if args.donate else 'not donated'}, {args.reps} interleaved reps"
     )
     print(
-        f"{'variant':28s} {'wall ms':>8s} {'median':>7s} {'min':>7s} {'cpu ms':>8s} "
-        f"{'median':>7s} {'min':>7s} {'temp MiB':>9s} {'bytes':>7s}"
+        f"{'variant':28s} {'wall ms':>8s} {'median':>7s} {'min':>7s} {'median':>7s} "
+        f"{'cpu ms':>8s} {'median':>7s} {'temp MiB':>9s} {'bytes':>7s} {'bytes':>7s} {'cond':>5s}"
     )
     print(
-        f"{'':28s} {'':8s} {'ratio':>7s} {'ratio':>7s} {'':8s} {'ratio':>7s} {'ratio':>7s} "
-        f"{'':9s} {'ratio':>7s}"
+        f"{'':28s} {'':8s} {'/plain':>7s} {'/plain':>7s} {'/floor':>7s} {'':8s} {'/plain':>7s} "
+        f"{'':9s} {'/plain':>7s} {'/floor':>7s}"
     )
     for name in variants:
+        has_cond = "conditional(" in compiled[name].as_text()
         print(
-            f"{name:28s} {median(times[name]) * 1e3:8.1f} {ratio(times, name, median)} "
-            f"{ratio(times, name, min)} {median(cpu_times[name]) * 1e3:8.1f} "
-            f"{ratio(cpu_times, name, median)} {ratio(cpu_times, name, min)} "
-            f"{memory[name]:9.1f} {traffic[name] / traffic['plain adam']:7.3f}"
+            f"{name:28s} {median(times[name]) * 1e3:8.2f} {ratio(times, name, median, plain)} "
+            f"{ratio(times, name, min, plain)} {ratio(times, name, median, floor)} "
+            f"{median(cpu_times[name]) * 1e3:8.1f} {ratio(cpu_times, name, median, plain)} "
+            f"{memory[name]:9.1f} {traffic[name] / traffic[plain]:7.3f} "
+            f"{traffic[name] / traffic[floor]:7.3f} {'yes' if has_cond else 'no':>5s}"
         )
     print(
         "bytes: XLA's compiled 'bytes accessed' (deterministic, unlike the times on a shared "
-        "machine); it counts both branches of a conditional, of which one runs."
+        "machine): per fused kernel, the bytes of its operands and results, summed over the "
+        "program; it counts both branches of a conditional, of which one runs. cond: whether "
+        "the program has a conditional (on GPU its predicate is read on the host)."
     )
+    if args.hlo:
+        # The kernels of the default wrapper on one 256x1024 leaf: what each reads and writes.
+        small = {"w": jnp.ones((256, 1024))}
+        exe = jax.jit(wrapped.update).lower(small, wrapped.init(small), small).compile()
+        print("\nfused kernels of jp.loss_scaling(adam).update on one f32[256,1024] leaf:")
+        for line in exe.as_text().split("ENTRY")[1].splitlines():
+            if " fusion(" in line or "custom-call(" in line:
+                print("  " + line.split(", metadata")[0].split(", backend_config")[0].strip())
+    full_step(args.full_reps)
 
 
 def full_step(reps: int) -> None:
     """The same comparison inside a whole training step (forward, backward, update).
 
     An MLP of ~20M parameters on a batch of 256: the plain step (``value_and_grad`` +
-    adam) against the step with ``scaled_value_and_grad`` + ``jp.loss_scaling(adam)``. Here
-    the finiteness reduction is a small part of the step.
+    adam), the floor (the same plus one finiteness check of the gradients) and the step with
+    ``scaled_value_and_grad`` + ``jp.loss_scaling(adam)``. Here the finiteness reduction is a
+    small part of the step.
     """
     d, layers, batch = 1024, 19, 256
     keys = jax.random.split(jax.random.key(1), layers)
@@ -221,31 +282,46 @@ def full_step(reps: int) -> None:
         u, s = adam.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
+    def floor(p: Any, s: Any, x: Any) -> Any:
+        loss, g = jax.value_and_grad(loss_fn)(p, x)
+        u, s = adam.update(g, s, p)
+        return optax.apply_updates(p, u), s, (loss, jp.all_finite(g))
+
     def scaled(p: Any, s: Any, x: Any) -> Any:
         loss, g = jp.scaled_value_and_grad(loss_fn)(jp.get_loss_scale(s), p, x)
         u, s = wrapped.update(g, s, p)
         return optax.apply_updates(p, u), s, loss
 
     runs = {
-        "plain step": (jax.jit(plain), adam.init(params)),
-        "jp.loss_scaling step": (jax.jit(scaled), wrapped.init(params)),
+        "plain step": (plain, adam.init(params)),
+        "plain step + finiteness": (floor, adam.init(params)),
+        "jp.loss_scaling step": (scaled, wrapped.init(params)),
     }
+    compiled, traffic = {}, {}
+    for name, (fn, state) in runs.items():
+        compiled[name] = jax.jit(fn).lower(params, state, x).compile()
+        cost = compiled[name].cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        traffic[name] = float(cost["bytes accessed"]) if cost else float("nan")
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for i in range(reps + 2):
-        for name, (fn, state) in runs.items():
+    for i in range(reps + 3):
+        for name, (_, state) in runs.items():  # interleaved
             start = time.perf_counter()
-            jax.block_until_ready(fn(params, state, x))
-            if i >= 2:  # warm-up
+            jax.block_until_ready(compiled[name](params, state, x))
+            if i >= 3:  # warm-up
                 times[name].append(time.perf_counter() - start)
     base = statistics.median(times["plain step"])
     num = sum(w.size for w in params)
     print(f"\nwhole training step: {num / 1e6:.1f}M-parameter MLP, batch {batch}, adam")
-    print(f"{'variant':28s} {'wall ms':>8s} {'ratio':>7s}")
+    print(f"{'variant':28s} {'wall ms':>8s} {'median':>7s} {'min':>7s} {'bytes':>7s}")
     for name, samples in times.items():
         median = statistics.median(samples)
-        print(f"{name:28s} {median * 1e3:8.1f} {median / base:7.3f}")
+        low = min(samples) / min(times["plain step"])
+        print(
+            f"{name:28s} {median * 1e3:8.2f} {median / base:7.3f} {low:7.3f} "
+            f"{traffic[name] / traffic['plain step']:7.3f}"
+        )
 
 
 if __name__ == "__main__":
     main()
-    full_step(reps=10)

@@ -45,8 +45,8 @@ from jmp_policy._src.serialization import serialize as serialize
 from jmp_policy._src.loss_scale import DynamicLossScale as DynamicLossScale
 from jmp_policy._src.loss_scale import NoOpLossScale as NoOpLossScale
 from jmp_policy._src.loss_scale import StaticLossScale as StaticLossScale
-from jmp_policy._src.loss_scale import all_finite as all_finite
-from jmp_policy._src.loss_scale import select_tree as select_tree
+from jmp_policy._src.numerics import all_finite as all_finite
+from jmp_policy._src.numerics import select_tree as select_tree
 from jmp_policy._src.optax_wrapper import LossScalingState as LossScalingState
 from jmp_policy._src.optax_wrapper import get_loss_scale as get_loss_scale
 from jmp_policy._src.optax_wrapper import loss_scaling as loss_scaling

@@ -1,4 +1,4 @@
-"""Tests for the loss scales, `all_finite` and `select_tree`."""
+"""Tests for the loss scales (`NoOpLossScale`, `StaticLossScale`, `DynamicLossScale`)."""
 
 from __future__ import annotations
 
@@ -254,48 +254,6 @@ def test_changing_scale_does_not_retrace():
     assert float(loss_scale.loss_scale) == 2.0**16
 
 
-# --- all_finite / select_tree --------------------------------------------------------------
-
-
-@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_all_finite_detects_non_finite_leaf(maybe_jit, bad, dtype):
-    check = maybe_jit(jp.all_finite)
-    good = {"a": jnp.ones(3, dtype), "b": jnp.zeros((2, 2), dtype), "n": jnp.int32(1)}
-    assert bool(check(good))
-    bad_tree = dict(good, b=good["b"].at[1, 0].set(bad))
-    assert not bool(check(bad_tree))
-
-
-def test_all_finite_without_floating_leaves_is_true(maybe_jit):
-    assert bool(jp.all_finite(None))
-    assert bool(jp.all_finite({}))
-    assert bool(maybe_jit(jp.all_finite)({"i": jnp.arange(3), "b": jnp.array(True)}))
-    assert jp.all_finite({}).shape == ()
-
-
-def test_select_tree_picks_by_predicate(maybe_jit):
-    a = {"a": jnp.ones(2), "b": jnp.zeros((), jnp.int32)}
-    b = {"a": jnp.full(2, jnp.nan), "b": jnp.ones((), jnp.int32)}
-    select = maybe_jit(jp.select_tree)
-    out = select(jnp.array(True), a, b)
-    np.testing.assert_array_equal(out["a"], [1.0, 1.0])
-    out = select(jnp.array(False), a, b)
-    assert np.isnan(np.asarray(out["a"])).all() and int(out["b"]) == 1
-    assert jp.select_tree(jnp.array(True), None, None) is None
-
-
-def test_select_tree_rejects_bad_predicates_and_structures():
-    with pytest.raises(
-        ValueError, match=r"`pred` must be a scalar bool array, not of shape \(1,\)"
-    ):
-        jp.select_tree(jnp.ones([1], bool), None, None)
-    with pytest.raises(TypeError, match="`pred` must be a scalar bool array"):
-        jp.select_tree(jnp.float32(1), None, None)
-    with pytest.raises(ValueError, match="same tree structure"):
-        jp.select_tree(jnp.array(True), {"a": 1.0}, {"b": 1.0})
-
-
 # --- errors --------------------------------------------------------------------------------
 
 
@@ -369,11 +327,6 @@ def test_traced_scale_is_not_validated_under_jit():
 def test_adjust_rejects_non_scalar_predicate():
     with pytest.raises(ValueError, match="`grads_finite` must be a scalar bool array"):
         jp.DynamicLossScale().adjust(jnp.ones(3, bool))
-
-
-def test_all_finite_checks_complex_leaves():
-    assert bool(jp.all_finite({"z": jnp.array([1 + 2j])}))
-    assert not bool(jp.all_finite({"a": jnp.ones(2), "z": jnp.array([complex(1.0, np.nan)])}))
 
 
 def test_adjust_scale_and_unscale_under_strict_dtype_promotion():
@@ -451,16 +404,6 @@ def test_jmp_static_loss_scale_scales_and_unscales(cls, scale):
     assert loss_scale.unscale({"a": jnp.array(1.0 * scale)}) == {"a": jnp.array(1.0)}
 
 
-def test_jmp_all_finite_and_select_tree_on_none_and_empty_trees():
-    assert bool(jp.all_finite(None)) and bool(jp.all_finite({}))
-    a = {"a": jnp.ones([]), "b": jnp.zeros([])}
-    b = {"a": jnp.zeros([]), "b": jnp.ones([])}
-    assert jp.select_tree(jnp.bool_(True), None, None) is None
-    assert jp.select_tree(jnp.bool_(False), None, None) is None
-    assert jp.select_tree(jnp.bool_(True), a, b) == a
-    assert jp.select_tree(jnp.bool_(False), a, b) == b
-
-
 # --- flax.serialization and placeholder trees ----------------------------------------------
 
 
@@ -521,3 +464,105 @@ def test_tree_utilities_may_put_placeholders_in_leaf_positions(make):
     if getattr(loss_scale, "hysteresis", 1) > 1:
         expected = float(loss_scale.loss_scale)
     np.testing.assert_array_equal(adjusted.loss_scale, [float(loss_scale.loss_scale), expected])
+
+
+# --- settings given as NumPy or JAX scalars are validated like Python numbers ---------------
+
+
+@pytest.mark.parametrize("cls", [jp.StaticLossScale, jp.DynamicLossScale])
+@pytest.mark.parametrize(
+    ("value", "quoted"),
+    [
+        (jnp.float32(-1.0), r"Array\(-1\., dtype=float32\)"),
+        (jnp.float32(0.0), r"Array\(0\., dtype=float32\)"),
+        (jnp.float32(jnp.inf), r"Array\(inf, dtype=float32\)"),
+        (jnp.float32(jnp.nan), r"Array\(nan, dtype=float32\)"),
+        # 2**16 is beyond float16's range: inf, with which every step would skip.
+        (lambda: jnp.float16(2**16), r"Array\(inf, dtype=float16\)"),
+        (np.float32(-1.0), r"np\.float32\(-1\.0\)"),
+        (jnp.array(0, jnp.int32), r"Array\(0, dtype=int32\)"),
+    ],
+)
+def test_array_scales_are_validated_like_python_floats(cls, value, quoted):
+    if callable(value):
+        with np.errstate(over="ignore"):
+            value = value()
+    with pytest.raises(
+        ValueError,
+        match=rf"`loss_scale` must be a finite number > 0. Received: loss_scale={quoted}",
+    ):
+        cls(value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            dict(loss_scale=jnp.float32(2.0**25)),
+            r"`loss_scale` must lie within \[min_loss_scale, max_loss_scale\] = \[6\.1035.*, "
+            r"16777216\.0\]\. Received: loss_scale=Array\(3\.3554432e\+07, dtype=float32\); widen",
+        ),
+        (
+            dict(loss_scale=jnp.float32(1.0), min_loss_scale=jnp.float32(2.0)),
+            r"`loss_scale` must lie within .* Received: loss_scale=Array\(1\., dtype=float32\)",
+        ),
+        (
+            dict(min_loss_scale=jnp.float32(-1.0)),
+            r"`min_loss_scale` must be a finite number > 0. Received: min_loss_scale=Array\(-1\., dtype=float32\)",
+        ),
+        (
+            dict(max_loss_scale=jnp.float32(jnp.inf)),
+            r"`max_loss_scale` must be a finite number > 0. Received: max_loss_scale=Array\(inf, dtype=float32\)",
+        ),
+        (
+            dict(loss_scale=4.0, min_loss_scale=jnp.float32(8.0), max_loss_scale=np.float64(4.0)),
+            r"`min_loss_scale` must be <= `max_loss_scale`. Received: min_loss_scale=8\.0, "
+            r"max_loss_scale=4\.0",
+        ),
+        (dict(factor=jnp.float32(1.0)), r"`factor` must be a finite number > 1. Received: factor="),
+        (dict(factor=np.float32(0.5)), r"`factor` must be a finite number > 1. Received: factor="),
+        (dict(factor=jnp.float32(jnp.inf)), r"`factor` must be a finite number > 1"),
+        (dict(period=jnp.int32(0)), r"`period` must be an int >= 1. Received: period="),
+        (
+            dict(period=2**31 + 5),
+            r"`period` must fit the int32 counter \(at most 2147483648\). Received: "
+            r"period=2147483653",
+        ),
+        (dict(period=np.int64(2**40)), r"`period` must fit the int32 counter"),
+    ],
+)
+def test_dynamic_array_settings_are_validated_like_python_numbers(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jp.DynamicLossScale(**kwargs)
+
+
+def test_jax_scalar_settings_are_accepted_when_valid(maybe_jit):
+    loss_scale = jp.DynamicLossScale(
+        jnp.float16(2.0**15),
+        period=jnp.int32(2),
+        factor=jnp.float32(4.0),
+        min_loss_scale=jnp.float32(1.0),
+        max_loss_scale=np.float32(2.0**20),
+    )
+    assert (loss_scale.period, loss_scale.factor) == (2, 4.0)
+    assert type(loss_scale.period) is int and type(loss_scale.factor) is float
+    assert loss_scale.max_loss_scale == 2.0**20
+    loss_scale, scales = _run_adjust(maybe_jit, loss_scale, [True, True, False])
+    assert scales == [2.0**15, 2.0**17, 2.0**15]
+    # The largest period the int32 counter can count to.
+    assert jp.DynamicLossScale(period=2**31).period == 2**31
+
+
+def test_traced_scales_and_counters_construct_inside_jit_unchecked(maybe_jit):
+    @jax.jit
+    def build(scale, counter):
+        static = jp.StaticLossScale(scale)
+        dynamic = jp.DynamicLossScale(scale, counter, period=4, min_loss_scale=1.0)
+        return static.loss_scale, dynamic.adjust(jnp.array(True))
+
+    # Values that would be rejected when concrete: under tracing nothing is checked.
+    static, dynamic = build(jnp.float32(-3.0), jnp.int32(3))
+    assert float(static) == -3.0
+    assert float(dynamic.loss_scale) == -6.0 and int(dynamic.counter) == 0
+    static, dynamic = build(jnp.float32(8.0), jnp.int32(0))
+    assert float(dynamic.loss_scale) == 8.0 and int(dynamic.counter) == 1

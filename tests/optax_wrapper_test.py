@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -485,6 +487,7 @@ def test_float16_training_with_dynamic_scaling_matches_float32_and_without_under
     assert _all_finite_np(state)
 
 
+@pytest.mark.filterwarnings("ignore:`loss_scaling` got float16 gradients")
 def test_skips_when_unscaling_below_one_overflows_the_gradient_dtype():
     # float16 gradients of 40000 are finite, but unscaled by 0.5 they overflow float16.
     opt = jp.loss_scaling(optax.sgd(1.0), jp.DynamicLossScale(0.5, min_loss_scale=2.0**-4))
@@ -546,6 +549,7 @@ def test_optimizer_state_round_trips_through_flax_to_bytes_and_continues():
     assert _tree_equal(restored, state) and int(restored.total_skipped) == 2
 
 
+@pytest.mark.filterwarnings("ignore:`loss_scaling` got float16 gradients")
 def test_mixed_dtype_integer_and_none_leaves_in_the_gradient_tree(maybe_jit):
     opt = jp.loss_scaling(optax.sgd(0.5), jp.DynamicLossScale(2.0**10))
     params = {
@@ -727,3 +731,103 @@ def test_optax_apply_if_finite_sequence_but_never_applies_a_non_finite_update(ma
     params, state = step(params, state, 1.0)
     assert float(params[0]) == -2.0
     assert int(state.consecutive_skipped) == 0 and int(state.total_skipped) == 5
+
+
+# --- wrong inner transformations -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("inner", "message"),
+    [
+        (
+            optax.adam,
+            r"`inner` must be an optax GradientTransformation \(such as `optax\.adam\(1e-3\)`\)\. "
+            r"Received: inner=<function adam at .*> \(of type function\); did you mean to call "
+            r"it, `adam\(learning_rate\)`\?",
+        ),
+        (
+            "adam",
+            r"`inner` must be an optax GradientTransformation .* Received: inner='adam' "
+            r"\(of type str\)",
+        ),
+        (None, r"Received: inner=None \(of type NoneType\)"),
+        ((lambda p: p, lambda u, s, p: (u, s)), r"Received: inner=\(<function"),
+    ],
+)
+def test_inner_that_is_not_a_transformation_is_a_type_error_at_wrap_time(inner, message):
+    with pytest.raises(TypeError, match=message):
+        jp.loss_scaling(inner)
+
+
+def test_any_object_with_init_and_update_is_accepted_as_inner():
+    sgd = optax.sgd(1.0)
+
+    class Custom:  # duck-typed, as optax itself accepts
+        init = staticmethod(sgd.init)
+        update = staticmethod(sgd.update)
+
+    opt = jp.loss_scaling(Custom(), 4.0)
+    state = opt.init(jnp.ones(2))
+    updates, _ = opt.update(jnp.full(2, 8.0), state)
+    np.testing.assert_array_equal(updates, [-2.0, -2.0])
+
+
+# --- float16 parameters without float32 master weights ---------------------------------------
+
+
+def test_float16_gradients_warn_once_at_trace_time_and_point_to_mixed_float16():
+    opt = jp.loss_scaling(optax.sgd(1.0))
+    params = {"w": jnp.ones(2, jnp.float16), "b": jnp.ones(2)}
+    state = opt.init(params)
+    grads = {"w": jnp.full(2, 0.4 * 2**15, jnp.float16), "b": jnp.ones(2)}
+    with pytest.warns(UserWarning, match=r"float16.*'w'.*\"mixed_float16\"") as record:
+        _, state = jax.jit(opt.update)(grads, state, params)
+        # A second trace (new shapes) and eager calls do not warn again.
+        jax.jit(opt.update)(grads, state)
+        opt.update(grads, state, params)
+    assert len([w for w in record if issubclass(w.category, UserWarning)]) == 1
+    assert record[0].filename == __file__  # stacklevel: the user's call, not jmp_policy
+
+
+@pytest.mark.parametrize(
+    "loss_scale", ["dynamic", 8.0, jp.DynamicLossScale(4.0, min_loss_scale=1.0), "none"]
+)
+def test_float32_and_bfloat16_gradients_do_not_warn(loss_scale):
+    opt = jp.loss_scaling(optax.sgd(1.0), loss_scale)
+    params = {"w": jnp.ones(2), "h": jnp.ones(2, jnp.bfloat16), "i": jnp.int32(1)}
+    state = opt.init(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(opt.update)(params, state, params)
+    if loss_scale == "none":  # no unscaling, nothing to underflow: no warning even for float16
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            jax.jit(opt.update)(jnp.ones(2, jnp.float16), opt.init(jnp.ones(2, jnp.float16)))
+
+
+# --- cost: one code path, no conditional -----------------------------------------------------
+
+
+def _compiled(opt, grads, params):
+    return jax.jit(opt.update).lower(grads, opt.init(params), params).compile()
+
+
+def _bytes(compiled):
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return cost["bytes accessed"]
+
+
+def test_default_update_has_no_conditional_and_costs_what_a_floor_of_one_costs():
+    # Scales below 1 are handled arithmetically, not by a second code path: the default
+    # (floor 2**-14) compiles to the same program size, and XLA's byte count, as a floor of 1.
+    params = {"w": jnp.ones((64, 256)), "b": jnp.ones(256), "h": jnp.ones(32, jnp.bfloat16)}
+    grads = jax.tree.map(lambda x: x * 1024, params)
+    default = _compiled(jp.loss_scaling(optax.adam(1e-3)), grads, params)
+    floor_one = _compiled(
+        jp.loss_scaling(optax.adam(1e-3), jp.DynamicLossScale(min_loss_scale=1.0)), grads, params
+    )
+    for compiled in (default, floor_one):
+        text = compiled.as_text()
+        assert "conditional(" not in text and "while(" not in text
+    assert _bytes(default) == _bytes(floor_one)

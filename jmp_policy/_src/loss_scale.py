@@ -1,25 +1,27 @@
-"""Loss scales (no-op, static, dynamic) and the tree helpers they need.
+"""Loss scales: no-op, static and dynamic, with the rule that adapts a dynamic scale.
 
 A loss scale multiplies the loss before differentiation so that small gradients survive a
-16-bit backward pass, and divides the gradients afterwards. The classes here are frozen
-dataclasses registered as pytrees from their fields (see ``_register_pytree``): the arrays
-(scale, counters) are leaves, the settings (period, factor, bounds) are static metadata, so nothing is lost when a
-loss scale crosses ``jit``, ``scan``, ``tree.map`` or a checkpoint, and a new scale value never
-forces a recompile.
+16-bit backward pass, and divides the gradients afterwards. The classes are state pytrees
+(see ``state_pytree``): the arrays (scale, counters) are leaves, the settings (period, factor,
+bounds) are static metadata, so nothing is lost when a loss scale crosses ``jit``, ``scan``,
+``tree.map`` or a checkpoint, and a new scale value never forces a recompile. Settings are
+validated when their values are known, whatever their type (Python, NumPy or JAX scalars).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import sys
 from typing import Any, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
+
+from jmp_policy._src import numerics
+from jmp_policy._src.state_pytree import register_state, replace_leaves, tree_equal
+from jmp_policy._src.state_pytree import register_with_flax_serialization as _register_flax
 
 T = TypeVar("T")
 
@@ -32,24 +34,31 @@ DEFAULT_MIN_LOSS_SCALE = 2.0**-14
 #: The default ceiling: float16's smallest subnormal is ``2**-24``, so a larger scale lifts no
 #: float16-representable gradient further; it keeps ``scale * loss`` far from float32's maximum.
 DEFAULT_MAX_LOSS_SCALE = 2.0**24
+#: The counter is int32: ``counter >= period - 1`` must be representable.
+_MAX_PERIOD = 2**31
+_MAX_HYSTERESIS = 2**31 - 1
 
 
-def is_float_leaf(x: Any) -> bool:
-    """True for Python floats/complex and arrays of a floating or complex dtype."""
-    if isinstance(x, (float, complex)):
-        return True
-    dtype = getattr(x, "dtype", None)
-    if dtype is None:
-        return False
-    return bool(jnp.issubdtype(dtype, jnp.inexact))
+def _concrete(value: Any) -> np.ndarray | None:
+    """``value`` as a NumPy array when it is concrete (Python, NumPy or a JAX array outside
+    tracing); ``None`` for traced values, which have no value to check yet."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    if isinstance(value, jax.Array):
+        try:
+            return np.asarray(value)
+        except Exception:  # not addressable from this process: leave it unchecked
+            return None
+    if isinstance(value, (int, float, np.ndarray, np.generic)):
+        return np.asarray(value)
+    return None
 
 
-def _compute_dtype(dtype: Any) -> Any:
-    """The dtype a scale/unscale computes in: float32, or wider when the leaf is wider."""
-    dtype = np.dtype(dtype)
-    if dtype.itemsize > 4 or jnp.issubdtype(dtype, jnp.complexfloating):
-        return dtype
-    return np.dtype(np.float32)
+def _overflow_hint(value: Any) -> str:
+    dtype = np.dtype(getattr(value, "dtype", np.float64))
+    if dtype.itemsize > 2 or not jnp.issubdtype(dtype, jnp.floating):
+        return ""
+    return f" (beyond {dtype.name}'s range a value is inf: pass a Python float or float32)"
 
 
 def _as_leaf(value: Any, dtype: Any, argument: str) -> Any:
@@ -61,144 +70,79 @@ def _as_leaf(value: Any, dtype: Any, argument: str) -> Any:
         )
     if isinstance(value, (int, float)):
         return jnp.asarray(value, dtype)
-    if isinstance(value, (np.ndarray, np.generic)):
-        if not (np.issubdtype(value.dtype, np.number) or jnp.issubdtype(value.dtype, jnp.floating)):
+    if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+        if not jnp.issubdtype(value.dtype, jnp.number):
             raise TypeError(
                 f"`{argument}` must have a numeric dtype. Received: {argument}={value!r} "
                 f"(dtype {value.dtype})"
             )
-        return jnp.asarray(value, dtype)
-    if isinstance(value, jax.Array) and value.dtype != dtype:
-        return value.astype(dtype)
+        return jnp.asarray(value).astype(dtype)
     return value
 
 
-def _host_value(value: Any) -> np.ndarray | None:
-    """The value as a NumPy array when it is known on the host without waiting for a device."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float, np.ndarray, np.generic)):
-        return np.asarray(value, np.float64)
-    return None
-
-
-def _static_float(value: Any, argument: str) -> float:
-    """Turns a min/max setting (a Python number or a concrete array) into a Python float."""
-    if isinstance(value, bool):
-        raise TypeError(f"`{argument}` must be a positive number. Received: {argument}={value!r}")
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(
-            f"`{argument}` is a setting and must be a concrete number, not a traced value "
-            f"(received {value!r}); build the loss scale outside `jit` or pass a Python float."
-        )
-    try:
-        array = np.asarray(value, np.float64)
-    except (TypeError, ValueError) as e:
-        raise TypeError(
-            f"`{argument}` must be a positive number or a scalar array. Received: "
-            f"{argument}={value!r}"
-        ) from e
-    if array.shape != ():
-        raise ValueError(
-            f"`{argument}` must be a scalar. Received: {argument}={value!r} (shape {array.shape})"
-        )
-    result = float(array)
-    if not (math.isfinite(result) and result > 0):
-        raise ValueError(
-            f"`{argument}` must be a finite number > 0. Received: {argument}={value!r}"
-        )
-    return result
-
-
 def _check_positive_scale(value: Any, argument: str) -> None:
-    host = _host_value(value)
+    host = _concrete(value)
     if host is not None and not (np.all(np.isfinite(host)) and np.all(host > 0)):
         raise ValueError(
             f"`{argument}` must be a finite number > 0. Received: {argument}={value!r}"
+            f"{_overflow_hint(value)}"
         )
 
 
-def _scale_tree(tree: T, loss_scale: ArrayLike) -> T:
-    loss_scale = jnp.asarray(loss_scale, jnp.float32)
-
-    def scale(x: Any) -> Any:
-        if not is_float_leaf(x):
-            return x
-        x = jnp.asarray(x)
-        dtype = _compute_dtype(x.dtype)
-        return x.astype(dtype) * loss_scale.astype(dtype)
-
-    return jax.tree.map(scale, tree)
-
-
-def _unscale_tree(tree: T, loss_scale: ArrayLike) -> T:
-    inverse = 1.0 / jnp.asarray(
-        loss_scale, jnp.float32
-    )  # one scalar division; the leaves are multiplied.
-
-    def unscale(x: Any) -> Any:
-        if not is_float_leaf(x):
-            return x
-        x = jnp.asarray(x)
-        dtype = _compute_dtype(x.dtype)
-        return (x.astype(dtype) * inverse.astype(dtype)).astype(x.dtype)
-
-    return jax.tree.map(unscale, tree)
-
-
-def _register_pytree(cls: type[T]) -> type[T]:
-    """Registers a frozen dataclass as a pytree: fields marked ``static`` are metadata, the
-    others children.
-
-    Flattening is derived from the dataclass fields, so no field can be forgotten (jmp 0.0.4's
-    hand-written flattening drops ``min_loss_scale``). Unflattening bypasses ``__init__``, as
-    JAX recommends for classes that validate their arguments: tree utilities put placeholders
-    in leaf positions (``tree.map(lambda _: 0, state)`` for ``vmap``'s ``in_axes``, ``None``,
-    ``True``, ``object()``, ``np.zeros_like``), and they must come back as they were, neither
-    rejected as a bad scale nor cast to float32.
-    """
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-    data = tuple(f.name for f in fields if not f.metadata.get("static"))
-    meta = tuple(f.name for f in fields if f.metadata.get("static"))
-    keys = tuple(jax.tree_util.GetAttrKey(name) for name in data)
-
-    def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        return tuple(getattr(obj, n) for n in data), tuple(getattr(obj, n) for n in meta)
-
-    def flatten_with_keys(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-        children, aux = flatten(obj)
-        return tuple(zip(keys, children, strict=True)), aux
-
-    def unflatten(aux: tuple[Any, ...], children: Any) -> Any:
-        obj = object.__new__(cls)
-        for name, value in zip(meta, aux, strict=True):
-            object.__setattr__(obj, name, value)
-        for name, value in zip(data, children, strict=True):
-            object.__setattr__(obj, name, value)
-        return obj
-
-    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
-    return cls
-
-
-def _tree_equal(a: Any, b: Any) -> Any:
-    """Value equality of two loss scales: same class, settings and leaf values.
-
-    For concrete values (tests, checkpoints); under ``jit`` leaves are tracers, which have
-    no concrete value to compare.
-    """
-    if type(a) is not type(b):
-        return NotImplemented
-    leaves_a, treedef_a = jax.tree.flatten(a)
-    leaves_b, treedef_b = jax.tree.flatten(b)
-    same_settings: bool = treedef_a == treedef_b  # type: ignore[operator]
-    return same_settings and all(
-        np.array_equal(np.asarray(x), np.asarray(y))
-        for x, y in zip(leaves_a, leaves_b, strict=True)
+def _setting(value: Any, argument: str, accepted: str, integer: bool) -> Any:
+    """A static setting as a Python number, from a Python, NumPy or concrete JAX scalar."""
+    bad_type = isinstance(value, (bool, np.bool_, str)) or (
+        getattr(value, "dtype", None) is not None and not jnp.issubdtype(value.dtype, jnp.number)
     )
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"`{argument}` is a setting and must be a concrete number, not a traced value "
+            f"(received {value!r}); build the loss scale outside `jit` or pass a Python number."
+        )
+    host = None if bad_type else _concrete(value)
+    if host is None or host.shape != ():
+        shape = "" if host is None else f" (shape {host.shape})"
+        raise TypeError(
+            f"`{argument}` must be {accepted}. Received: {argument}={value!r}{shape} (of type "
+            f"{type(value).__name__})"
+        )
+    number = host.item()
+    if integer:
+        if isinstance(number, float) and number.is_integer():
+            number = int(number)  # jmp's own tests pass `period=5.`
+        if not isinstance(number, int):
+            raise TypeError(
+                f"`{argument}` must be {accepted}. Received: {argument}={value!r} (of type "
+                f"{type(value).__name__})"
+            )
+    return number
 
 
-@_register_pytree
+def _bound(value: Any, argument: str) -> float:
+    """A min/max setting as a Python float: a finite number > 0."""
+    number = float(_setting(value, argument, "a positive number or a scalar array", False))
+    if not (math.isfinite(number) and number > 0):
+        raise ValueError(
+            f"`{argument}` must be a finite number > 0. Received: {argument}={value!r}"
+            f"{_overflow_hint(value)}"
+        )
+    return number
+
+
+def _count(value: Any, argument: str, maximum: int) -> int:
+    """A period/hysteresis setting as a Python int in ``[1, maximum]``."""
+    number = _setting(value, argument, "an int >= 1", True)
+    if number < 1:
+        raise ValueError(f"`{argument}` must be an int >= 1. Received: {argument}={value!r}")
+    if number > maximum:
+        raise ValueError(
+            f"`{argument}` must fit the int32 counter (at most {maximum}). Received: "
+            f"{argument}={value!r}"
+        )
+    return int(number)
+
+
+@register_state
 @dataclasses.dataclass(frozen=True, eq=False)
 class NoOpLossScale:
     """A loss scale that does nothing: a drop-in for when no scaling is wanted.
@@ -217,11 +161,11 @@ class NoOpLossScale:
         1.0
     """
 
-    __eq__ = _tree_equal
+    __eq__ = tree_equal
     __hash__ = None  # type: ignore[assignment]  # array leaves
 
     def __post_init__(self) -> None:
-        _register_with_flax_serialization()
+        _register_flax()
 
     @property
     def loss_scale(self) -> jax.Array:
@@ -250,22 +194,22 @@ class _ScaleByLeaf:
     def scale(self, tree: T) -> T:
         """Multiplies every floating leaf by the scale, in float32 (16-bit leaves come back
         float32, so a scaled loss cannot overflow); other leaves are returned as they are."""
-        return _scale_tree(tree, self.loss_scale)
+        return numerics.scale_tree(tree, self.loss_scale)
 
     def unscale(self, tree: T) -> T:
         """Divides every floating leaf by the scale, computing in float32 and returning each
         leaf in its own dtype; other leaves are returned as they are."""
-        return _unscale_tree(tree, self.loss_scale)
+        return numerics.unscale_tree(tree, self.loss_scale)
 
 
-@_register_pytree
+@register_state
 @dataclasses.dataclass(frozen=True, eq=False)
 class StaticLossScale(_ScaleByLeaf):
     """A constant loss scale.
 
     Args:
-        loss_scale: a finite number > 0 (a Python number or a scalar array); stored as a float32
-            array leaf.
+        loss_scale: a finite number > 0 (a Python number or a NumPy or JAX scalar, validated
+            when concrete); stored as a float32 array leaf.
 
     Raises:
         ValueError: ``loss_scale`` is not a finite number > 0.
@@ -282,11 +226,11 @@ class StaticLossScale(_ScaleByLeaf):
 
     loss_scale: ArrayLike
 
-    __eq__ = _tree_equal
+    __eq__ = tree_equal
     __hash__ = None  # type: ignore[assignment]  # array leaves
 
     def __post_init__(self) -> None:
-        _register_with_flax_serialization()
+        _register_flax()
         _check_positive_scale(self.loss_scale, "loss_scale")
         object.__setattr__(self, "loss_scale", _as_leaf(self.loss_scale, jnp.float32, "loss_scale"))
 
@@ -296,7 +240,7 @@ class StaticLossScale(_ScaleByLeaf):
         return self
 
 
-@_register_pytree
+@register_state
 @dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale(_ScaleByLeaf):
     """A loss scale that grows while gradients are finite and shrinks when they are not.
@@ -309,33 +253,40 @@ class DynamicLossScale(_ScaleByLeaf):
     scale; later ones back off as usual.
 
     It is a pytree: ``loss_scale`` and ``counter`` (and ``overflows`` with hysteresis) are
-    array leaves (so a new
-    value never recompiles a jitted step), the settings are static metadata (so ``jit``,
-    ``scan``, ``tree.map`` and checkpoints keep them). ``adjust`` is pure ``jnp`` code: it runs
-    under ``jit`` with no host synchronisation. Across devices, pass every device the same
-    ``grads_finite`` (as :func:`jmp_policy.loss_scaling` does) and the scales stay identical.
+    array leaves (so a new value never recompiles a jitted step), the settings are static
+    metadata (so ``jit``, ``scan``, ``tree.map`` and checkpoints keep them). ``adjust`` is pure
+    ``jnp`` code: it runs under ``jit`` with no host synchronisation. Across devices, pass
+    every device the same ``grads_finite`` (as :func:`jmp_policy.loss_scaling` does) and the
+    scales stay identical.
+
+    Every setting may be a Python number or a NumPy or JAX scalar, and is validated when its
+    value is known: ``jnp.float16(2**16)`` is inf and is rejected like ``float("inf")``. Under
+    ``jit`` the scale and counter are traced and are not checked; the static settings must be
+    concrete there too.
 
     Args:
         loss_scale: the initial scale (default ``2**15``), a number or scalar array of any
             float dtype (stored as float32, so ``jnp.float16(2**15)`` works).
         counter: consecutive finite steps so far (int32).
-        period: finite steps between growths, an ``int >= 1`` (default 2000).
-        factor: growth and backoff factor, a number ``> 1`` (default 2).
-        min_loss_scale: the floor, a positive Python float or concrete array (default
-            ``2**-14``; never 1, which stalls training whose gradients overflow float16).
-        max_loss_scale: the ceiling, a finite positive Python float or concrete array (default
-            ``2**24``), so the scale never reaches inf.
+        period: finite steps between growths, an integer in ``[1, 2**31]`` (the counter is
+            int32; default 2000).
+        factor: growth and backoff factor, a finite number ``> 1`` (default 2).
+        min_loss_scale: the floor, a finite positive number (default ``2**-14``; never 1,
+            which stalls training whose gradients overflow float16).
+        max_loss_scale: the ceiling, a finite positive number (default ``2**24``), so the
+            scale never reaches inf.
         hysteresis: non-finite steps tolerated since the last growth before backing off, an
-            ``int >= 1`` (default 1: back off on every non-finite step).
+            integer in ``[1, 2**31 - 1]`` (default 1: back off on every non-finite step).
         overflows: non-finite steps since the last growth (an int32 leaf only when
             ``hysteresis > 1``; ``None`` otherwise, so the leaves are jmp's
             ``[loss_scale, counter]``).
 
     Raises:
-        ValueError: ``period < 1``, ``factor <= 1``, ``hysteresis < 1``, a non-positive or
-            non-finite scale, ``min_loss_scale > max_loss_scale``, or an initial scale outside
-            ``[min_loss_scale, max_loss_scale]``.
-        TypeError: a setting of the wrong type (``period=2.5``, ``factor="2"``).
+        ValueError: ``period`` or ``hysteresis`` out of range, ``factor <= 1``, a non-positive
+            or non-finite scale or bound, ``min_loss_scale > max_loss_scale``, or an initial
+            scale outside ``[min_loss_scale, max_loss_scale]``; each quoting the value.
+        TypeError: a setting of the wrong type (``period=2.5``, ``factor="2"``, a traced
+            setting, a non-scalar array).
 
     Examples:
         >>> import jax
@@ -364,38 +315,22 @@ class DynamicLossScale(_ScaleByLeaf):
     hysteresis: int = dataclasses.field(default=1, metadata={"static": True})
     overflows: ArrayLike | None = None
 
-    __eq__ = _tree_equal
+    __eq__ = tree_equal
     __hash__ = None  # type: ignore[assignment]  # array leaves
 
     def __post_init__(self) -> None:
-        _register_with_flax_serialization()
-        for argument in ("period", "hysteresis"):
-            value = getattr(self, argument)
-            if isinstance(value, (float, np.floating)) and float(value).is_integer():
-                value = int(value)  # jmp's own tests pass `period=5.`
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(
-                    f"`{argument}` must be an int >= 1. Received: {argument}={value!r} "
-                    f"(of type {type(value).__name__})"
-                )
-            if value < 1:
-                raise ValueError(
-                    f"`{argument}` must be an int >= 1. Received: {argument}={value!r}"
-                )
-            object.__setattr__(self, argument, int(value))
-        factor = self.factor
-        if isinstance(factor, bool) or not isinstance(
-            factor, (int, float, np.integer, np.floating)
-        ):
-            raise TypeError(
-                f"`factor` must be a number > 1. Received: factor={factor!r} "
-                f"(of type {type(factor).__name__})"
+        _register_flax()
+        object.__setattr__(self, "period", _count(self.period, "period", _MAX_PERIOD))
+        hysteresis = _count(self.hysteresis, "hysteresis", _MAX_HYSTERESIS)
+        object.__setattr__(self, "hysteresis", hysteresis)
+        factor = float(_setting(self.factor, "factor", "a number > 1", False))
+        if not (math.isfinite(factor) and factor > 1):
+            raise ValueError(
+                f"`factor` must be a finite number > 1. Received: factor={self.factor!r}"
             )
-        if not (math.isfinite(float(factor)) and factor > 1):
-            raise ValueError(f"`factor` must be a finite number > 1. Received: factor={factor!r}")
-        object.__setattr__(self, "factor", float(factor))
-        low = _static_float(self.min_loss_scale, "min_loss_scale")
-        high = _static_float(self.max_loss_scale, "max_loss_scale")
+        object.__setattr__(self, "factor", factor)
+        low = _bound(self.min_loss_scale, "min_loss_scale")
+        high = _bound(self.max_loss_scale, "max_loss_scale")
         if low > high:
             raise ValueError(
                 f"`min_loss_scale` must be <= `max_loss_scale`. Received: "
@@ -404,7 +339,8 @@ class DynamicLossScale(_ScaleByLeaf):
         object.__setattr__(self, "min_loss_scale", low)
         object.__setattr__(self, "max_loss_scale", high)
         _check_positive_scale(self.loss_scale, "loss_scale")
-        host = _host_value(self.loss_scale)
+        host = _concrete(self.loss_scale)
+        host = None if host is None else host.astype(np.float64)
         if host is not None and not (np.all(host >= low) and np.all(host <= high)):
             raise ValueError(
                 f"`loss_scale` must lie within [min_loss_scale, max_loss_scale] = "
@@ -432,7 +368,7 @@ class DynamicLossScale(_ScaleByLeaf):
         Returns:
             A new ``DynamicLossScale`` with the same settings.
         """
-        finite = _scalar_bool(grads_finite, "grads_finite")
+        finite = numerics.scalar_bool(grads_finite, "grads_finite")
         loss_scale = jnp.asarray(self.loss_scale, jnp.float32)
         counter = jnp.asarray(self.counter, jnp.int32)
         grow = counter >= self.period - 1
@@ -451,7 +387,7 @@ class DynamicLossScale(_ScaleByLeaf):
             finite_overflows = jnp.where(grow, 0, overflows)
             new_overflows = jnp.where(finite, finite_overflows, bad_overflows).astype(jnp.int32)
 
-        return dataclasses.replace(
+        return replace_leaves(
             self,
             loss_scale=jnp.where(finite, finite_scale, bad_scale).astype(jnp.float32),
             counter=jnp.where(finite, finite_counter, 0).astype(jnp.int32),
@@ -460,149 +396,3 @@ class DynamicLossScale(_ScaleByLeaf):
 
 
 LossScale: TypeAlias = NoOpLossScale | StaticLossScale | DynamicLossScale
-
-_LOSS_SCALE_CLASSES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
-_flax_registered = False
-
-
-def _data_fields(loss_scale: Any) -> list[str]:
-    """The names of the array fields (the leaves) that ``loss_scale`` holds."""
-    return [
-        f.name
-        for f in dataclasses.fields(loss_scale)
-        if not f.metadata.get("static") and getattr(loss_scale, f.name) is not None
-    ]
-
-
-def _to_state_dict(loss_scale: Any) -> dict[str, Any]:
-    serialization = sys.modules["flax.serialization"]
-    return {
-        name: serialization.to_state_dict(getattr(loss_scale, name))
-        for name in _data_fields(loss_scale)
-    }
-
-
-def _from_state_dict(target: Any, state: dict[str, Any]) -> Any:
-    serialization = sys.modules["flax.serialization"]
-    names = _data_fields(target)
-    missing = [name for name in names if name not in state]
-    if missing:
-        raise ValueError(
-            f"Cannot restore a {type(target).__name__} from a state dict without the fields "
-            f"{missing}; it has {sorted(state)}."
-        )
-    values = {
-        name: serialization.from_state_dict(getattr(target, name), state[name]) for name in names
-    }
-    return dataclasses.replace(target, **values) if values else target
-
-
-def _register_with_flax_serialization() -> None:
-    """Teaches ``flax.serialization`` (``to_state_dict``, ``to_bytes``, checkpoints) the loss
-    scales: their array fields become a dict, the settings come from the restore target.
-
-    ``import jmp_policy`` does not import flax, so this runs once flax is there: when this
-    module is imported and whenever a loss scale is built (every ``jit``/``tree.map`` rebuilds
-    one), a dictionary lookup until it has run.
-    """
-    global _flax_registered
-    if _flax_registered:
-        return
-    serialization = sys.modules.get("flax.serialization")
-    if serialization is None:
-        return
-    for cls in _LOSS_SCALE_CLASSES:
-        serialization.register_serialization_state(
-            cls, _to_state_dict, _from_state_dict, override=True
-        )
-    _flax_registered = True
-
-
-def _scalar_bool(pred: Any, argument: str) -> jax.Array:
-    shape = np.shape(pred)
-    dtype = getattr(pred, "dtype", None)
-    if dtype is None and isinstance(pred, bool):
-        dtype = np.dtype(bool)
-    if dtype is None or np.dtype(dtype) != np.bool_:
-        raise TypeError(
-            f"`{argument}` must be a scalar bool array (such as the result of `all_finite`). "
-            f"Received: {argument}={pred!r}"
-        )
-    if shape != ():
-        raise ValueError(
-            f"`{argument}` must be a scalar bool array, not of shape {shape}. Received: "
-            f"{argument}={pred!r}"
-        )
-    return jnp.asarray(pred)
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """Whether every floating (and complex) leaf of ``tree`` is free of inf and NaN.
-
-    Other leaves (integers, bools, ``None``, objects) are ignored, so a tree with no floating
-    leaf gives ``True``. Under ``jit`` with sharded arrays the reduction is global (XLA adds the
-    cross-device step); inside ``shard_map``/``pmap`` it sees only the local shard: combine it
-    across devices yourself (``lax.pmin``), or let :func:`jmp_policy.loss_scaling` do it with
-    ``axis_name``.
-
-    Args:
-        tree: any pytree.
-
-    Returns:
-        A scalar bool array. Nothing waits for the device.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> import jmp_policy as jp
-        >>> jp.all_finite({"a": jnp.ones(3), "step": 3})
-        Array(True, dtype=bool)
-        >>> jp.all_finite([jnp.ones(3), jnp.array([1.0, jnp.nan])])
-        Array(False, dtype=bool)
-    """
-    # `sum(x - x)` is 0 when every element is finite and NaN otherwise (inf - inf is NaN), and
-    # can never overflow. It is one plain float reduction per leaf with no broadcast operand:
-    # on CPU about half the cost of reducing `isfinite` booleans, and as cheap elsewhere.
-    result = jnp.array(True)
-    for x in jax.tree.leaves(tree):
-        if is_float_leaf(x):
-            x = jnp.asarray(x)
-            result = result & jnp.isfinite(jnp.sum(x - x))
-    return result
-
-
-def select_tree(pred: jax.Array, on_true: T, on_false: T) -> T:
-    """Picks ``on_true`` or ``on_false`` leaf by leaf, with no host synchronisation.
-
-    Works under ``jit`` (it compiles to elementwise selects that XLA fuses into their
-    producers) and with sharded arrays (each leaf keeps its sharding).
-
-    Args:
-        pred: a scalar bool array.
-        on_true: a pytree.
-        on_false: a pytree of the same structure.
-
-    Returns:
-        ``on_true`` where ``pred`` holds, else ``on_false``.
-
-    Raises:
-        TypeError: ``pred`` is not a bool array.
-        ValueError: ``pred`` is not a scalar, or the two trees differ in structure.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> import jmp_policy as jp
-        >>> jp.select_tree(jnp.array(False), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
-        {'a': Array([0., 0.], dtype=float32)}
-    """
-    pred = _scalar_bool(pred, "pred")
-    true_def = jax.tree.structure(on_true)
-    false_def = jax.tree.structure(on_false)
-    if true_def != false_def:  # type: ignore[operator]
-        raise ValueError(
-            f"`on_true` and `on_false` must have the same tree structure. Received: "
-            f"{true_def} and {false_def}"
-        )
-    return jax.tree.map(functools.partial(jnp.where, pred), on_true, on_false)
-
-
-_register_with_flax_serialization()

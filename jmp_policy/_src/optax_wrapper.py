@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -12,14 +15,14 @@ import numpy as np
 import optax
 from jax import lax
 
-from jmp_policy._src import loss_scale as ls
+from jmp_policy._src import numerics
 from jmp_policy._src.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
-    all_finite,
 )
+from jmp_policy._src.state_pytree import register_with_flax_serialization
 
 _LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 _LOSS_SCALE_STRINGS = ("dynamic", "auto", "none")
@@ -93,35 +96,57 @@ def _resolve_loss_scale(loss_scale: Any) -> LossScale:
     )
 
 
-def _zeros_where_not(finite: jax.Array, tree: Any) -> Any:
-    return jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros((), u.dtype)), tree)
-
-
-def _unscaled_all_finite(scale: LossScale, scaled: Any) -> jax.Array:
-    """Whether the unscaled gradients are all finite, reading the gradients once.
-
-    The check runs on the scaled gradients as given, so that XLA fuses the unscaling into
-    the inner update instead of materialising the unscaled gradients for the reduction.
-    Unscaling can only overflow a finite gradient when the scale is below 1; then (a rare
-    branch, taken on the device) the unscaled gradients are checked too.
-    """
-    finite = all_finite(scaled)
-    if isinstance(scale, NoOpLossScale):
-        return finite
-    if isinstance(scale, DynamicLossScale) and scale.min_loss_scale >= 1:
-        return finite
-    below_one = jnp.asarray(scale.loss_scale) < 1
-
-    def no_check(tree: Any) -> jax.Array:
-        # `True`, derived from the tree so that both branches have one type under shard_map.
-        return all_finite([jnp.ravel(x)[:0] for x in jax.tree.leaves(tree) if ls.is_float_leaf(x)])
-
-    # The operand is the scaled tree (a cond operand is materialised: the unscaled one would
-    # cost a full write of the gradients on every step).
-    unscaled_finite = lax.cond(
-        below_one, lambda tree: all_finite(scale.unscale(tree)), no_check, scaled
+def _check_inner(inner: Any) -> None:
+    if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
+        return
+    if isinstance(inner, str):
+        hint = "; pass the transformation itself (`optax.adam(1e-3)`), not its name"
+    elif callable(inner):
+        name = getattr(inner, "__name__", "it")
+        hint = f"; did you mean to call it, `{name}(learning_rate)`?"
+    else:
+        hint = ""
+    raise TypeError(
+        f"`inner` must be an optax GradientTransformation (such as `optax.adam(1e-3)`). "
+        f"Received: inner={inner!r} (of type {type(inner).__name__}){hint}"
     )
-    return finite & unscaled_finite
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (jax, optax, numerics) if m.__file__
+)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside jax, optax and jmp_policy (the user's
+    call, however deep in ``jit`` tracing the warning is raised)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
+def _float16_paths(tree: Any) -> list[str]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [
+        jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
+        for path, x in leaves
+        if getattr(x, "dtype", None) == np.float16
+    ]
+
+
+def _warn_float16(paths: list[str]) -> None:
+    shown = ", ".join(repr(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+    warnings.warn(
+        f"`loss_scaling` got float16 gradients ({len(paths)} "
+        f"{'leaf' if len(paths) == 1 else 'leaves'}: {shown}), so the "
+        f"parameters are stored in float16 with no float32 master weights. Unscaled back to "
+        f"float16, every gradient below float16's smallest subnormal (6e-8) is 0 whatever the "
+        f"loss scale. Keep the parameters in float32 and compute in float16: the policy "
+        f'"mixed_float16".',
+        UserWarning,
+        stacklevel=_user_stacklevel(),
+    )
 
 
 def loss_scaling(
@@ -145,11 +170,14 @@ def loss_scaling(
        which eventually applies them);
     4. adjusts the loss scale (grow after ``period`` finite steps, back off on a non-finite one).
 
-    Steps 2 and 3 compile to selects, not a branch: XLA fuses the unscaling and the selection
-    into the inner update, so the wrapper costs one extra read of the gradients (the finiteness
-    reduction), about what a hand-written step that checks finiteness costs. Finiteness is
-    checked on the scaled gradients; only while the scale is below 1, where unscaling could
-    overflow, a branch on the device checks the unscaled ones too.
+    Steps 2 and 3 compile to selects, not a branch (no conditional, so nothing is read back
+    to the host): XLA fuses the unscaling and the selection into the inner update, so the
+    wrapper costs one extra read of the gradients (the finiteness reduction of the unscaled
+    gradients, which also catches a scale below 1 overflowing a 16-bit gradient), as any
+    wrapper that skips non-finite steps must (see ``benchmarks/loss_scaling_bench.py``).
+    Float16 gradients (parameters stored in float16, no float32 master weights) underflow
+    when unscaled whatever the scale: ``update`` warns once, when traced, and points to
+    ``"mixed_float16"`` (float32 parameters, float16 compute).
     Extra arguments of ``update`` (such as ``value=`` for ``optax.contrib.reduce_on_plateau``)
     reach ``inner`` when it accepts them. ``inner`` may be any transformation, a chain, an
     ``inject_hyperparams`` one or an ``optax.MultiSteps``. Put gradient clipping inside
@@ -175,7 +203,8 @@ def loss_scaling(
 
     Raises:
         ValueError: an unknown ``loss_scale`` string, or a non-positive number.
-        TypeError: ``loss_scale`` of another type.
+        TypeError: ``loss_scale`` of another type, or ``inner`` that is not a transformation
+            (``optax.adam`` uncalled, the string ``"adam"``).
 
     Examples:
         >>> import jax
@@ -195,13 +224,15 @@ def loss_scaling(
         >>> updates["w"], int(state.total_skipped), float(state.loss_scale.loss_scale)
         (Array([0., 0.], dtype=float32), 1, 16384.0)
     """
+    _check_inner(inner)
     initial_scale = _resolve_loss_scale(loss_scale)
+    warned = False
     if isinstance(inner, optax.MultiSteps):
         inner = inner.gradient_transformation()
     inner_tx = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> LossScalingState:
-        ls._register_with_flax_serialization()  # in case flax came after `loss_scaling`
+        register_with_flax_serialization()  # in case flax came after `loss_scaling`
         return LossScalingState(
             inner_state=inner_tx.init(params),
             loss_scale=initial_scale,
@@ -212,20 +243,31 @@ def loss_scaling(
     def update_fn(
         updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LossScalingState]:
+        nonlocal warned
         scale = state.loss_scale
-        # Unscale with the scale these gradients were computed with, before adjusting it.
+        if not warned and not isinstance(scale, NoOpLossScale):
+            paths = _float16_paths(updates)
+            if paths:  # at trace time, once per wrapper
+                warned = True
+                _warn_float16(paths)
+        # Unscale with the scale these gradients were computed with, before adjusting it, and
+        # check the unscaled values: one fused reduction that reads each gradient once, and
+        # covers scales below 1 (where unscaling may overflow a 16-bit gradient) with no
+        # second code path.
         grads = scale.unscale(updates)
-        finite = _unscaled_all_finite(scale, updates)
+        finite = numerics.all_finite(grads)
         if axis_name is not None:
             num_bad = lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name)
             finite = num_bad == 0
         # Selects, not `lax.cond`: XLA fuses them (and the unscaling) into the inner update,
         # while a conditional makes XLA copy the inner state on every step (3x slower for adam
-        # on CPU, see benchmarks/loss_scaling_bench.py). `where`, not a multiply: a NaN in the
-        # rejected values never leaks.
+        # on CPU, see benchmarks/loss_scaling_bench.py) and on GPU reads its predicate on the
+        # host. `where`, not a multiply: a NaN in the rejected values never leaks.
         inner_updates, inner_state = inner_tx.update(grads, state.inner_state, params, **extra_args)
-        new_updates = _zeros_where_not(finite, inner_updates)
-        new_inner_state = ls.select_tree(finite, inner_state, state.inner_state)
+        new_updates = jax.tree.map(
+            lambda u: jnp.where(finite, u, jnp.zeros((), u.dtype)), inner_updates
+        )
+        new_inner_state = numerics.select_tree(finite, inner_state, state.inner_state)
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         return new_updates, LossScalingState(
             inner_state=new_inner_state,
