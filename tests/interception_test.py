@@ -12,7 +12,8 @@ from jmp_policy._src.resolution import Island, Options, Resolver, make_options
 BF16, F32, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)
 
 
-def _call(policy, path="m", options=Options(), cls=None):
+def _call(policy, path="m", options=None, cls=None):
+    options = Options() if options is None else options
     resolution = Resolver(jp.get(policy) if isinstance(policy, str) else policy, options).module(
         path, cls
     )

@@ -61,7 +61,7 @@ def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
             else:
                 cast = resolved.cast_to_compute(params)
             call = interception.Call("", None, Resolver(resolved, Options()).module(""))
-            with interception.loop_carries():
+            with interception.model_run():
                 return interception.run(call, functools.partial(fn, cast), args, kwargs)
 
         return wrapped  # type: ignore[return-value]

@@ -2,8 +2,10 @@
 
 Every per-submodule behaviour happens here, once, for ``cast_apply``, Linen and NNX:
 
-1. the floating leaves of the call's arguments are cast to the module's compute dtype
-   (unless ``autocast_exclude`` names the module);
+1. the floating leaves of the call's arguments are cast to the module's compute dtype;
+   a module that ``autocast_exclude`` names receives them uncast instead (as they were
+   before any wrapper cast them on their way down, so a timestep passed through a
+   bfloat16 root keeps its float32 value);
 2. the call runs in a context holding its policy and module path (what
    :func:`jmp_policy.current_policy` reads);
 3. the call goes through the extensions of the run's options (each
@@ -26,6 +28,7 @@ run at all. One mechanism for every construct, rather than one recogniser per co
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import threading
 from collections.abc import Callable, Iterator
@@ -54,13 +57,50 @@ class Call(NamedTuple):
         return self.resolution.policy
 
 
+# id(cast array) -> (cast array, the array it was cast from), for the run in progress.
+_ORIGINS: contextvars.ContextVar[dict[int, tuple[Any, Any]] | None] = contextvars.ContextVar(
+    "jmp_policy_origins", default=None
+)
+
+
 def cast_inputs(tree: Any, dtype: np.dtype, opaque: Callable[[Any], bool] | None = None) -> Any:
-    """Casts every floating leaf of ``tree``; ``opaque`` nodes are passed as they are."""
-    if opaque is None:
-        return casting.cast_tree(tree, dtype)
-    return jax.tree.map(
-        lambda x: x if opaque(x) else casting.cast_leaf(x, dtype), tree, is_leaf=opaque
-    )
+    """Casts every floating leaf of ``tree``; ``opaque`` nodes are passed as they are.
+
+    Inside :func:`model_run`, remembers what each cast array was cast from, so a module
+    that ``autocast_exclude`` names receives its inputs uncast (:func:`uncast_inputs`).
+    """
+    origins = _ORIGINS.get()
+
+    def cast(x: Any) -> Any:
+        if opaque is not None and opaque(x):
+            return x
+        new = casting.cast_leaf(x, dtype)
+        if origins is not None and new is not x:
+            origins[id(new)] = (new, x)
+        return new
+
+    return jax.tree.map(cast, tree, is_leaf=opaque)
+
+
+def uncast_inputs(tree: Any, opaque: Callable[[Any], bool] | None = None) -> Any:
+    """Every leaf that the wrappers cast on its way here, as it was before any cast.
+
+    A timestep the root received as float32 and passed on unchanged reaches an excluded
+    module in float32, although the root itself computes in bfloat16; a value the model
+    computed reaches it as computed.
+    """
+    origins = _ORIGINS.get()
+    if not origins:
+        return tree
+
+    def uncast(x: Any) -> Any:
+        entry = origins.get(id(x))
+        while entry is not None and entry[0] is x:
+            x = entry[1]
+            entry = origins.get(id(x))
+        return x
+
+    return jax.tree.map(uncast, tree, is_leaf=opaque)
 
 
 def run(
@@ -90,16 +130,26 @@ def run(
     caller = global_state.current_policy()
     if resolution.autocast:
         args, kwargs = cast_inputs((args, kwargs), policy.compute_dtype, opaque)
+    else:
+        args, kwargs = uncast_inputs((args, kwargs), opaque)
     inner = fn
     for ext in reversed(extensions):
         inner = _link(ext, call, inner)
     with global_state.current_policy_scope(policy, call.path):
         out = inner(*args, **kwargs)
     if resolution.island:
-        return cast_inputs(out, caller.compute_dtype, opaque)
+        return _cast_outputs(out, caller.compute_dtype, opaque)
     if policy.output_dtype != policy.compute_dtype:
-        return cast_inputs(out, policy.output_dtype, opaque)
+        return _cast_outputs(out, policy.output_dtype, opaque)
     return out
+
+
+def _cast_outputs(tree: Any, dtype: np.dtype, opaque: Callable[[Any], bool] | None) -> Any:
+    if opaque is None:
+        return casting.cast_tree(tree, dtype)
+    return jax.tree.map(
+        lambda x: x if opaque(x) else casting.cast_leaf(x, dtype), tree, is_leaf=opaque
+    )
 
 
 def _link(ext: Extension, call: Call, next_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -180,6 +230,17 @@ def _fori_loop(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _WRAPPERS = {"scan": _scan, "while_loop": _while_loop, "fori_loop": _fori_loop}
+
+
+@contextlib.contextmanager
+def model_run() -> Iterator[None]:
+    """The context of one wrapped model run: the loop-carry rule and input origins."""
+    token = _ORIGINS.set({})
+    try:
+        with loop_carries():
+            yield
+    finally:
+        _ORIGINS.reset(token)
 
 
 @contextlib.contextmanager

@@ -314,6 +314,8 @@ class Resolver:
 
     def overridden(self) -> list[str]:
         """Paths whose own ``dtype`` overrides the policy's compute dtype (``respect``)."""
+        if self.options.module_dtype != "respect":
+            return []
         return [
             path
             for path, r in self._modules.items()

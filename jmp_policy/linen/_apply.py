@@ -139,7 +139,7 @@ def run_traced(
         try:
             with (
                 nn.intercept_methods(interceptor(resolver, _root_method(method))),
-                interception.loop_carries(),
+                interception.model_run(),
             ):
                 result = call(cast_variables, resolver)
         except Exception as e:
@@ -380,7 +380,7 @@ def init(
         first = Resolver(resolved, options)
         with (
             nn.intercept_methods(interceptor(first, _root_method(method))),
-            interception.loop_carries(),
+            interception.model_run(),
         ):
             created = module.init(
                 rngs,
@@ -398,7 +398,7 @@ def init(
 
         # 2. The other collections (caches, batch statistics, float8 state) are made as
         #    `apply` will use them: by a run on the parameters cast to compute dtypes.
-        apply_rngs = rngs if isinstance(rngs, Mapping) else {"params": rngs}
+        apply_rngs: Any = rngs if isinstance(rngs, Mapping) else {"params": rngs}
 
         def call(cast_variables: Any, resolver: Resolver) -> Any:
             return module.apply(

@@ -222,7 +222,7 @@ def apply(
                 subclass = _policy_subclass(type(module), path, resolution, extensions, wrapped)
                 object.__setattr__(module, "__class__", subclass)
 
-        with interception.loop_carries():
+        with interception.model_run():
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
             else:

@@ -1,0 +1,219 @@
+"""The apply wrappers' options and warnings, alike in Linen and NNX: module_dtype,
+autocast_exclude, the typo warning, the own-dtype warning, non-float policies."""
+
+import functools
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmp_policy as jp
+
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+
+
+def dot_dtypes(fn, *args):
+    """The operand dtypes of every dot_general in ``fn``'s jaxpr (sub-jaxprs included)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        walk(sub.jaxpr)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+class Stock(nn.Module):
+    """Every layer pinned to float32, as stock Flax example configs do."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = nn.Dense(8, dtype=jnp.float32, name=f"dense_{i}")(x)
+        return nn.Dense(2, dtype=jnp.float32, name="head")(x)
+
+
+X = jnp.ones((2, 4))
+
+
+def test_linen_stock_model_warns_and_override_puts_every_matmul_in_bf16():
+    model = Stock()
+    variables = model.init(jax.random.key(0), X)
+    fn = jp.linen.apply(model, "mixed_bfloat16")
+    with pytest.warns(UserWarning, match=r'4 of 5 modules.*module_dtype="override"'):
+        out = fn(variables, X)
+    assert out.dtype == F32
+    assert dot_dtypes(fn, variables, X) == [("float32", "float32")] * 4
+    over = jp.linen.apply(model, "mixed_bfloat16", module_dtype="override")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = over(variables, X)
+    assert out.dtype == BF16
+    assert dot_dtypes(over, variables, X) == [("bfloat16", "bfloat16")] * 4
+    # The module instances keep their own dtype after the call.
+    grads = jax.grad(lambda p: over({"params": p}, X).astype(F32).sum())(variables["params"])
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
+
+
+class StockNnx(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List(
+            [nnx.Linear(4 if i == 0 else 8, 8, dtype=jnp.float32, rngs=rngs) for i in range(3)]
+        )
+        self.head = nnx.Linear(8, 2, dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_nnx_stock_model_warns_and_override_puts_every_matmul_in_bf16():
+    model = StockNnx(nnx.Rngs(0))
+    with pytest.warns(UserWarning, match='module_dtype="override"'):
+        assert jp.nnx.apply(model, "mixed_bfloat16")(X).dtype == F32
+    over = jp.nnx.apply(model, "mixed_bfloat16", module_dtype="override")
+    assert over(X).dtype == BF16
+    assert dot_dtypes(over, X) == [("bfloat16", "bfloat16")] * 4
+    assert model.head.dtype == F32  # the stored model is untouched
+
+
+class TimeEmbed(nn.Module):
+    @nn.compact
+    def __call__(self, t):
+        self.sow("intermediates", "t", t)
+        return nn.Dense(4)(t[:, None])
+
+
+class Diffusion(nn.Module):
+    @nn.compact
+    def __call__(self, x, t):
+        return nn.Dense(4)(x) + TimeEmbed(name="time")(t)
+
+
+@pytest.mark.parametrize("exclude", [[TimeEmbed], ["time"]], ids=["class", "path"])
+def test_linen_autocast_exclude_keeps_timesteps(exclude, maybe_jit):
+    model = Diffusion()
+    t = jnp.array([257.0, 999.0, 1001.0])
+    x = jnp.ones((3, 4))
+    variables = model.init(jax.random.key(0), x, t)
+    wrapped = jp.linen.apply(model, "bfloat16", autocast_exclude=exclude)
+    fn = maybe_jit(functools.partial(wrapped, mutable="intermediates"))
+    _, state = fn(variables, x, t)
+    np.testing.assert_array_equal(state["intermediates"]["time"]["t"][0], [257.0, 999.0, 1001.0])
+    plain = maybe_jit(functools.partial(jp.linen.apply(model, "bfloat16"), mutable="intermediates"))
+    _, state = plain(variables, x, t)
+    np.testing.assert_array_equal(
+        np.asarray(state["intermediates"]["time"]["t"][0], np.float32), [256.0, 1000.0, 1000.0]
+    )
+
+
+def test_nnx_autocast_exclude():
+    seen = {}
+
+    class Time(nnx.Module):
+        def __call__(self, t):
+            seen["t"] = t
+            return t
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.time = Time()
+
+        def __call__(self, t):
+            return self.time(t)
+
+    t = jnp.array([257.0, 999.0, 1001.0])
+    jp.nnx.apply(Model(), "bfloat16", autocast_exclude=[Time])(t)
+    assert seen["t"].dtype == F32
+    jp.nnx.apply(Model(), "bfloat16")(t)
+    assert seen["t"].dtype == BF16
+
+
+def test_typo_keys_warn_once_in_linen_and_nnx():
+    model = Stock()
+    variables = model.init(jax.random.key(0), X)
+    policy_map = jp.DTypePolicyMap("mixed_bfloat16", {"haed": "float32", "head": "float32"})
+    fn = jp.linen.apply(model, policy_map, module_dtype="override")
+    with pytest.warns(UserWarning, match=r"\['haed'\].*unused_keys"):
+        fn(variables, X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn(variables, X)  # once
+    nnx_map = jp.DTypePolicyMap("mixed_bfloat16", {"haed": "float32"})
+    with pytest.warns(UserWarning, match=r"\['haed'\]"):
+        jp.nnx.apply(StockNnx(nnx.Rngs(0)), nnx_map, module_dtype="override")(X)
+
+
+def test_variable_keys_are_not_reported_as_typos():
+    model = Stock()
+    variables = model.init(jax.random.key(0), X)
+    policy_map = jp.DTypePolicyMap("bfloat16", {"head/kernel": "float32"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jp.linen.apply(model, policy_map, module_dtype="override")(variables, X)
+
+
+@pytest.mark.parametrize("policy", ["int8", "int32", "bool", {"head": "int8"}])
+def test_non_floating_policies_are_rejected(policy):
+    with pytest.raises(ValueError, match="floating compute dtype"):
+        jp.linen.apply(Stock(), policy)
+    with pytest.raises(ValueError, match="floating compute dtype"):
+        jp.linen.init(Stock(), policy)
+    with pytest.raises(ValueError, match="floating compute dtype"):
+        jp.nnx.apply(StockNnx(nnx.Rngs(0)), policy)
+
+
+def test_bad_options_name_the_argument():
+    with pytest.raises(ValueError, match=r"`module_dtype`.*'ignore'"):
+        jp.linen.apply(Stock(), "float32", module_dtype="ignore")
+    with pytest.raises(TypeError, match=r"`autocast_exclude`.*3"):
+        jp.nnx.apply(StockNnx(nnx.Rngs(0)), "float32", autocast_exclude=[3])
+    with pytest.raises(ValueError, match=r"`autocast_exclude`.*invalid regular expression"):
+        jp.linen.apply(Stock(), "float32", autocast_exclude=["("])
+    with pytest.raises(TypeError, match=r"nn.Module subclasses"):
+        jp.linen.apply(Stock(), "float32", autocast_exclude=[int])
+
+
+class Residual(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.LayerNorm(name="norm")(x)
+
+
+def test_norm_float32_returns_the_callers_dtype(maybe_jit):
+    model = Residual()
+    x = jnp.ones((2, 4))
+    variables = model.init(jax.random.key(0), x)
+    fn = jp.linen.apply(model, "mixed_bfloat16", type_policies=jp.linen.NORM_FLOAT32)
+    assert maybe_jit(fn)(variables, x).dtype == BF16  # the residual stream stays 16-bit
+    plain = jp.linen.apply(model, "mixed_bfloat16", type_policies={nn.LayerNorm: "float32"})
+    assert maybe_jit(plain)(variables, x).dtype == F32  # a plain float32 policy leaks float32
+
+
+def test_nnx_norm_float32_returns_the_callers_dtype():
+    class Res(nnx.Module):
+        def __init__(self):
+            self.norm = nnx.LayerNorm(4, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return x + self.norm(x)
+
+    x = jnp.ones((2, 4))
+    assert jp.nnx.apply(Res(), "mixed_bfloat16", type_policies=jp.nnx.NORM_FLOAT32)(x).dtype == BF16
+    assert (
+        jp.nnx.apply(Res(), "mixed_bfloat16", type_policies={nnx.LayerNorm: "float32"})(x).dtype
+        == F32
+    )
