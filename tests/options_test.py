@@ -217,3 +217,10 @@ def test_nnx_norm_float32_returns_the_callers_dtype():
         jp.nnx.apply(Res(), "mixed_bfloat16", type_policies={nnx.LayerNorm: "float32"})(x).dtype
         == F32
     )
+
+
+def test_unknown_option_is_a_type_error_listing_the_options():
+    with pytest.raises(TypeError, match=r"\['autocast'\].*type_policies, module_dtype"):
+        jp.linen.apply(Stock(), "float32", autocast=False)
+    with pytest.raises(TypeError, match=r"\['dtype'\]"):
+        jp.nnx.apply(StockNnx(nnx.Rngs(0)), "float32", dtype="float32")

@@ -136,20 +136,37 @@ def as_entry(value: Any, what: str) -> DTypePolicy | Island:
     return policy
 
 
+# The apply wrappers' options and their defaults: a new option is one entry here, one
+# field of `Options` and its check in `make_options`; every wrapper takes it as a keyword.
+OPTION_DEFAULTS: Mapping[str, Any] = {
+    "type_policies": None,
+    "module_dtype": "respect",
+    "autocast_exclude": (),
+}
+
+
 def make_options(
-    type_policies: Any = None,
-    module_dtype: Any = "respect",
-    autocast_exclude: Any = (),
-    *,
     module_base: type | None = None,
     base_name: str = "",
     example: str = "",
+    /,
+    **options: Any,
 ) -> Options:
-    """Validates the apply wrappers' options into one frozen :class:`Options`.
+    """Validates the apply wrappers' keyword options into one frozen :class:`Options`.
 
     ``module_base`` is the class every module class named in the options derives from
-    (``nn.Module``), ``base_name`` and ``example`` how errors spell it.
+    (``nn.Module``), ``base_name`` and ``example`` how errors spell it. ``options`` are
+    the keywords of :data:`OPTION_DEFAULTS`.
     """
+    unknown = sorted(set(options) - set(OPTION_DEFAULTS))
+    if unknown:
+        raise TypeError(
+            f"Unknown option(s) {unknown}. The apply wrappers take {', '.join(OPTION_DEFAULTS)}."
+        )
+    values = {**OPTION_DEFAULTS, **options}
+    type_policies = values["type_policies"]
+    module_dtype = values["module_dtype"]
+    autocast_exclude = values["autocast_exclude"]
     types: dict[type, DTypePolicy | Island] = {}
     if type_policies is not None:
         if not isinstance(type_policies, Mapping):

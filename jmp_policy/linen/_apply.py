@@ -183,10 +183,7 @@ def apply(
     module: nn.Module,
     policy_or_map: Any,
     method: Any = None,
-    *,
-    type_policies: Mapping[type, Any] | None = None,
-    module_dtype: str = "respect",
-    autocast_exclude: Any = (),
+    **options: Any,
 ) -> Callable[..., Any]:
     """Makes ``module.apply`` run every submodule under its own policy.
 
@@ -217,14 +214,18 @@ def apply(
             ``None`` (the global policy). Only floating compute dtypes.
         method: the method to run (a name or ``fn(module, *args)``); ``None`` is
             ``__call__``. The returned function's ``method=`` overrides it.
-        type_policies: ``{ModuleClass: policy or name}``: every instance of a class (or a
-            subclass) gets that policy, unless a key of the map matches its own path; it
-            wins over inheritance from an ancestor. See :data:`NORM_FLOAT32`.
-        module_dtype: ``"respect"`` (a module's own ``dtype=`` wins, as an explicit layer
-            dtype does in Keras) or ``"override"`` (the policy wins everywhere: the
-            module runs with its ``dtype`` set to the policy's compute dtype).
-        autocast_exclude: module classes and/or path regular expressions whose modules
-            receive their inputs as given (a diffusion timestep, positions as floats).
+        **options: keyword options, the same for every wrapper:
+
+            * ``type_policies``: ``{ModuleClass: policy or name}``: every instance of a
+              class (or a subclass) gets that policy, unless a key of the map matches its
+              own path; it wins over inheritance from an ancestor. See ``NORM_FLOAT32``.
+            * ``module_dtype``: ``"respect"`` (the default: a module's own ``dtype=``
+              wins, as an explicit layer dtype does in Keras) or ``"override"`` (the
+              policy wins everywhere: the module runs with its ``dtype`` set to the
+              policy's compute dtype).
+            * ``autocast_exclude``: module classes and/or path regular expressions whose
+              modules receive their inputs uncast (a diffusion timestep, float
+              positions).
 
     Returns:
         A function with ``module.apply``'s signature.
@@ -262,7 +263,7 @@ def apply(
     m.check_module(module)
     resolved = as_policy_or_map(policy_or_map)
     check_floating(resolved)
-    options = m.options(type_policies, module_dtype, autocast_exclude)
+    opts = m.options(options)
     m.check_method(module, method)
     default_method = method
     known: dict[str, Any] = {}
@@ -293,7 +294,7 @@ def apply(
             )
 
         result, resolver, cast_variables = run_traced(
-            module, resolved, options, known, variables, call, method
+            module, resolved, opts, known, variables, call, method
         )
         warn_once(resolver, type(module).__name__, once)
         if mutable is not False or capture_intermediates:
@@ -313,10 +314,7 @@ def init(
     module: nn.Module,
     policy_or_map: Any,
     method: Any = None,
-    *,
-    type_policies: Mapping[type, Any] | None = None,
-    module_dtype: str = "respect",
-    autocast_exclude: Any = (),
+    **options: Any,
 ) -> Callable[..., Any]:
     """Makes ``module.init`` run under a policy or a map; parameters in their variable dtype.
 
@@ -331,9 +329,8 @@ def init(
         module: a ``flax.linen`` Module instance.
         policy_or_map: as in :func:`apply`.
         method: as in :func:`apply`.
-        type_policies: as in :func:`apply`.
-        module_dtype: as in :func:`apply`.
-        autocast_exclude: as in :func:`apply`.
+        **options: the options of :func:`apply` (``type_policies``, ``module_dtype``,
+            ``autocast_exclude``).
 
     Returns:
         A function with ``module.init``'s signature.
@@ -360,7 +357,7 @@ def init(
     m.check_module(module)
     resolved = as_policy_or_map(policy_or_map)
     check_floating(resolved)
-    options = m.options(type_policies, module_dtype, autocast_exclude)
+    opts = m.options(options)
     m.check_method(module, method)
     default_method = method
     once = (id(resolved), type(module))
@@ -377,7 +374,7 @@ def init(
         m.check_method(module, method)
         # 1. Flax creates the parameters (in their `param_dtype`) and reads them as
         #    created; the run learns the model's modules.
-        first = Resolver(resolved, options)
+        first = Resolver(resolved, opts)
         with (
             nn.intercept_methods(interceptor(first, _root_method(method))),
             interception.model_run(),
@@ -412,7 +409,7 @@ def init(
             )
 
         (_, state), resolver, _ = run_traced(
-            module, resolved, options, known, {"params": params}, call, method
+            module, resolved, opts, known, {"params": params}, call, method
         )
 
         def to_variable(params: Any) -> Any:

@@ -12,7 +12,12 @@ import numpy as np
 import jmp_policy.linen._apply as _apply
 import jmp_policy.linen._modules as m
 from jmp_policy._src.explain import table
-from jmp_policy._src.resolution import Resolver, as_policy_or_map, check_floating
+from jmp_policy._src.resolution import (
+    OPTION_DEFAULTS,
+    Resolver,
+    as_policy_or_map,
+    check_floating,
+)
 
 
 def explain(
@@ -20,9 +25,6 @@ def explain(
     policy_or_map: Any,
     variables: Mapping[str, Any],
     *args: Any,
-    type_policies: Mapping[type, Any] | None = None,
-    module_dtype: str = "respect",
-    autocast_exclude: Any = (),
     **kwargs: Any,
 ) -> str:
     """A table of the policy every submodule runs under, and why.
@@ -42,10 +44,8 @@ def explain(
         variables: the model's variables (arrays, or ``jax.ShapeDtypeStruct`` leaves such
             as ``jax.eval_shape(model.init, ...)`` gives).
         *args: the model's positional arguments (arrays or ``jax.ShapeDtypeStruct``).
-        type_policies: as in :func:`apply`.
-        module_dtype: as in :func:`apply`.
-        autocast_exclude: as in :func:`apply`.
-        **kwargs: the model's keyword arguments.
+        **kwargs: the options of :func:`apply` (``type_policies``, ``module_dtype``,
+            ``autocast_exclude``), then the model's keyword arguments.
 
     Returns:
         The table as a string.
@@ -77,7 +77,7 @@ def explain(
     m.check_variables(variables)
     resolved = as_policy_or_map(policy_or_map)
     check_floating(resolved)
-    options = m.options(type_policies, module_dtype, autocast_exclude)
+    options = m.options({k: kwargs.pop(k) for k in OPTION_DEFAULTS if k in kwargs})
     apply_kwargs = {
         "rngs": kwargs.pop("rngs", None),
         "method": kwargs.pop("method", None),

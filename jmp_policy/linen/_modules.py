@@ -29,16 +29,9 @@ Extend it as ``{**NORM_FLOAT32, MyNorm: NORM_FLOAT32[nn.LayerNorm]}``; a plain
 """
 
 
-def options(type_policies: Any, module_dtype: Any, autocast_exclude: Any) -> Options:
-    """The wrappers' options, validated once."""
-    return make_options(
-        type_policies,
-        module_dtype,
-        autocast_exclude,
-        module_base=nn.Module,
-        base_name="nn.Module",
-        example="nn.LayerNorm",
-    )
+def options(options: dict[str, Any]) -> Options:
+    """The wrappers' keyword options, validated once."""
+    return make_options(nn.Module, "nn.Module", "nn.LayerNorm", **options)
 
 
 def check_module(module: Any) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -90,10 +90,7 @@ def apply(
     model: nnx.Module,
     policy_or_map: Any,
     method: str | Callable[..., Any] = "__call__",
-    *,
-    type_policies: Mapping[type, Any] | None = None,
-    module_dtype: str = "respect",
-    autocast_exclude: Any = (),
+    **options: Any,
 ) -> Callable[..., Any]:
     """Makes a function that runs an NNX ``model`` per submodule under a policy or a map.
 
@@ -146,12 +143,18 @@ def apply(
             global policy). Only floating compute dtypes.
         method: the name of the model's method to run (``"__call__"``), or a function
             ``fn(model, *args, **kwargs)`` that runs under the root policy.
-        type_policies: ``{module class: policy or name}``, such as
-            :data:`NORM_FLOAT32`, giving every instance of a class (or subclass) a policy.
-        module_dtype: ``"respect"`` (a module's own ``dtype`` wins) or ``"override"``
-            (the policy wins everywhere: the copy's modules get the policy's dtype).
-        autocast_exclude: module classes and/or path regular expressions whose modules
-            receive their inputs as given.
+        **options: keyword options, the same for every wrapper:
+
+            * ``type_policies``: ``{ModuleClass: policy or name}``: every instance of a
+              class (or a subclass) gets that policy, unless a key of the map matches its
+              own path; it wins over inheritance from an ancestor. See ``NORM_FLOAT32``.
+            * ``module_dtype``: ``"respect"`` (the default: a module's own ``dtype=``
+              wins, as an explicit layer dtype does in Keras) or ``"override"`` (the
+              policy wins everywhere: the module runs with its ``dtype`` set to the
+              policy's compute dtype).
+            * ``autocast_exclude``: module classes and/or path regular expressions whose
+              modules receive their inputs uncast (a diffusion timestep, float
+              positions).
 
     Returns:
         A function ``(*args, **kwargs)`` returning the method's outputs.
@@ -188,13 +191,13 @@ def apply(
     m.check_model(model)
     resolved = as_policy_or_map(policy_or_map)
     check_floating(resolved)
-    options = m.options(type_policies, module_dtype, autocast_exclude)
+    opts = m.options(options)
     methods = m.methods_for(model, method)
-    extensions = options.extensions
+    extensions = opts.extensions
     once = (id(resolved), type(model))
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        resolver = resolver_for(model, resolved, options)
+        resolver = resolver_for(model, resolved, opts)
         graphdef, state = nnx.split(model)
         stored: dict[str, np.dtype] = {}
 

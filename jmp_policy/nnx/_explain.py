@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from flax import nnx
@@ -16,10 +15,7 @@ from jmp_policy._src.resolution import as_policy_or_map, check_floating
 def explain(
     model: nnx.Module,
     policy_or_map: Any,
-    *,
-    type_policies: Mapping[type, Any] | None = None,
-    module_dtype: str = "respect",
-    autocast_exclude: Any = (),
+    **options: Any,
 ) -> str:
     """A table of the policy every submodule of ``model`` runs under, and why.
 
@@ -33,9 +29,8 @@ def explain(
     Args:
         model: an ``nnx.Module``.
         policy_or_map: as in :func:`apply`.
-        type_policies: as in :func:`apply`.
-        module_dtype: as in :func:`apply`.
-        autocast_exclude: as in :func:`apply`.
+        **options: the options of :func:`apply` (``type_policies``, ``module_dtype``,
+            ``autocast_exclude``).
 
     Returns:
         The table as a string.
@@ -61,6 +56,6 @@ def explain(
     m.check_model(model)
     resolved = as_policy_or_map(policy_or_map)
     check_floating(resolved)
-    options = m.options(type_policies, module_dtype, autocast_exclude)
-    resolver = _apply.resolver_for(model, resolved, options)
+    opts = m.options(options)
+    resolver = _apply.resolver_for(model, resolved, opts)
     return table(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param)))

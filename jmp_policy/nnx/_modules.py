@@ -27,16 +27,9 @@ Extend it as ``{**NORM_FLOAT32, MyNorm: NORM_FLOAT32[nnx.LayerNorm]}``.
 """
 
 
-def options(type_policies: Any, module_dtype: Any, autocast_exclude: Any) -> Options:
-    """The wrappers' options, validated once."""
-    return make_options(
-        type_policies,
-        module_dtype,
-        autocast_exclude,
-        module_base=nnx.Module,
-        base_name="nnx.Module",
-        example="nnx.LayerNorm",
-    )
+def options(options: dict[str, Any]) -> Options:
+    """The wrappers' keyword options, validated once."""
+    return make_options(nnx.Module, "nnx.Module", "nnx.LayerNorm", **options)
 
 
 def is_nnx_object(x: Any) -> bool:
