@@ -105,21 +105,24 @@ class KeyIndex:
             return self._match_cache[path]
         except KeyError:
             pass
-        if path in self._order:
-            key: str | None = path
-        else:
-            matches = []
-            for length in self._prefix_lengths:
-                if length > len(path):
-                    break
-                for candidate in self._by_prefix.get(path[:length], ()):
-                    if self._regex[candidate].fullmatch(path):
-                        matches.append(candidate)
-            if len(matches) > 1:
-                self._raise_ambiguous(path, matches)
-            key = matches[0] if matches else None
+        key = self.match_uncached(path)
         self._match_cache[path] = key
         return key
+
+    def match_uncached(self, path: str) -> str | None:
+        """:meth:`match` without its cache (for callers that cache their own answers)."""
+        if path in self._order:
+            return path
+        matches = []
+        for length in self._prefix_lengths:
+            if length > len(path):
+                break
+            for candidate in self._by_prefix.get(path[:length], ()):
+                if self._regex[candidate].fullmatch(path):
+                    matches.append(candidate)
+        if len(matches) > 1:
+            self._raise_ambiguous(path, matches)
+        return matches[0] if matches else None
 
     def variable_keys(self, module: str) -> tuple[tuple[str, ...], bool]:
         """Per module path (cached): the regular-expression keys that may name one of its

@@ -140,6 +140,7 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
         self._policies: dict[str, DTypePolicy] = {}
         self._index = _index.KeyIndex()
         self._cache: dict[str, str | None] = {}
+        self._modules: dict[str, tuple[str | None, bool]] = {}  # for _variable_key
         for key, value in (policy_map or {}).items():
             self[key] = value
 
@@ -161,11 +162,13 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
         self._index.add(key)
         self._policies[key] = resolved
         self._cache.clear()
+        self._modules.clear()
 
     def __delitem__(self, key: str) -> None:
         del self._policies[key]
         self._index.remove(key)
         self._cache.clear()
+        self._modules.clear()
 
     def __contains__(self, key: object) -> bool:
         return key in self._policies
@@ -342,8 +345,9 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
             return self._cache[path]
         except KeyError:
             pass
-        self._check_path(path)
-        key = self._index.match(path)
+        if type(path) is not str:
+            self._check_path(path)
+        key = self._index.match_uncached(path)
         if key is None:
             parent = _trees.parent_path(path)
             if parent:  # The root "" is not an ancestor: unmatched paths get the default.
@@ -354,12 +358,17 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
     def _variable_key(self, module: str, name: str) -> str | None:
         """The key that chooses the policy of the variable ``name`` of ``module``: one
         naming the variable itself, else the module's (the root's for module ``""``)."""
-        by_name, has_exact = self._index.variable_keys(module)
-        if by_name or has_exact:
+        try:
+            module_key, may_name = self._modules[module]
+        except KeyError:
+            by_name, has_exact = self._index.variable_keys(module)
+            module_key, may_name = self._resolve_key(module), bool(by_name or has_exact)
+            self._modules[module] = module_key, may_name
+        if may_name:
             key = self._index.match_variable_of(module, f"{module}/{name}" if module else name)
             if key is not None:
                 return key
-        return self._resolve_key(module)
+        return module_key
 
     def __getitem__(self, path: str) -> DTypePolicy:
         return self._policy_of(self._resolve_key(path))
