@@ -203,7 +203,7 @@ def test_root_variables_resolve_through_the_root_key_in_every_tree_method(maybe_
     assert m.unused_keys(tree) == []
     lines = m.explain(tree).splitlines()
     root = next(line.split() for line in lines if line.startswith("<root>"))
-    assert root == ["<root>", "float32", "key", "''", "f32", "f32", "40", "40"]
+    assert root == ["<root>", "float32", "key", "''", "f32", "40", "40"]
 
 
 def test_root_variables_follow_the_default_without_a_root_key(maybe_jit):

@@ -453,15 +453,14 @@ def test_explain_lists_path_policy_key_dtypes_and_bytes():
         "head": {"kernel": jnp.ones((4, 2)), "steps": jnp.zeros((), jnp.int32)},
     }
     lines = m.explain(tree).splitlines()
-    assert lines[0].split() == ["path", "policy", "source", "stored", "compute", "bytes", "c.bytes"]
+    assert lines[0].split() == ["path", "policy", "source", "dtype", "bytes", "c.bytes"]
     rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert rows["encoder/mlp"] == [
         "encoder/mlp",
         "mixed_bfloat16",
         "key",
         "'encoder/.*'",
-        "f32",
-        "bf16",
+        "f32→bf16",
         "80",
         "40",
     ]
@@ -470,13 +469,12 @@ def test_explain_lists_path_policy_key_dtypes_and_bytes():
         "float16",
         "key",
         "'embed/embedding'",
-        "f32",
-        "f16",
+        "f32→f16",
         "32",
         "16",
     ]
-    assert rows["embed"] == ["embed", "float32", "default", "f32", "f32", "16", "16"]
-    assert rows["head"] == ["head", "float32", "default", "f32,i32", "f32,i32", "36", "36"]
+    assert rows["embed"] == ["embed", "float32", "default", "f32", "16", "16"]
+    assert rows["head"] == ["head", "float32", "default", "f32,i32", "36", "36"]
     assert rows["total"] == ["total", "164", "108"]
 
 

@@ -2,15 +2,14 @@
 
 Every ``explain`` (``DTypePolicyMap.explain``, the Linen and NNX glue's) builds
 :class:`ExplainRow` values and renders them with :func:`format_rows`, so all tables read
-alike and fit 100 columns: dtypes in short form (``f32``, ``bf16``), bytes in binary units
-(``4.0M``), columns that are empty in every row dropped, long cells shortened with ``…`` and
-long paths wrapped at ``/``.
+alike and fit 100 columns: dtypes in short form (``f32→bf16``), bytes in binary units
+(``4.0M``), columns that are empty in every row dropped, long sources listed under the
+table, long paths grouped under their parent path, long cells shortened with ``…``.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -20,14 +19,14 @@ from jmp_policy._src import dtypes as dt
 
 WIDTH = 100
 _SEP = "  "
-_MIN_PATH = 16
-_HEADERS = ("path", "class", "policy", "source", "own", "stored", "compute", "bytes", "c.bytes")
-_NUMERIC = 2  # the last two columns are right-aligned numbers
-# (column, cap) in the order columns give up width when a table is too wide.
-_SHRINK = (
-    *((3, 24), (1, 16), (2, 18), (3, 16), (5, 10), (6, 10), (1, 10)),
-    *((2, 12), (3, 10), (4, 6), (5, 8), (6, 8), (1, 8), (2, 10)),
-)
+_INDENT = "  "
+# Display columns: ExplainRow's stored and compute dtypes share one ("f32→bf16").
+_HEADERS = ("path", "class", "policy", "source", "own", "dtype", "bytes", "c.bytes")
+_PATH, _CLASS, _POLICY, _SOURCE, _OWN, _DTYPE = range(6)
+_FIRST_NUMERIC = 6
+# Narrowest widths the elastic columns are shortened to (with "…") when space runs out.
+_MIN_WIDTH = {_PATH: 16, _CLASS: 8, _POLICY: 14, _OWN: 4, _DTYPE: 8}
+_SOURCE_WIDTH = 16  # longer sources become references "[n]" listed under the table
 
 
 class ExplainRow(NamedTuple):
@@ -118,7 +117,7 @@ def _human_bytes(n: int) -> str:
         if value < 1024 or unit == "T":
             if not unit:
                 return str(n)
-            return f"{value:.1f}{unit}" if value < 100 else f"{value:.0f}{unit}"
+            return f"{value:.1f}{unit}" if value < 10 else f"{value:.0f}{unit}"
         value /= 1024
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -133,34 +132,38 @@ def _ellipsize(text: str, width: int) -> str:
     return text[:head] + "…" + (text[-tail:] if tail else "")
 
 
-def _wrap_path(path: str, width: int) -> list[str]:
-    """``path`` in lines of at most ``width``, broken after ``/``; continuations indented."""
-    if len(path) <= width:
-        return [path]
-    parts = re.findall(r"[^/]*/|[^/]+$", path)
-    lines: list[str] = []
-    current = ""
-    for part in parts:
-        indent = "  " if lines else ""
-        if current and len(indent) + len(current) + len(part) > width:
-            lines.append(indent + current)
-            current = ""
-            indent = "  "
-        current += part
-    lines.append(("  " if lines else "") + current)
-    return [_ellipsize(line, width) if len(line) > width else line for line in lines]
+def _dtype_cell(row: ExplainRow) -> str:
+    stored, compute = short_dtype(row.stored), short_dtype(row.compute)
+    return stored if stored == compute or not compute else f"{stored}→{compute}"
+
+
+def _fill(naturals: dict[int, int], available: int) -> dict[int, int]:
+    """Widths for the elastic columns: all natural if they fit, else each capped at one
+    common level (never below its minimum), the widest level that fits."""
+    if sum(naturals.values()) <= available:
+        return dict(naturals)
+    level = max(naturals.values())
+    while level > 1:
+        widths = {c: min(n, max(_MIN_WIDTH[c], level)) for c, n in naturals.items()}
+        if sum(widths.values()) <= available:
+            return widths
+        level -= 1
+    return {c: min(n, _MIN_WIDTH[c]) for c, n in naturals.items()}
 
 
 def format_rows(rows: Iterable[ExplainRow]) -> str:
     """Renders explain rows as a table no wider than 100 columns, with a total line.
 
     Columns: ``path``, ``class``, ``policy``, ``source``, ``own`` (the module's own
-    dtype), ``stored`` and ``compute`` (dtypes, short forms), ``bytes`` and ``c.bytes``
-    (bytes stored and in compute, 1K = 1024). A column empty in every row is dropped
-    (the byte columns when no row has leaves); a row without leaves leaves its byte cells
-    blank. When the table is too wide, ``source``, ``class``, ``policy`` and the dtype
-    columns are shortened with ``…`` and paths longer than their column are wrapped after
-    a ``/`` (the row's cells on the last line). The total line sums the bytes.
+    dtype), ``dtype`` (stored dtypes, then ``→`` and the compute dtypes when they differ:
+    ``f32→bf16``), ``bytes`` and ``c.bytes`` (bytes stored and in compute, 1K = 1024). A
+    column empty in every row is dropped (the byte columns and the total line when no row
+    has leaves); a row without leaves leaves its byte cells blank. When the table would
+    be wider than 100 columns, a source longer than 16 characters becomes a reference
+    ``[n]`` spelled out under the table; paths too long for their column are grouped under a line holding their
+    parent path (``encoder/layers_0/attention/``), each row then showing its last segment
+    indented; and the path, class, policy, own and dtype columns are shortened with ``…``,
+    widest first, only as far as needed.
 
     Args:
         rows: the rows, in the order to show them.
@@ -177,16 +180,16 @@ def format_rows(rows: Iterable[ExplainRow]) -> str:
         ...     ExplainRow("head", "Dense", "float32", "key 'head'", "", "float32",
         ...                "float32", 2048, 2048),
         ... ]))
-        path         class  policy          source      stored  compute  bytes  c.bytes
+        path         class  policy          source      dtype     bytes  c.bytes
         <root>       Model  mixed_bfloat16  default
-        encoder/mlp  Dense  mixed_bfloat16  default     f32     bf16      4.0M     2.0M
-        head         Dense  float32         key 'head'  f32     f32       2.0K     2.0K
-        total                                                             4.0M     2.0M
+        encoder/mlp  Dense  mixed_bfloat16  default     f32→bf16   4.0M     2.0M
+        head         Dense  float32         key 'head'  f32        2.0K     2.0K
+        total                                                      4.0M     2.0M
     """
     rows = list(rows)
-    has_leaves = [bool(r.stored) for r in rows]
     cells = []
-    for r, leafy in zip(rows, has_leaves, strict=True):
+    for r in rows:
+        leafy = bool(r.stored)
         cells.append(
             [
                 r.path or "<root>",
@@ -194,44 +197,60 @@ def format_rows(rows: Iterable[ExplainRow]) -> str:
                 r.policy,
                 r.source,
                 short_dtype(r.own_dtype),
-                short_dtype(r.stored),
-                short_dtype(r.compute),
+                _dtype_cell(r),
                 _human_bytes(r.nbytes) if leafy else "",
                 _human_bytes(r.compute_nbytes) if leafy else "",
             ]
         )
-    keep = [0] + [c for c in range(1, len(_HEADERS)) if any(row[c] for row in cells)]
-    widths = {c: max([len(_HEADERS[c])] + [len(row[c]) for row in cells]) for c in keep}
-    total_line = None
-    if 7 in keep:
-        total_line = ["total"] + [""] * (len(_HEADERS) - 3)
-        total_line += [_human_bytes(sum(r.nbytes for r in rows))]
-        total_line += [_human_bytes(sum(r.compute_nbytes for r in rows))]
-        for c in (7, 8):
-            widths[c] = max(widths[c], len(total_line[c]))
+    keep = [_PATH] + [c for c in range(1, len(_HEADERS)) if any(row[c] for row in cells)]
+    total = None
+    if _FIRST_NUMERIC in keep:
+        total = ["total"] + [""] * (len(_HEADERS) - 3)
+        total += [_human_bytes(sum(r.nbytes for r in rows))]
+        total += [_human_bytes(sum(r.compute_nbytes for r in rows))]
+    shown = [*cells, total] if total else cells
 
-    def others() -> int:
-        return sum(widths[c] for c in keep if c) + len(_SEP) * (len(keep) - 1)
+    def natural(c: int) -> int:
+        return max([len(_HEADERS[c])] + [len(row[c]) for row in shown])
 
-    for column, cap in _SHRINK:
-        if others() + _MIN_PATH <= WIDTH:
-            break
-        if column in widths:
-            widths[column] = min(widths[column], max(cap, len(_HEADERS[column])))
-    widths[0] = min(widths[0], max(_MIN_PATH, WIDTH - others()))
-    first_numeric = len(_HEADERS) - _NUMERIC
+    widths = {c: natural(c) for c in keep}
+    legend: dict[str, str] = {}
+    if sum(widths.values()) + len(_SEP) * (len(keep) - 1) > WIDTH and _SOURCE in keep:
+        for row in cells:
+            if len(row[_SOURCE]) > _SOURCE_WIDTH:
+                row[_SOURCE] = legend.setdefault(row[_SOURCE], f"[{len(legend) + 1}]")
+        widths[_SOURCE] = natural(_SOURCE)
+    elastic = {c: widths[c] for c in _MIN_WIDTH if c in keep}
+    fixed = sum(widths[c] for c in keep if c not in elastic) + len(_SEP) * (len(keep) - 1)
+    widths.update(_fill(elastic, WIDTH - fixed))
+    if widths[_PATH] < elastic[_PATH]:  # some paths go under their parent path
+        tails = [
+            len(_INDENT) + len(p.rpartition("/")[2]) if len(p) > widths[_PATH] else len(p)
+            for p in (row[_PATH] for row in shown)
+        ]
+        elastic[_PATH] = max([len(_HEADERS[_PATH]), *tails])
+        widths.update(_fill(elastic, WIDTH - fixed))
 
-    def line(row: list[str]) -> list[str]:
-        path_lines = _wrap_path(row[0], widths[0])
+    def line(row: list[str], path: str) -> str:
         out = []
         for c in keep:
-            cell = path_lines[-1] if c == 0 else _ellipsize(row[c], widths[c])
-            out.append(cell.rjust(widths[c]) if c >= first_numeric else cell.ljust(widths[c]))
-        return [*path_lines[:-1], _SEP.join(out).rstrip()]
+            cell = _ellipsize(path if c == _PATH else row[c], widths[c])
+            out.append(cell.rjust(widths[c]) if c >= _FIRST_NUMERIC else cell.ljust(widths[c]))
+        return _SEP.join(out).rstrip()
 
-    lines = line(list(_HEADERS))
-    for row in cells:
-        lines += line(row)
-    if total_line is not None:
-        lines += line(total_line)
+    lines = [line(list(_HEADERS), _HEADERS[_PATH])]
+    group = None
+    for row in shown:
+        path = row[_PATH]
+        if len(path) > widths[_PATH] and "/" in path:
+            head, _, tail = path.rpartition("/")
+            if head != group:
+                lines.append(_ellipsize(head + "/", WIDTH))
+                group = head
+            path = _INDENT + tail
+        else:
+            group = None
+        lines.append(line(row, path))
+    for source, ref in legend.items():
+        lines.append(_ellipsize(f"{ref} {source}", WIDTH))
     return "\n".join(lines)

@@ -230,8 +230,8 @@ class TreeMethods:
         One row per module path that holds leaves (``<root>`` for variables at the top
         of the tree), and one per variable that a key names itself: the policy, its
         source (``key '<key>'``, or ``default``), the stored and compute dtypes of its
-        leaves (short forms: ``f32``, ``bf16``), their bytes stored and in compute
-        (``c.bytes``; 1K = 1024), and a total line. Leaves may be arrays or
+        leaves (``f32→bf16``), their bytes stored and in compute (``c.bytes``; 1K =
+        1024), and a total line. Leaves may be arrays or
         ``jax.ShapeDtypeStruct``. The table fits 100 columns (see
         ``jmp_policy._src.explain.format_rows``).
 
@@ -241,10 +241,10 @@ class TreeMethods:
             >>> m = jp.DTypePolicyMap("float32", {"encoder/.*": "mixed_bfloat16"})
             >>> print(m.explain({"encoder": {"mlp": {"kernel": jnp.ones((4, 4))}},
             ...                  "head": {"kernel": jnp.ones((4, 2))}}))
-            path         policy          source            stored  compute  bytes  c.bytes
-            encoder/mlp  mixed_bfloat16  key 'encoder/.*'  f32     bf16        64       32
-            head         float32         default           f32     f32         32       32
-            total                                                              96       64
+            path         policy          source            dtype     bytes  c.bytes
+            encoder/mlp  mixed_bfloat16  key 'encoder/.*'  f32→bf16     64       32
+            head         float32         default           f32          32       32
+            total                                                       96       64
         """
         rows: dict[str, explain_rows.ExplainRow] = {}
         for module, name, leaf in leaves(tree)[0]:
