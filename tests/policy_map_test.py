@@ -538,3 +538,38 @@ def test_readme_disjoint_patterns_keep_norms_in_float32():
     assert m["encoder/layers_0/norm"] == F32
     assert m["decoder/final_norm"] == F32
     assert m["encoder/layers_0/mlp/kernel"] == BF16
+
+
+# -- the package ------------------------------------------------------------------------------
+
+
+def test_package_modules_each_hold_one_concept_and_stay_small():
+    import ast
+    import pathlib
+
+    import jmp_policy._src.policy_map as package
+    from jmp_policy._src.policy_map import (  # noqa: F401  the names the Flax glue imports
+        DTypePolicyMap,
+        format_table,
+        leaf_path,
+        normalize_type_policies,
+        parent_path,
+        resolve_module,
+        resolve_variable,
+        type_policy_for,
+    )
+
+    files = sorted(pathlib.Path(package.__file__).parent.glob("*.py"))
+    assert [f.name for f in files] == [
+        "__init__.py",
+        "_index.py",
+        "_mapping.py",
+        "_resolution.py",
+        "_trees.py",
+        "_values.py",
+    ]
+    for f in files:
+        text = f.read_text()
+        assert len(text.splitlines()) <= 400, f.name
+        assert ast.get_docstring(ast.parse(text)), f.name
+        assert "flax" not in text.replace("Flax glue", ""), f.name

@@ -3,6 +3,7 @@
 A private package, one module per concept:
 
 * ``_mapping``: the map itself (stored keys and policies, path resolution, config);
+* ``_values``: the values it holds (policies from names or configs, validated);
 * ``_index``: the key index and matching (which stored key names a module or a variable);
 * ``_trees``: the tree walks (``policy_tree``, ``cast_to_*``, ``unused_keys``, ``explain``);
 * ``_resolution``: the Flax glue's resolution with per-class policies (to be moved to

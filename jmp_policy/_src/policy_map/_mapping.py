@@ -14,47 +14,10 @@ from typing import Any
 import numpy as np
 
 from jmp_policy._src import global_state, serialization
-from jmp_policy._src.dtypes import TypeAndValueError
 from jmp_policy._src.policy import DTypePolicy
-from jmp_policy._src.policy_map import _index, _trees
+from jmp_policy._src.policy_map import _index, _trees, _values
 
 _MISSING: Any = object()
-
-
-def _check_config(value: Any, argument: str) -> None:
-    """Rejects config dicts that would not give one policy, naming ``argument``."""
-    if not isinstance(value, dict):
-        return
-    class_name = value.get("class_name")
-    if class_name is not None and not isinstance(class_name, str):
-        raise TypeAndValueError(
-            f"{argument}: `class_name` in a config must be a string such as 'DTypePolicy'. "
-            f"Received: class_name={class_name!r} in {value!r}"
-        )
-    if class_name == "DTypePolicyMap":
-        raise ValueError(
-            f"{argument}: a DTypePolicyMap cannot be a policy of another map (a map's "
-            f"values and default are policies). Received the map config {value!r}"
-        )
-
-
-def as_policy(value: Any, key: str) -> DTypePolicy:
-    """A map value (a policy, a name or a policy's config dict) as a policy."""
-    argument = f"Cannot interpret the assigned value for key {key!r}"
-    if isinstance(value, DTypePolicyMap):
-        raise TypeAndValueError(f"{argument}: a DTypePolicyMap cannot be a value of another map.")
-    if isinstance(value, DTypePolicy):
-        return value
-    if not isinstance(value, (str, dict)):
-        raise TypeAndValueError(
-            f"{argument}. Expected a policy, a policy name or a config dict. "
-            f"Received: {value!r} (of type {type(value).__name__})"
-        )
-    _check_config(value, argument)
-    try:
-        return serialization.get(value)  # type: ignore[no-any-return]
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{argument}: {e}") from e
 
 
 def _as_default(default_policy: Any) -> DTypePolicy | None:
@@ -62,7 +25,7 @@ def _as_default(default_policy: Any) -> DTypePolicy | None:
         return None
     if isinstance(default_policy, DTypePolicyMap):
         raise ValueError("`default_policy` cannot be a `DTypePolicyMap`.")
-    _check_config(default_policy, "Invalid `default_policy`")
+    _values.check_config(default_policy, "Invalid `default_policy`")
     try:
         policy = serialization.get(default_policy)
     except (TypeError, ValueError) as e:
@@ -158,7 +121,7 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
                 f"{self._policies[key]!r}. Please make sure to not use duplicated keys "
                 "(delete the key first to replace its policy)."
             )
-        resolved = as_policy(policy, key)
+        resolved = _values.as_policy(policy, key)
         self._index.add(key)
         self._policies[key] = resolved
         self._cache.clear()

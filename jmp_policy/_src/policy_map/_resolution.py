@@ -14,8 +14,9 @@ from typing import Any
 
 from jmp_policy._src import global_state
 from jmp_policy._src.policy import DTypePolicy
-from jmp_policy._src.policy_map._mapping import DTypePolicyMap, as_policy
+from jmp_policy._src.policy_map._mapping import DTypePolicyMap
 from jmp_policy._src.policy_map._trees import parent_path
+from jmp_policy._src.policy_map._values import as_policy
 
 
 def format_table(table: list[list[str]], numeric_columns: int) -> str:
