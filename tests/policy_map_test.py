@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jmp_policy as jp
+from jmp_policy._src.policy_map._trees import leaves
 
 BF16 = jp.DTypePolicy("bfloat16")
 F16 = jp.DTypePolicy("float16")
@@ -452,45 +453,28 @@ def test_explain_lists_path_policy_key_dtypes_and_bytes():
         "head": {"kernel": jnp.ones((4, 2)), "steps": jnp.zeros((), jnp.int32)},
     }
     lines = m.explain(tree).splitlines()
-    assert lines[0].split() == [
-        "path",
-        "policy",
-        "key",
-        "stored",
-        "compute",
-        "bytes",
-        "compute",
-        "bytes",
-    ]
+    assert lines[0].split() == ["path", "policy", "source", "dtype", "bytes", "c.bytes"]
     rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert rows["encoder/mlp"] == [
         "encoder/mlp",
         "mixed_bfloat16",
-        "encoder/.*",
-        "float32",
-        "bfloat16",
+        "key",
+        "'encoder/.*'",
+        "f32→bf16",
         "80",
         "40",
     ]
     assert rows["embed/embedding"] == [
         "embed/embedding",
         "float16",
-        "embed/embedding",
-        "float32",
-        "float16",
+        "key",
+        "'embed/embedding'",
+        "f32→f16",
         "32",
         "16",
     ]
-    assert rows["embed"] == ["embed", "float32", "<default>", "float32", "float32", "16", "16"]
-    assert rows["head"] == [
-        "head",
-        "float32",
-        "<default>",
-        "float32,int32",
-        "float32,int32",
-        "36",
-        "36",
-    ]
+    assert rows["embed"] == ["embed", "float32", "default", "f32", "16", "16"]
+    assert rows["head"] == ["head", "float32", "default", "f32,i32", "36", "36"]
     assert rows["total"] == ["total", "164", "108"]
 
 
@@ -542,7 +526,7 @@ def test_tree_methods_walk_every_pytree_kind_like_jax():
     assert cast["n"] is None
     assert cast["s"] == "text"
     # The module path and variable name of each leaf, as the map sees them.
-    paths = [leaf[:2] for leaf in jp.DTypePolicyMap()._leaves(tree)[0]]
+    paths = [leaf[:2] for leaf in leaves(tree)[0]]
     assert sorted(paths) == sorted(
         [("a", "0"), ("a", "1"), ("f", "j"), ("f/k", "w"), ("t/0", "w"), ("", "s")]
     )
@@ -554,3 +538,32 @@ def test_readme_disjoint_patterns_keep_norms_in_float32():
     assert m["encoder/layers_0/norm"] == F32
     assert m["decoder/final_norm"] == F32
     assert m["encoder/layers_0/mlp/kernel"] == BF16
+
+
+# -- the package ------------------------------------------------------------------------------
+
+
+def test_package_modules_each_hold_one_concept_and_stay_small():
+    import ast
+    import pathlib
+
+    import jmp_policy._src.policy_map as package
+    from jmp_policy._src.policy_map import (  # noqa: F401  the names the Flax glue imports
+        DTypePolicyMap,
+        leaf_path,
+        parent_path,
+    )
+
+    files = sorted(pathlib.Path(package.__file__).parent.glob("*.py"))
+    assert [f.name for f in files] == [
+        "__init__.py",
+        "_index.py",
+        "_mapping.py",
+        "_trees.py",
+        "_values.py",
+    ]
+    for f in files:
+        text = f.read_text()
+        assert len(text.splitlines()) <= 400, f.name
+        assert ast.get_docstring(ast.parse(text)), f.name
+        assert "flax" not in text.replace("Flax glue", ""), f.name

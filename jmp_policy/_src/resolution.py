@@ -21,12 +21,14 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src import global_state, serialization
+from jmp_policy._src.explain import ExplainRow, with_leaf
 from jmp_policy._src.policy import DTypePolicy
-from jmp_policy._src.policy_map import DTypePolicyMap, parent_path
+from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path, parent_path
 
 MODULE_DTYPE_MODES = ("respect", "override")
 
@@ -231,16 +233,6 @@ def _check_class(cls: Any, argument: str, base: type | None, base_name: str, exa
         )
 
 
-def _match(policy_map: DTypePolicyMap, path: str) -> str | None:
-    match = getattr(policy_map, "match", None)  # TODO(merge): the map's public method
-    return match(path) if match is not None else policy_map._match(path)
-
-
-def _match_variable(policy_map: DTypePolicyMap, path: str) -> str | None:
-    match = getattr(policy_map, "match_variable", None)  # TODO(merge)
-    return match(path) if match is not None else policy_map._match(path, variable=True)
-
-
 class Resolver:
     """Module and variable policies of one model run, cached per path.
 
@@ -273,7 +265,7 @@ class Resolver:
         current: str | None = path
         while current is not None:
             if policy_map is not None:
-                key = _match(policy_map, current)
+                key = policy_map.match(current)
                 if key is not None:
                     self.used_keys.add(key)
                     return policy_map[key], f"key {key!r}", key
@@ -315,7 +307,7 @@ class Resolver:
         """A variable's policy (its compute dtype is what the module reads) and whether a
         key names the variable itself."""
         if isinstance(self.policy_or_map, DTypePolicyMap):
-            key = _match_variable(self.policy_or_map, path)
+            key = self.policy_or_map.match_variable(path)
             if key is not None:
                 self.used_keys.add(key)
                 return self.policy_or_map[key], True
@@ -324,7 +316,7 @@ class Resolver:
     def variable_dtype(self, path: str) -> np.dtype:
         """The dtype a variable is stored in (``init``): the resolved policy's."""
         if isinstance(self.policy_or_map, DTypePolicyMap):
-            key = _match_variable(self.policy_or_map, path)
+            key = self.policy_or_map.match_variable(path)
             if key is not None:
                 return self.policy_or_map[key].variable_dtype
         return self.module(parent_path(path) or "").resolved.variable_dtype
@@ -383,3 +375,35 @@ def warn_once(resolver: Resolver, model: str, once: Any) -> None:
             UserWarning,
             stacklevel=4,
         )
+
+
+def resolved_rows(resolver: Resolver, params: Any) -> list[ExplainRow]:
+    """The rows of one resolved model run (the Linen and NNX ``explain``).
+
+    One row per module the run knows, in the order it met them, and one per variable that a
+    key of the map names itself; each parameter counted in its module's row (or its own).
+    """
+    rows: dict[str, ExplainRow] = {}
+
+    def row(path: str) -> ExplainRow:
+        if path not in rows:
+            r = resolver.module(path)
+            info = resolver.infos.get(path)
+            cls = info.cls if info is not None else None
+            own = "" if r.own_dtype is None else np.dtype(r.own_dtype).name
+            name = "" if cls is None else cls.__name__
+            rows[path] = ExplainRow(path, name, r.resolved.name, r.source, own)
+        return rows[path]
+
+    for path in resolver.infos:
+        row(path)
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        path = leaf_path(key_path)
+        policy, named = resolver.variable(path)
+        if named:
+            rows.setdefault(path, ExplainRow(path, "", policy.name, "key (variable)"))
+            rows[path] = with_leaf(rows[path], leaf, policy.compute_dtype)
+        else:
+            module = parent_path(path) or ""
+            rows[module] = with_leaf(row(module), leaf, policy.compute_dtype)
+    return list(rows.values())

@@ -11,12 +11,13 @@ import numpy as np
 
 import jmp_policy.linen._apply as _apply
 import jmp_policy.linen._modules as m
-from jmp_policy._src.explain import table
+from jmp_policy._src.explain import format_rows
 from jmp_policy._src.resolution import (
     OPTION_DEFAULTS,
     Resolver,
     as_policy_or_map,
     check_floating,
+    resolved_rows,
 )
 
 
@@ -66,12 +67,12 @@ def explain(
         >>> variables = jax.eval_shape(model.init, jax.random.key(0), x)
         >>> print(jp.linen.explain(model, "mixed_bfloat16", variables, x,
         ...                        type_policies=jp.linen.NORM_FLOAT32))
-        path    class      policy          source          own  stored  compute  bytes  compute bytes
+        path    class      policy          source          own  dtype     bytes  c.bytes
         <root>  Model      mixed_bfloat16  default
-        body    Dense      mixed_bfloat16  default              f32     bf16        64             32
-        norm    LayerNorm  float32         type LayerNorm       f32     f32         32             32
-        head    Dense      mixed_bfloat16  default         f32  f32     f32         40             40
-        total                                                                      136            104
+        body    Dense      mixed_bfloat16  default              f32→bf16     64       32
+        norm    LayerNorm  float32         type LayerNorm       f32          32       32
+        head    Dense      mixed_bfloat16  default         f32  f32          40       40
+        total                                                               136      104
     """
     m.check_module(module)
     m.check_variables(variables)
@@ -108,4 +109,4 @@ def explain(
     jax.eval_shape(trace, *[x for x, flag in zip(leaves, traced, strict=True) if flag])
     resolver = found[-1]
     resolver.module("", type(module), m.own_dtype(module))
-    return table(resolver, variables.get("params", {}))
+    return format_rows(resolved_rows(resolver, variables.get("params", {})))

@@ -8,8 +8,8 @@ from flax import nnx
 
 import jmp_policy.nnx._apply as _apply
 import jmp_policy.nnx._modules as m
-from jmp_policy._src.explain import table
-from jmp_policy._src.resolution import as_policy_or_map, check_floating
+from jmp_policy._src.explain import format_rows
+from jmp_policy._src.resolution import as_policy_or_map, check_floating, resolved_rows
 
 
 def explain(
@@ -46,16 +46,16 @@ def explain(
         ...         self.head = nnx.Linear(4, 2, dtype=jnp.float32, rngs=rngs)
         >>> model = Model(nnx.Rngs(0))
         >>> print(jp.nnx.explain(model, "mixed_bfloat16", type_policies=jp.nnx.NORM_FLOAT32))
-        path    class      policy          source          own  stored  compute  bytes  compute bytes
+        path    class      policy          source          own  dtype     bytes  c.bytes
         <root>  Model      mixed_bfloat16  default
-        body    Linear     mixed_bfloat16  default              f32     bf16        64             32
-        head    Linear     mixed_bfloat16  default         f32  f32     f32         40             40
-        norm    LayerNorm  float32         type LayerNorm       f32     f32         32             32
-        total                                                                      136            104
+        body    Linear     mixed_bfloat16  default              f32→bf16     64       32
+        head    Linear     mixed_bfloat16  default         f32  f32          40       40
+        norm    LayerNorm  float32         type LayerNorm       f32          32       32
+        total                                                               136      104
     """
     m.check_model(model)
     resolved = as_policy_or_map(policy_or_map)
     check_floating(resolved)
     opts = m.options(options)
     resolver = _apply.resolver_for(model, resolved, opts)
-    return table(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    return format_rows(resolved_rows(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param))))

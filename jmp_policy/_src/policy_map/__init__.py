@@ -1,0 +1,22 @@
+"""DTypePolicyMap: a policy per submodule, chosen from the submodule's path.
+
+A private package, one module per concept:
+
+* ``_mapping``: the map itself (stored keys and policies, path resolution, config);
+* ``_values``: the values it holds (policies from names or configs, validated);
+* ``_index``: the key index and matching (which stored key names a module or a variable);
+* ``_trees``: the tree walks (``policy_tree``, ``cast_to_*``, ``unused_keys``, ``explain``).
+
+Explain rows and their formatting are ``jmp_policy._src.explain``; the wrappers' resolution
+(per-class policies, modules' own dtypes) is ``jmp_policy._src.resolution``.
+"""
+
+from jmp_policy._src.policy_map._mapping import DTypePolicyMap as DTypePolicyMap
+from jmp_policy._src.policy_map._trees import leaf_path as leaf_path
+from jmp_policy._src.policy_map._trees import parent_path as parent_path
+
+__all__ = [
+    "DTypePolicyMap",
+    "leaf_path",
+    "parent_path",
+]

@@ -1,0 +1,382 @@
+"""DTypePolicyMap, the mapping: stored keys and policies, path resolution, config.
+
+The mapping methods are about the stored keys; ``map[path]`` resolves a path (the class
+docstring has the rule). Matching is the key index's (``_index``); resolution is cached
+per path as the chosen key, so a ``default_policy=None`` map follows ``policy_scope``. The
+tree methods live in ``_trees``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import ItemsView, Iterator, Mapping, MutableMapping, ValuesView
+from typing import Any
+
+import numpy as np
+
+import jmp_policy._src.policy_map._index as _index
+import jmp_policy._src.policy_map._trees as _trees
+import jmp_policy._src.policy_map._values as _values
+from jmp_policy._src import global_state, serialization
+from jmp_policy._src.policy import DTypePolicy
+
+_MISSING: Any = object()
+
+
+def _as_default(default_policy: Any) -> DTypePolicy | None:
+    if default_policy is None:
+        return None
+    if isinstance(default_policy, DTypePolicyMap):
+        raise ValueError("`default_policy` cannot be a `DTypePolicyMap`.")
+    _values.check_config(default_policy, "Invalid `default_policy`")
+    try:
+        policy = serialization.get(default_policy)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"Invalid `default_policy`: {e}") from e
+    return policy  # type: ignore[no-any-return]
+
+
+class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
+    """Maps module paths to dtype policies, with exact keys and regular expressions.
+
+    A ``MutableMapping[str, DTypePolicy]``: ``in``, ``len``, iteration (insertion order),
+    ``get``, ``pop``, ``setdefault``, ``del``, ``items`` and ``==`` are about the stored
+    keys, while ``map[path]`` resolves a module path (exact key, then ``re.fullmatch`` of
+    every key, then the nearest ancestor, then the default policy). Values may be given as
+    names or config dicts; they are validated on insertion, in the constructor too.
+    Assigning a key that is already there raises ``ValueError`` (as in Keras): delete it
+    first. Two maps are equal when their default policies and their stored keys with
+    their policies are, whatever the insertion order.
+
+    A variable's policy (``"Dense_0/kernel"``) is its module's unless a key names the
+    variable itself: a key names a variable when it matches the variable's path (exactly
+    or by ``fullmatch``) and does not match its module path. So
+    ``{"embed/embedding": "float32"}`` or ``{".*/embedding": "float32"}`` keeps embeddings
+    in float32, while ``"encoder/.*"`` names modules: with ``{"encoder/.*": a,
+    "encoder/head": b}`` the head's kernel follows the head (``b``). A variable at the top
+    of a tree belongs to the root module, path ``""``.
+
+    Args:
+        default_policy: the policy of paths no key resolves; ``None`` means the global
+            policy at lookup time (so the map follows ``policy_scope``).
+        policy_map: an initial mapping of keys to policies, policy names or configs.
+
+    Raises:
+        TypeError: ``policy_map`` is not a mapping.
+        ValueError: a value is not a policy, a key is not a valid regular expression, or
+            ``default_policy`` (or a value) is a map or a map's config.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import jmp_policy as jp
+        >>> policy_map = jp.DTypePolicyMap("float32", {
+        ...     "encoder/.*": "mixed_bfloat16",
+        ...     ".*norm.*": "float32",
+        ...     "decoder": "mixed_float16",
+        ... })
+        >>> policy_map["encoder/layers_1/mlp"]
+        <DTypePolicy "mixed_bfloat16">
+        >>> policy_map["decoder/attention/query"]   # inherits its ancestor's key
+        <DTypePolicy "mixed_float16">
+        >>> policy_map["head"]
+        <DTypePolicy "float32">
+        >>> params = {"encoder": {"layers_1": {"mlp": {"kernel": jnp.ones((2, 2))}}},
+        ...           "head": {"kernel": jnp.ones((2, 2))}}
+        >>> cast = policy_map.cast_to_compute(params)
+        >>> cast["encoder"]["layers_1"]["mlp"]["kernel"].dtype, cast["head"]["kernel"].dtype
+        (dtype(bfloat16), dtype('float32'))
+        >>> policy_map["encoder/layers_1/norm"]
+        Traceback (most recent call last):
+        ...
+        ValueError: Path 'encoder/layers_1/norm' matches multiple dtype policy keys: ...
+    """
+
+    def __init__(
+        self,
+        default_policy: DTypePolicy | str | dict[str, Any] | None = None,
+        policy_map: Mapping[str, DTypePolicy | str | dict[str, Any]] | None = None,
+    ):
+        default = _as_default(default_policy)
+        if policy_map is not None and not isinstance(policy_map, Mapping):
+            raise TypeError(
+                "If specified, `policy_map` must be a dict (a mapping of paths to policies). "
+                f"Received: policy_map={policy_map!r} of type {type(policy_map).__name__}"
+            )
+        self._default_policy: DTypePolicy | None = default
+        self._policies: dict[str, DTypePolicy] = {}
+        self._index = _index.KeyIndex()
+        self._cache: dict[str, str | None] = {}
+        self._modules: dict[str, tuple[str | None, bool]] = {}  # for _variable_key
+        for key, value in (policy_map or {}).items():
+            self[key] = value
+
+    # -- the mapping: stored keys ---------------------------------------------------------
+
+    def __setitem__(self, key: str, policy: DTypePolicy | str | dict[str, Any]) -> None:
+        if not isinstance(key, str):
+            raise TypeError(
+                f"Keys of a DTypePolicyMap are module paths (strings). "
+                f"Received: key={key!r} (of type {type(key).__name__})"
+            )
+        if key in self._policies:
+            raise ValueError(
+                f"{key} already exist in the DTypePolicyMap with value "
+                f"{self._policies[key]!r}. Please make sure to not use duplicated keys "
+                "(delete the key first to replace its policy)."
+            )
+        resolved = _values.as_policy(policy, key)
+        self._index.add(key)
+        self._policies[key] = resolved
+        self._cache.clear()
+        self._modules.clear()
+
+    def __delitem__(self, key: str) -> None:
+        del self._policies[key]
+        self._index.remove(key)
+        self._cache.clear()
+        self._modules.clear()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._policies
+
+    def __len__(self) -> int:
+        return len(self._policies)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._policies)
+
+    def items(self) -> ItemsView[str, DTypePolicy]:
+        """The stored keys and their policies, in insertion order."""
+        return self._policies.items()
+
+    def values(self) -> ValuesView[DTypePolicy]:
+        """The stored policies, in insertion order."""
+        return self._policies.values()
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        """The policy stored under ``key``, or ``default`` when ``key`` is not stored.
+
+        Only stored keys count (as for a dict); ``map[path]`` resolves a path instead.
+
+        Examples:
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("float32", {"encoder/.*": "bfloat16"})
+            >>> m.get("encoder/.*")
+            <DTypePolicy "bfloat16">
+            >>> m.get("encoder/mlp", "not stored"), m["encoder/mlp"]
+            ('not stored', <DTypePolicy "bfloat16">)
+        """
+        return self._policies.get(key, default)
+
+    def pop(self, key: str, default: Any = _MISSING) -> Any:
+        """Removes ``key`` and returns its policy; ``default`` (or ``KeyError``) when the
+        key is not stored.
+
+        Examples:
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("float32", {"head": "bfloat16"})
+            >>> m.pop("head"), m.pop("head", None), len(m)
+            (<DTypePolicy "bfloat16">, None, 0)
+        """
+        if key not in self._policies:
+            if default is _MISSING:
+                raise KeyError(key)
+            return default
+        policy = self._policies[key]
+        del self[key]
+        return policy
+
+    def setdefault(self, key: str, default: Any = None) -> DTypePolicy:
+        """The policy stored under ``key``; when not stored, stores ``default`` (a policy,
+        name or config, validated) under ``key`` first.
+
+        Examples:
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("float32")
+            >>> m.setdefault("head", "bfloat16"), m.setdefault("head", "float16")
+            (<DTypePolicy "bfloat16">, <DTypePolicy "bfloat16">)
+        """
+        if key not in self._policies:
+            self[key] = default
+        return self._policies[key]
+
+    def clear(self) -> None:
+        """Removes every stored key."""
+        for key in list(self._policies):
+            del self[key]
+
+    def __repr__(self) -> str:
+        default = None if self._default_policy is None else self._default_policy.name
+        mapping = [(k, v.name) for k, v in self._policies.items()]
+        return f"<DTypePolicyMap default_policy={default}, mapping={mapping}>"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DTypePolicyMap):
+            return NotImplemented
+        # A dict comparison: lookups never depend on insertion order, so neither does ==.
+        return bool(
+            self._default_policy == other._default_policy and self._policies == other._policies
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    # -- policy-like properties (as Keras's map has) --------------------------------------
+
+    @property
+    def default_policy(self) -> DTypePolicy:
+        """The policy of unmatched paths (the global policy now, when it was ``None``)."""
+        if self._default_policy is None:
+            return global_state.dtype_policy()
+        return self._default_policy
+
+    @property
+    def name(self) -> str:
+        """``"map_<default policy name>"``, as in Keras."""
+        return f"map_{self.default_policy.name}"
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        """The default policy's compute dtype."""
+        return self.default_policy.compute_dtype
+
+    @property
+    def variable_dtype(self) -> np.dtype:
+        """The default policy's variable dtype."""
+        return self.default_policy.variable_dtype
+
+    @property
+    def quantization_mode(self) -> str | None:
+        """The default policy's quantization mode."""
+        return self.default_policy.quantization_mode
+
+    # -- matching and resolution ----------------------------------------------------------
+
+    @staticmethod
+    def _check_path(path: Any) -> None:
+        if not isinstance(path, str):
+            raise TypeError(
+                f"A module path must be a string such as 'encoder/layers_0'. "
+                f"Received: path={path!r} (of type {type(path).__name__})"
+            )
+
+    def match(self, path: str) -> str | None:
+        """The stored key that names ``path`` itself, or ``None`` (no ancestor walk).
+
+        An exact key wins; otherwise every key is tried with ``re.fullmatch``.
+
+        Raises:
+            ValueError: two or more keys match (naming the path and the keys).
+            TypeError: ``path`` is not a string.
+
+        Examples:
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("float32", {"encoder/.*": "bfloat16", "head": "float32"})
+            >>> m.match("encoder/mlp"), m.match("head"), m.match("head/dense")
+            ('encoder/.*', 'head', None)
+        """
+        self._check_path(path)
+        return self._index.match(path)
+
+    def match_variable(self, path: str) -> str | None:
+        """The stored key that names the variable ``path`` itself, or ``None``.
+
+        A key names a variable when it matches the variable's path (exactly or by
+        ``re.fullmatch``) and does not match the variable's module path (``path`` without
+        its last segment; ``""`` for a variable of the root module). An exact key wins.
+
+        Raises:
+            ValueError: two or more keys name the variable (naming the path and the keys).
+            TypeError: ``path`` is not a string.
+
+        Examples:
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap(None, {".*/embedding": "float32", "encoder/.*": "bfloat16"})
+            >>> m.match_variable("embed/embedding")
+            '.*/embedding'
+            >>> print(m.match_variable("encoder/head/kernel"))  # "encoder/.*" names modules
+            None
+        """
+        self._check_path(path)
+        return self._index.match_variable(path)
+
+    def _policy_of(self, key: str | None) -> DTypePolicy:
+        return self.default_policy if key is None else self._policies[key]
+
+    def _stored_keys(self) -> list[str]:
+        return list(self._policies)
+
+    def _resolve_key(self, path: str) -> str | None:
+        """The key that chooses ``path``'s policy (None: the default policy)."""
+        try:
+            return self._cache[path]
+        except KeyError:
+            pass
+        if type(path) is not str:
+            self._check_path(path)
+        key = self._index.match_uncached(path)
+        if key is None:
+            parent = _trees.parent_path(path)
+            if parent:  # The root "" is not an ancestor: unmatched paths get the default.
+                key = self._resolve_key(parent)
+        self._cache[path] = key
+        return key
+
+    def _variable_key(self, module: str, name: str) -> str | None:
+        """The key that chooses the policy of the variable ``name`` of ``module``: one
+        naming the variable itself, else the module's (the root's for module ``""``)."""
+        try:
+            module_key, may_name = self._modules[module]
+        except KeyError:
+            by_name, has_exact = self._index.variable_keys(module)
+            module_key, may_name = self._resolve_key(module), bool(by_name or has_exact)
+            self._modules[module] = module_key, may_name
+        if may_name:
+            key = self._index.match_variable_of(module, f"{module}/{name}" if module else name)
+            if key is not None:
+                return key
+        return module_key
+
+    def __getitem__(self, path: str) -> DTypePolicy:
+        return self._policy_of(self._resolve_key(path))
+
+    def resolve(self, path: str) -> tuple[DTypePolicy, str | None]:
+        """The policy of ``path`` and the key that chose it (``None``: the default).
+
+        Examples:
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("float32", {"encoder/.*": "bfloat16"})
+            >>> m.resolve("encoder/layers_0/mlp")
+            (<DTypePolicy "bfloat16">, 'encoder/.*')
+            >>> m.resolve("head")
+            (<DTypePolicy "float32">, None)
+        """
+        key = self._resolve_key(path)
+        return self._policy_of(key), key
+
+    # -- config ---------------------------------------------------------------------------
+
+    def get_config(self) -> dict[str, Any]:
+        """A JSON-ready dict: the default policy and every key's serialized policy."""
+        default = self._default_policy
+        return {
+            "default_policy": None if default is None else serialization.serialize(default),
+            "policy_map": {k: serialization.serialize(v) for k, v in self._policies.items()},
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> DTypePolicyMap:
+        """Builds a map from :meth:`get_config`'s dict (also Keras 3's); never mutates it."""
+        if not isinstance(config, dict):
+            raise TypeError(f"`config` must be a dict. Received: config={config!r}")
+        unknown = set(config) - {"default_policy", "policy_map"}
+        if unknown:
+            raise ValueError(
+                f"Unknown fields {sorted(unknown)} in a DTypePolicyMap `config`; expected "
+                "'default_policy' and 'policy_map'."
+            )
+        policy_map = config.get("policy_map")
+        if isinstance(policy_map, dict) and "class_name" in policy_map and "config" in policy_map:
+            policy_map = policy_map["config"]  # Keras serializes the dict itself.
+        return cls(config.get("default_policy"), policy_map)
+
+
+serialization.register_serializable(DTypePolicyMap)

@@ -1,0 +1,260 @@
+"""Tree walks of a DTypePolicyMap: every leaf of a module tree under its own policy.
+
+A module tree is Linen's ``variables["params"]`` or an NNX ``State``. A leaf's *module
+path* is its key path without its own variable name (``{"Dense_0": {"kernel": w}}`` ->
+``"Dense_0"``; a leaf at the top of the tree is a variable of the root module, path ``""``);
+NNX's trailing ``.value`` is dropped and integers are written as digits. A leaf's policy is
+the one of the key that names the variable itself (``DTypePolicyMap.match_variable``), else
+its module's (``map[module path]``, the root's included): one rule for every tree method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+
+from jmp_policy._src import casting
+from jmp_policy._src import explain as explain_rows
+from jmp_policy._src.policy import DTypePolicy
+
+T = TypeVar("T")
+
+_KEY_NAMES: dict[type, Callable[[Any], Any]] = {
+    jax.tree_util.DictKey: lambda k: k.key,
+    jax.tree_util.GetAttrKey: lambda k: k.name,
+    jax.tree_util.SequenceKey: lambda k: k.idx,
+    jax.tree_util.FlattenedIndexKey: lambda k: k.key,
+}
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex, str)
+
+
+def _key_name(key: Any) -> str:
+    getter = _KEY_NAMES.get(type(key))
+    if getter is not None:
+        return str(getter(key))
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _is_value_suffix(key_path: tuple[Any, ...]) -> bool:
+    return bool(
+        key_path and type(key_path[-1]) is jax.tree_util.GetAttrKey and key_path[-1].name == "value"
+    )
+
+
+def leaf_path(key_path: tuple[Any, ...]) -> str:
+    """A leaf's variable path (``"Dense_0/kernel"``) from a JAX key path.
+
+    NNX's trailing ``.value`` is dropped; integers are written as digits.
+    """
+    if _is_value_suffix(key_path):
+        key_path = key_path[:-1]
+    return "/".join([_key_name(k) for k in key_path])
+
+
+def parent_path(path: str) -> str | None:
+    """``"a/b/c"`` -> ``"a/b"``; ``"a"`` -> ``""``; ``""`` -> ``None``."""
+    if not path:
+        return None
+    return path.rpartition("/")[0]
+
+
+def _join(stem: str, rest: str) -> str:
+    return f"{stem}/{rest}" if stem and rest else stem or rest
+
+
+def leaves(tree: Any) -> tuple[list[tuple[str, str, Any]], Any]:
+    """``(module path, variable name, leaf)`` per leaf, and the treedef.
+
+    Consecutive leaves share their module's key path, so each module path is joined once,
+    not once per leaf.
+    """
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    out = []
+    prev: tuple[Any, ...] | None = None
+    module = ""
+    for key_path, leaf in flat:
+        if _is_value_suffix(key_path):
+            key_path = key_path[:-1]  # NNX's State: "<path>/<name>.value"
+        prefix = key_path[:-1]
+        if prefix != prev:
+            module = "/".join([_key_name(k) for k in prefix])
+            prev = prefix
+        out.append((module, _key_name(key_path[-1]) if key_path else "", leaf))
+    return out, treedef
+
+
+def map_leaves(tree: T, fn: Callable[[str, str, Any], Any]) -> T:
+    """``fn(module path, variable name, leaf)`` on every leaf, same structure back.
+
+    Plain dicts, lists and tuples (Linen's parameter trees) are walked directly, which is
+    several times faster than flattening with paths; any other pytree node (NNX's ``State``,
+    dataclasses, ``FrozenDict``) goes through ``tree_flatten_with_path``.
+    """
+
+    def visit(node: Any, module: str, name: str) -> Any:
+        kind = type(node)
+        if kind is dict or kind is list or kind is tuple:
+            stem = f"{module}/{name}" if module else name
+            if kind is dict:
+                return {k: visit(v, stem, str(k)) for k, v in node.items()}
+            return kind(visit(v, stem, str(i)) for i, v in enumerate(node))
+        if node is None:
+            return None
+        if isinstance(node, _ARRAY_TYPES):
+            return fn(module, name, node)
+        found, treedef = leaves(node)
+        if len(found) == 1 and found[0][2] is node:  # not a pytree node: a leaf
+            return fn(module, name, node)
+        stem = f"{module}/{name}" if module else name
+        return jax.tree_util.tree_unflatten(
+            treedef,
+            [fn(_join(stem, m), n, x) if m or n else fn(module, name, x) for m, n, x in found],
+        )
+
+    return visit(tree, "", "")  # type: ignore[no-any-return]
+
+
+class TreeMethods:
+    """The tree methods of :class:`DTypePolicyMap` (a mixin; the map supplies the keys)."""
+
+    def _resolve_key(self, path: str) -> str | None:  # pragma: no cover - the map's
+        raise NotImplementedError
+
+    def _policy_of(self, key: str | None) -> DTypePolicy:  # pragma: no cover - the map's
+        raise NotImplementedError
+
+    def _variable_key(self, module: str, name: str) -> str | None:  # pragma: no cover
+        raise NotImplementedError
+
+    def _stored_keys(self) -> list[str]:  # pragma: no cover - the map's
+        raise NotImplementedError
+
+    def _map_policies(self, tree: T, fn: Callable[[DTypePolicy, Any], Any]) -> T:
+        policy_of, variable_key = self._policy_of, self._variable_key
+        return map_leaves(tree, lambda m, n, x: fn(policy_of(variable_key(m, n)), x))
+
+    def policy_tree(self, tree: Any) -> Any:
+        """A tree of the same structure holding each leaf's policy.
+
+        A leaf's policy is the one of the key naming the variable itself, else its
+        module's; a variable at the top of the tree belongs to the root module (path
+        ``""``), so ``{"": "float32"}`` keeps it float32.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("float32", {"embed/embedding": "bfloat16"})
+            >>> m.policy_tree({"embed": {"embedding": jnp.ones(2)}, "out": {"kernel": jnp.ones(2)}})
+            {'embed': {'embedding': <DTypePolicy "bfloat16">}, 'out': {'kernel': <DTypePolicy "float32">}}
+            >>> jp.DTypePolicyMap("bfloat16", {"": "float32"}).policy_tree({"pos": jnp.ones(2)})
+            {'pos': <DTypePolicy "float32">}
+        """
+        return self._map_policies(tree, lambda policy, _: policy)
+
+    def cast_to_compute(self, tree: T) -> T:
+        """Casts each floating leaf to its own policy's compute dtype (by path).
+
+        Works under ``jit``; gradients flow back to each leaf's stored dtype.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("mixed_bfloat16", {"head": "float32"})
+            >>> cast = m.cast_to_compute({"body": {"w": jnp.ones(2)}, "head": {"w": jnp.ones(2)}})
+            >>> cast["body"]["w"].dtype, cast["head"]["w"].dtype
+            (dtype(bfloat16), dtype('float32'))
+        """
+        return self._map_policies(tree, lambda p, x: casting.cast_leaf(x, p.compute_dtype))
+
+    def cast_to_variable(self, tree: T) -> T:
+        """Casts each floating leaf to its own policy's variable dtype (by path).
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("float32", {"body": "bfloat16"})
+            >>> m.cast_to_variable({"body": {"w": jnp.ones(2)}})["body"]["w"].dtype
+            dtype(bfloat16)
+        """
+        return self._map_policies(tree, lambda p, x: casting.cast_leaf(x, p.variable_dtype))
+
+    cast_to_param = cast_to_variable
+
+    def cast_to_output(self, tree: T) -> T:
+        """Casts each floating leaf to its own policy's output dtype (by path).
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("p=f32,c=bf16,o=f16")
+            >>> m.cast_to_output({"body": {"y": jnp.ones(2)}})["body"]["y"].dtype
+            dtype('float16')
+        """
+        return self._map_policies(tree, lambda p, x: casting.cast_leaf(x, p.output_dtype))
+
+    def unused_keys(self, tree: Any) -> list[str]:
+        """Keys that choose the policy of no module or variable of ``tree`` (typos).
+
+        The modules of a tree are the root (``""``) and every module path of its leaves
+        with their ancestors; the variables are its leaves. Keys come back in insertion
+        order.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap(None, {"Dense_0": "bfloat16", "Dnse_1": "bfloat16"})
+            >>> m.unused_keys({"Dense_0": {"kernel": jnp.ones(2)}, "Dense_1": {"kernel": jnp.ones(2)}})
+            ['Dnse_1']
+        """
+        used: set[str | None] = {self._resolve_key("")}
+        seen: set[str] = set()
+        for module, name, _ in leaves(tree)[0]:
+            used.add(self._variable_key(module, name))
+            current: str | None = module
+            while current and current not in seen:
+                seen.add(current)
+                used.add(self._resolve_key(current))
+                current = parent_path(current)
+        return [k for k in self._stored_keys() if k not in used]
+
+    def explain(self, tree: Any) -> str:
+        """A table of which policy each module of ``tree`` gets, and why.
+
+        One row per module path that holds leaves (``<root>`` for variables at the top
+        of the tree), and one per variable that a key names itself: the policy, its
+        source (``key '<key>'``, or ``default``), the stored and compute dtypes of its
+        leaves (``f32→bf16``), their bytes stored and in compute (``c.bytes``; 1K =
+        1024), and a total line. Leaves may be arrays or
+        ``jax.ShapeDtypeStruct``. The table fits 100 columns (see
+        ``jmp_policy._src.explain.format_rows``).
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("float32", {"encoder/.*": "mixed_bfloat16"})
+            >>> print(m.explain({"encoder": {"mlp": {"kernel": jnp.ones((4, 4))}},
+            ...                  "head": {"kernel": jnp.ones((4, 2))}}))
+            path         policy          source            dtype     bytes  c.bytes
+            encoder/mlp  mixed_bfloat16  key 'encoder/.*'  f32→bf16     64       32
+            head         float32         default           f32          32       32
+            total                                                       96       64
+        """
+        rows: dict[str, explain_rows.ExplainRow] = {}
+        for module, name, leaf in leaves(tree)[0]:
+            key = self._variable_key(module, name)
+            # A key naming the variable itself gives it a row of its own.
+            row_path = module if key == self._resolve_key(module) else _join(module, name)
+            row = rows.get(row_path)
+            if row is None:
+                policy = self._policy_of(key)
+                source = "default" if key is None else f"key {key!r}"
+                row = explain_rows.ExplainRow(row_path, policy=policy.name, source=source)
+            rows[row_path] = explain_rows.with_leaf(row, leaf, self._policy_of(key).compute_dtype)
+        return explain_rows.format_rows(rows.values())
