@@ -480,7 +480,7 @@ def test_a_module_with_its_own_dtype_is_respected():
     assert SEEN["pinned"]["policy"].compute_dtype == F32
     assert pinned.dtype == F32 and logits.dtype == F32
     explained = jpl.explain(model, "mixed_bfloat16", variables, X)
-    assert re.search(r"pinned\s+OwnDtype\s+mixed_bfloat16\s+default\s+f32\s+f32\s+32", explained)
+    assert re.search(r"pinned\s+OwnDtype\s+mixed_bfloat16\s+default\s+f32\s+f32\s+36", explained)
     assert re.search(r"logits\s+Dense\s+mixed_bfloat16\s+default\s+f32", explained)
     assert re.search(r"free\s+OwnDtype\s+mixed_bfloat16\s+default\s+f32→bf16", explained)
 
