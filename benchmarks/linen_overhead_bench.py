@@ -129,7 +129,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     for _ in range(args.repeats):
         for row, fn in tracers:
             start = time.perf_counter()
-            jax.make_jaxpr(fn)(params, x)
+            # A new function object per trace: JAX caches traces by function.
+            jax.make_jaxpr(lambda p, x, fn=fn: fn(p, x))(params, x)
             row["traces"].append(time.perf_counter() - start)
     return rows
 
