@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src import global_state, serialization
-from jmp_policy._src.explain import ExplainRow, with_leaf
 from jmp_policy._src.policy import DTypePolicy
-from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path, parent_path
+from jmp_policy._src.policy_map import DTypePolicyMap, parent_path
 
 MODULE_DTYPE_MODES = ("respect", "override")
 
@@ -336,74 +333,3 @@ class Resolver:
         if not isinstance(self.policy_or_map, DTypePolicyMap):
             return []
         return [k for k in self.policy_or_map if k not in self.used_keys]
-
-
-# -- what a run tells the user ------------------------------------------------------------
-
-_WARNED: set[tuple[Any, ...]] = set()
-
-
-def warn_once(resolver: Resolver, model: str, once: Any) -> None:
-    """Warns (once per ``once`` key) when the run quietly turned the user's request off.
-
-    Two cases: modules' own ``dtype`` attributes overriding the policy for most of the
-    model (the way out: ``module_dtype="override"``), and keys of the map that chose no
-    module or variable (typos, most likely; ``unused_keys`` lists them).
-    """
-    overridden = resolver.overridden()
-    total = len(resolver.infos)
-    if overridden and 2 * len(overridden) >= total and (once, "dtype") not in _WARNED:
-        _WARNED.add((once, "dtype"))
-        asked = sorted({resolver.module(p).resolved.compute_dtype.name for p in overridden})
-        own = sorted({str(resolver.module(p).own_dtype) for p in overridden})
-        warnings.warn(
-            f"{len(overridden)} of {total} modules of {model} set their own `dtype` "
-            f"({', '.join(own)}), which wins over the policy's compute dtype "
-            f"({', '.join(asked)}), so most of the model does not run in the policy's "
-            'dtype. Pass `module_dtype="override"` to let the policy win everywhere, or '
-            "leave the modules' `dtype` unset.",
-            UserWarning,
-            stacklevel=4,
-        )
-    unused = resolver.unused_keys()
-    if unused and (once, "keys") not in _WARNED:
-        _WARNED.add((once, "keys"))
-        warnings.warn(
-            f"Keys of the DTypePolicyMap resolve no module or variable of {model}: "
-            f"{unused}. Check them for typos; `DTypePolicyMap.unused_keys(params)` lists "
-            "them for a parameter tree.",
-            UserWarning,
-            stacklevel=4,
-        )
-
-
-def resolved_rows(resolver: Resolver, params: Any) -> list[ExplainRow]:
-    """The rows of one resolved model run (the Linen and NNX ``explain``).
-
-    One row per module the run knows, in the order it met them, and one per variable that a
-    key of the map names itself; each parameter counted in its module's row (or its own).
-    """
-    rows: dict[str, ExplainRow] = {}
-
-    def row(path: str) -> ExplainRow:
-        if path not in rows:
-            r = resolver.module(path)
-            info = resolver.infos.get(path)
-            cls = info.cls if info is not None else None
-            own = "" if r.own_dtype is None else np.dtype(r.own_dtype).name
-            name = "" if cls is None else cls.__name__
-            rows[path] = ExplainRow(path, name, r.resolved.name, r.source, own)
-        return rows[path]
-
-    for path in resolver.infos:
-        row(path)
-    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        path = leaf_path(key_path)
-        policy, named = resolver.variable(path)
-        if named:
-            rows.setdefault(path, ExplainRow(path, "", policy.name, "key (variable)"))
-            rows[path] = with_leaf(rows[path], leaf, policy.compute_dtype)
-        else:
-            module = parent_path(path) or ""
-            rows[module] = with_leaf(row(module), leaf, policy.compute_dtype)
-    return list(rows.values())

@@ -74,8 +74,8 @@ Examples:
 from __future__ import annotations
 
 from jmp_policy.linen._apply import apply as apply
-from jmp_policy.linen._apply import init as init
 from jmp_policy.linen._explain import explain as explain
+from jmp_policy.linen._init import init as init
 from jmp_policy.linen._modules import NORM_FLOAT32 as NORM_FLOAT32
 
 __all__ = ["NORM_FLOAT32", "apply", "explain", "init"]

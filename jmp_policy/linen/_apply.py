@@ -8,20 +8,13 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-from flax.core.scope import in_filter
 
 import jmp_policy.linen._modules as m
 from jmp_policy._src import casting, interception
 from jmp_policy._src.policy_map import leaf_path
-from jmp_policy._src.resolution import (
-    Options,
-    Resolver,
-    as_policy_or_map,
-    check_floating,
-    warn_once,
-)
+from jmp_policy._src.resolution import Options, Resolver, as_policy_or_map, check_floating
+from jmp_policy._src.run_report import warn_once
 
-_INIT_MUTABLE = nn.DenyList("intermediates")  # `module.init`'s default
 _MAX_RETRACES = 8
 
 
@@ -105,7 +98,7 @@ def _restore_params(returned: Any, passed: Any, stored: Any, resolver: Resolver)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _root_method(method: Any) -> str:
+def root_method(method: Any) -> str:
     return "__call__" if method is None else method if isinstance(method, str) else ""
 
 
@@ -138,7 +131,7 @@ def run_traced(
         error: Exception | None = None
         try:
             with (
-                nn.intercept_methods(interceptor(resolver, _root_method(method))),
+                nn.intercept_methods(interceptor(resolver, root_method(method))),
                 interception.model_run(),
             ):
                 result = call(cast_variables, resolver)
@@ -308,122 +301,3 @@ def apply(
         return result
 
     return apply_fn
-
-
-def init(
-    module: nn.Module,
-    policy_or_map: Any,
-    method: Any = None,
-    **options: Any,
-) -> Callable[..., Any]:
-    """Makes ``module.init`` run under a policy or a map; parameters in their variable dtype.
-
-    The returned function has ``module.init``'s signature,
-    ``fn(rngs, *args, method=None, mutable=DenyList("intermediates"),
-    capture_intermediates=False, **kwargs)``, and returns the variables. Submodules run
-    as under :func:`apply`; each leaf of the ``"params"`` collection is then cast to the
-    variable dtype of its path's policy (usually float32, the master weights). Other
-    collections are returned as created.
-
-    Args:
-        module: a ``flax.linen`` Module instance.
-        policy_or_map: as in :func:`apply`.
-        method: as in :func:`apply`.
-        **options: the options of :func:`apply` (``type_policies``, ``module_dtype``,
-            ``autocast_exclude``).
-
-    Returns:
-        A function with ``module.init``'s signature.
-
-    Raises:
-        TypeError: ``module`` is not a Linen module, or an option has the wrong type.
-        ValueError: ``policy_or_map`` names no policy or a non-floating one, or ``method``
-            names no method.
-
-    Examples:
-        >>> import jax
-        >>> import jax.numpy as jnp
-        >>> import flax.linen as nn
-        >>> import jmp_policy as jp
-        >>> model = nn.Dense(2, param_dtype=jnp.bfloat16)
-        >>> fn = jp.linen.init(model, {"": "p=f32,c=bf16,o=f32"})
-        >>> variables = fn(jax.random.key(0), jnp.ones((1, 3)))
-        >>> variables["params"]["kernel"].dtype
-        dtype('float32')
-        >>> jp.linen.init(model, "bfloat16")(jax.random.key(0), jnp.ones((1, 3)))[
-        ...     "params"]["bias"].dtype
-        dtype(bfloat16)
-    """
-    m.check_module(module)
-    resolved = as_policy_or_map(policy_or_map)
-    check_floating(resolved)
-    opts = m.options(options)
-    m.check_method(module, method)
-    default_method = method
-    once = (id(resolved), type(module))
-
-    def init_fn(
-        rngs: Any,
-        *args: Any,
-        method: Any = None,
-        mutable: Any = _INIT_MUTABLE,
-        capture_intermediates: Any = False,
-        **kwargs: Any,
-    ) -> Any:
-        method = default_method if method is None else method
-        m.check_method(module, method)
-        # 1. Flax creates the parameters (in their `param_dtype`) and reads them as
-        #    created; the run learns the model's modules.
-        first = Resolver(resolved, opts)
-        with (
-            nn.intercept_methods(interceptor(first, _root_method(method))),
-            interception.model_run(),
-        ):
-            created = module.init(
-                rngs,
-                *args,
-                method=method_for(first, method),
-                mutable=mutable,
-                capture_intermediates=capture_intermediates,
-                **kwargs,
-            )
-        known = dict(first.infos)
-        if "params" not in created:
-            warn_once(first, type(module).__name__, once)
-            return created
-        params = created["params"]
-
-        # 2. The other collections (caches, batch statistics, float8 state) are made as
-        #    `apply` will use them: by a run on the parameters cast to compute dtypes.
-        apply_rngs: Any = rngs if isinstance(rngs, Mapping) else {"params": rngs}
-
-        def call(cast_variables: Any, resolver: Resolver) -> Any:
-            return module.apply(
-                cast_variables,
-                *args,
-                rngs=apply_rngs,
-                method=method_for(resolver, method),
-                mutable=True,
-                capture_intermediates=capture_intermediates,
-                **kwargs,
-            )
-
-        (_, state), resolver, _ = run_traced(
-            module, resolved, opts, known, {"params": params}, call, method
-        )
-
-        def to_variable(params: Any) -> Any:
-            flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-            leaves = [
-                casting.cast_leaf(leaf, resolver.variable_dtype(leaf_path(kp))) for kp, leaf in flat
-            ]
-            return jax.tree_util.tree_unflatten(treedef, leaves)
-
-        variables = {"params": to_variable(params)}
-        for name, collection in state.items():
-            if name != "params" and in_filter(mutable, name):
-                variables[name] = collection
-        warn_once(resolver, type(module).__name__, once)
-        return variables
-
-    return init_fn

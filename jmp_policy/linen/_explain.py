@@ -17,8 +17,8 @@ from jmp_policy._src.resolution import (
     Resolver,
     as_policy_or_map,
     check_floating,
-    resolved_rows,
 )
+from jmp_policy._src.run_report import resolved_rows
 
 
 def explain(

@@ -18,8 +18,8 @@ from jmp_policy._src.resolution import (
     Resolver,
     as_policy_or_map,
     check_floating,
-    warn_once,
 )
+from jmp_policy._src.run_report import warn_once
 
 # The attributes a policy-running subclass keeps its original class and its call under.
 _ORIGINAL = "_jmp_policy_original_class"

@@ -9,7 +9,8 @@ from flax import nnx
 import jmp_policy.nnx._apply as _apply
 import jmp_policy.nnx._modules as m
 from jmp_policy._src.explain import format_rows
-from jmp_policy._src.resolution import as_policy_or_map, check_floating, resolved_rows
+from jmp_policy._src.resolution import as_policy_or_map, check_floating
+from jmp_policy._src.run_report import resolved_rows
 
 
 def explain(
