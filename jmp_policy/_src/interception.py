@@ -174,14 +174,25 @@ def _in_scope() -> bool:
 def _like(new: Any, old: Any) -> Any:
     """``new`` with each floating array leaf cast to the dtype of ``old``'s leaf.
 
-    Leaves are paired by position, as JAX pairs a loop's carry leaves; another number
-    of leaves is left for JAX to report as it would without us.
+    Leaves are paired by their key path (NNX's scan carries grow containers that are
+    empty on the way in), else by position when both have as many leaves; leaves of
+    ``new`` that pair with none are left for JAX to judge, as it would without us.
     """
-    new_leaves, treedef = jax.tree.flatten(new)
-    old_leaves = jax.tree.leaves(old)
-    if len(new_leaves) != len(old_leaves):
-        return new
-    leaves = [_leaf_like(n, o) for n, o in zip(new_leaves, old_leaves, strict=True)]
+    try:
+        old_flat = jax.tree_util.tree_flatten_with_path(old)[0]
+        new_flat, treedef = jax.tree_util.tree_flatten_with_path(new)
+    except (AttributeError, TypeError, ValueError):
+        new_leaves, treedef = jax.tree.flatten(new)
+        old_leaves = jax.tree.leaves(old)
+        if len(new_leaves) != len(old_leaves):
+            return new
+        pairs = zip(new_leaves, old_leaves, strict=True)
+        return jax.tree.unflatten(treedef, [_leaf_like(n, o) for n, o in pairs])
+    by_path = {jax.tree_util.keystr(kp): leaf for kp, leaf in old_flat}
+    leaves = []
+    for kp, leaf in new_flat:
+        key = jax.tree_util.keystr(kp)
+        leaves.append(_leaf_like(leaf, by_path[key]) if key in by_path else leaf)
     return jax.tree.unflatten(treedef, leaves)
 
 

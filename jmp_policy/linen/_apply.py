@@ -110,6 +110,7 @@ def run_traced(
     variables: Mapping[str, Any],
     call: Callable[[Any, Resolver], Any],
     method: Any,
+    on_error: Callable[[Resolver], None] | None = None,
 ) -> tuple[Any, Resolver, Any]:
     """Runs ``call(cast_variables, resolver)`` under the interceptor, learning the model's modules.
 
@@ -143,6 +144,8 @@ def run_traced(
         known.update(resolver.infos)
         if error is not None:
             if not stale:
+                if on_error is not None:
+                    on_error(resolver)  # say what was turned off before the error
                 raise error
             continue
         if not stale:
@@ -262,6 +265,9 @@ def apply(
     known: dict[str, Any] = {}
     once = (id(resolved), type(module))
 
+    def report(resolver: Resolver) -> None:
+        warn_once(resolver, type(module).__name__, once)
+
     def apply_fn(
         variables: Mapping[str, Any],
         *args: Any,
@@ -287,7 +293,7 @@ def apply(
             )
 
         result, resolver, cast_variables = run_traced(
-            module, resolved, opts, known, variables, call, method
+            module, resolved, opts, known, variables, call, method, report
         )
         warn_once(resolver, type(module).__name__, once)
         if mutable is not False or capture_intermediates:

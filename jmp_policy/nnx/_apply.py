@@ -220,11 +220,16 @@ def apply(
             resolution = resolver.module(path)
             if resolution.set_dtype is not None:
                 object.__setattr__(module, "dtype", resolution.set_dtype)
+            elif m.filled_dtype(module):  # not the user's: computes in the policy's dtype
+                object.__setattr__(module, "dtype", resolution.policy.compute_dtype)
             wrapped = tuple(name for name in methods if m.method_of(type(module), name))
             if wrapped:
                 subclass = _policy_subclass(type(module), path, resolution, extensions, wrapped)
                 object.__setattr__(module, "__class__", subclass)
 
+        # Before the call: a policy turned off by modules' own dtypes may well make the
+        # model fail (a cache of one dtype written with another), so say why first.
+        warn_once(resolver, type(model).__name__, once)
         with interception.model_run():
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
@@ -250,7 +255,6 @@ def apply(
             restore, updates, is_leaf=lambda x: isinstance(x, nnx.Variable)
         )
         nnx.update(model, updates)
-        warn_once(resolver, type(model).__name__, once)
         return out
 
     return run

@@ -46,6 +46,16 @@ def own_dtype(module: Any) -> np.dtype | None:
     return dtype
 
 
+def filled_dtype(module: Any) -> bool:
+    """Whether the module's ``dtype`` was filled in by NNX rather than set by the user
+    (``nnx.Embed`` copies an unset ``dtype`` from its ``param_dtype``)."""
+    return (
+        isinstance(module, nnx.Embed)
+        and own_dtype(module) is None
+        and (dt.floating_or_none(getattr(module, "dtype", None)) is not None)
+    )
+
+
 def path_of(parts: tuple[Any, ...]) -> str:
     return "/".join(str(p) for p in parts)
 
