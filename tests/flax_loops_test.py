@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from flax_examples import seq2seq_models
+from jaxpr_counts import dot_operand_dtypes
 
 import jmp_policy as jp
 
@@ -351,25 +352,6 @@ class ScanMLP(nnx.Module):
 
         x, _ = scan_fn(x, self.layers)
         return x
-
-
-def dot_operand_dtypes(jaxpr):
-    """The operand dtypes of every dot_general in a jaxpr, sub-jaxprs included."""
-    found = []
-
-    def walk(j):
-        for eqn in j.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
-
-    walk(jaxpr.jaxpr)
-    return found
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ import pytest
 from flax import nnx
 from flax_examples import gemma_nnx
 from flax_examples import lm1b_models as lm
+from jaxpr_counts import dot_dtypes
 
 import jmp_policy as jp
 
@@ -37,25 +38,6 @@ B, L, VOCAB = 2, 8, 48
 def rel_err(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def dot_dtypes(fn, *args, **kwargs):
-    """Operand dtypes of every dot_general `fn` traces to, sub-jaxprs (scan, while) included."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args).jaxpr)
-    return found
 
 
 def count(pairs):

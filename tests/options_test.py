@@ -10,29 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jaxpr_counts import dot_dtypes
 
 import jmp_policy as jp
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
-
-
-def dot_dtypes(fn, *args):
-    """The operand dtypes of every dot_general in ``fn``'s jaxpr (sub-jaxprs included)."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                        walk(sub.jaxpr)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
 
 
 class Stock(nn.Module):

@@ -12,7 +12,7 @@ import jax
 import jmp_policy.linen._modules as m
 from jmp_policy._src import casting, interception
 from jmp_policy._src.policy_map import leaf_path
-from jmp_policy._src.resolution import Options, Resolver, as_policy_or_map, check_floating
+from jmp_policy._src.resolution import Options, Resolver
 from jmp_policy._src.run_report import warn_once
 
 _MAX_RETRACES = 8
@@ -256,11 +256,7 @@ def apply(
         >>> jp.linen.apply(model, "mixed_bfloat16")(variables, x).dtype
         dtype(bfloat16)
     """
-    m.check_module(module)
-    resolved = as_policy_or_map(policy_or_map)
-    check_floating(resolved)
-    opts = m.options(options)
-    m.check_method(module, method)
+    resolved, opts = m.prepare(module, policy_or_map, method, options)
     default_method = method
     known: dict[str, Any] = {}
     once = (id(resolved), type(module))

@@ -12,7 +12,7 @@ from flax.core.scope import in_filter
 import jmp_policy.linen._modules as m
 from jmp_policy._src import casting, interception
 from jmp_policy._src.policy_map import leaf_path
-from jmp_policy._src.resolution import Resolver, as_policy_or_map, check_floating
+from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import warn_once
 from jmp_policy.linen._apply import interceptor, method_for, root_method, run_traced
 
@@ -63,11 +63,7 @@ def init(
         ...     "params"]["bias"].dtype
         dtype(bfloat16)
     """
-    m.check_module(module)
-    resolved = as_policy_or_map(policy_or_map)
-    check_floating(resolved)
-    opts = m.options(options)
-    m.check_method(module, method)
+    resolved, opts = m.prepare(module, policy_or_map, method, options)
     default_method = method
     once = (id(resolved), type(module))
 

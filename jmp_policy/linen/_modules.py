@@ -10,7 +10,13 @@ import flax.linen as nn
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.resolution import Island, Options, make_options
+from jmp_policy._src.resolution import (
+    Island,
+    Options,
+    as_policy_or_map,
+    check_floating,
+    make_options,
+)
 from jmp_policy._src.serialization import get as _get_policy
 
 NORM_FLOAT32: Mapping[type, Any] = types.MappingProxyType(
@@ -27,6 +33,18 @@ the compute dtype of the module that called it, so the residual stream stays 16-
 Extend it as ``{**NORM_FLOAT32, MyNorm: NORM_FLOAT32[nn.LayerNorm]}``; a plain
 ``"float32"`` value instead leaves that layer's output in float32.
 """
+
+
+def prepare(
+    module: Any, policy_or_map: Any, method: Any, options: dict[str, Any]
+) -> tuple[Any, Options]:
+    """Checks a wrapper's arguments once: ``(policy or map, options)``."""
+    check_module(module)
+    resolved = as_policy_or_map(policy_or_map)
+    check_floating(resolved)
+    opts = make_options(nn.Module, "nn.Module", "nn.LayerNorm", **options)
+    check_method(module, method)
+    return resolved, opts
 
 
 def options(options: dict[str, Any]) -> Options:
