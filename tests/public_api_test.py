@@ -38,7 +38,7 @@ DOCUMENTED = [
 
 FLAX_MODULES = {
     "linen": ["apply", "init", "explain", "NORM_FLOAT32"],
-    "nnx": ["apply", "NORM_FLOAT32"],
+    "nnx": ["apply", "explain", "NORM_FLOAT32"],
 }
 
 POLICY_MEMBERS = [
@@ -175,3 +175,11 @@ def test_dir_does_not_import_flax():
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("module", ["linen", "nnx"])
+def test_flax_integrations_show_their_public_names_only(module):
+    integration = getattr(jp, module)
+    assert set(dir(integration)) == set(integration.__all__)
+    for leaked in ("np", "jax", "casting", "dt", "nn", "nnx", "annotations", "Any"):
+        assert leaked not in dir(integration)
