@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 from flax import nnx
 from flax_examples import seq2seq_models
-from jaxpr_counts import dot_operand_dtypes
 
 import jmp_policy as jp
 
@@ -52,8 +51,9 @@ CELLS = {
     "GRUCell": (lambda: nn.GRUCell(H), (B, T, D)),
     "SimpleCell": (lambda: nn.SimpleCell(H), (B, T, D)),
     "MGUCell": (lambda: nn.MGUCell(H), (B, T, D)),
-    "ConvLSTMCell": (lambda: nn.ConvLSTMCell(4, kernel_size=(3, 3)), (B, T, 4, 4, 2)),
 }
+# ConvLSTMCell is left out: the same carry path as LSTMCell, and its scanned convolution alone
+# costs about 5 s of XLA compilation on CI's 2-core CPU.
 
 
 @pytest.mark.parametrize("cell", list(CELLS))
@@ -228,7 +228,7 @@ class ForiLoop(nn.Module):
 
         def body_fn(mdl, c):
             i, h = c
-            return i + 1, h + 0.5 * mdl(h)
+            return i + 1, jnp.tanh(mdl(h)) * (i + 1)  # int32 * bfloat16 is bfloat16
 
         _, h = nn.while_loop(lambda _, c: c[0] < self.steps, body_fn, dense, (jnp.array(0), h))
         return h
@@ -352,6 +352,25 @@ class ScanMLP(nnx.Module):
 
         x, _ = scan_fn(x, self.layers)
         return x
+
+
+def dot_operand_dtypes(jaxpr):
+    """The operand dtypes of every dot_general in a jaxpr, sub-jaxprs included."""
+    found = []
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jaxpr.jaxpr)
+    return found
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jaxpr_counts import dot_dtypes
+from flax_examples.measure import dot_dtypes
 
 import jmp_policy as jp
 

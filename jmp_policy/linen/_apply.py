@@ -11,7 +11,7 @@ import jax
 
 import jmp_policy.linen._modules as m
 from jmp_policy._src import casting, interception
-from jmp_policy._src.policy_map import leaf_path
+from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import Options, Resolver
 from jmp_policy._src.run_report import warn_once
 
@@ -32,10 +32,15 @@ def _dtype_set(module: nn.Module, dtype: Any) -> Iterator[None]:
         object.__setattr__(module, "dtype", old)
 
 
-def interceptor(resolver: Resolver, root_method: str | None) -> Callable[..., Any]:
+def interceptor(
+    resolver: Resolver,
+    root_method: str | None,
+    on_new: Callable[[str], None] | None = None,
+) -> Callable[..., Any]:
     """The ``nn.intercept_methods`` interceptor: finds the call and hands it to the hook.
 
-    Intercepted: every module's ``__call__``, and the root's ``root_method``.
+    Intercepted: every module's ``__call__``, and the root's ``root_method``. ``on_new``
+    is told each module path the resolver had not met, once it is recorded.
     """
     extensions = resolver.options.extensions
 
@@ -45,7 +50,10 @@ def interceptor(resolver: Resolver, root_method: str | None) -> Callable[..., An
         if name != "__call__" and not (name == root_method and not module.path):
             return next_fun(*args, **kwargs)
         path = m.path_of(module)
+        new = on_new is not None and path not in resolver.infos
         resolution = resolver.module(path, type(module), m.own_dtype(module))
+        if new:
+            on_new(path)  # type: ignore[misc]
         call = interception.Call(path, module, resolution)
         with _dtype_set(module, resolution.set_dtype):
             return interception.run(call, next_fun, args, kwargs, extensions=extensions)
@@ -98,6 +106,60 @@ def _restore_params(returned: Any, passed: Any, stored: Any, resolver: Resolver)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _learn_shapes(
+    known: dict[str, Any],
+    resolved: Any,
+    options: Options,
+    cast_variables: Any,
+    call: Callable[[Any, Resolver], Any],
+    method: Any,
+) -> None:
+    """Records every module of the model into ``known`` by a shape-only run."""
+    learner = Resolver(resolved, options, dict(known))
+
+    def run() -> Any:
+        with (
+            nn.intercept_methods(interceptor(learner, root_method(method))),
+            interception.model_run(),
+        ):
+            return call(cast_variables, learner)
+
+    try:
+        jax.eval_shape(run)
+    except Exception:
+        pass
+    known.update(learner.infos)
+
+
+class _Stale(Exception):
+    """A module met during a run changes how its parameters should have been cast."""
+
+
+def _stale_check(
+    by_module: dict[str, list[str]], chosen: Resolver, resolver: Resolver
+) -> Callable[[str], None]:
+    """``on_new`` for the interceptor: stops the run as soon as a new module's class or
+    own dtype changes the dtype one of the parameters was cast to (its own, or its
+    descendants' for a class in ``type_policies``), so a retrace costs no more than the
+    modules before it (and an eager first call does not run the model twice)."""
+    types = resolver.options.type_policies
+
+    def check(path: str) -> None:
+        info = resolver.infos[path]
+        typed = bool(types) and info.cls is not None and any(c in types for c in info.cls.__mro__)
+        if info.own_dtype is None and not typed:
+            return
+        learnt = Resolver(chosen.policy_or_map, chosen.options, resolver.infos)
+        stem = f"{path}/" if path else ""
+        modules = [k for k in by_module if k == path or k.startswith(stem)] if typed else [path]
+        for module in modules:
+            for p in by_module.get(module, ()):
+                if chosen.variable(p)[0].compute_dtype != learnt.variable(p)[0].compute_dtype:
+                    raise _Stale(path)
+
+    return check
+
+
 def root_method(method: Any) -> str:
     return "__call__" if method is None else method if isinstance(method, str) else ""
 
@@ -125,17 +187,29 @@ def run_traced(
         ``(result, resolver, cast_variables)`` of the run that counts.
     """
     params = variables.get("params", {})
+    by_module: dict[str, list[str]] = {}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if hasattr(leaf, "dtype"):
+            path = leaf_path(key_path)
+            by_module.setdefault(parent_path(path) or "", []).append(path)
     for _ in range(_MAX_RETRACES):
         chosen = Resolver(resolved, options, dict(known))
         cast_variables = _with_params(variables, lambda p: _cast_params(p, chosen))  # noqa: B023
         resolver = Resolver(resolved, options, dict(known))
+        on_new = _stale_check(by_module, chosen, resolver)
         error: Exception | None = None
         try:
             with (
-                nn.intercept_methods(interceptor(resolver, root_method(method))),
+                nn.intercept_methods(interceptor(resolver, root_method(method), on_new)),
                 interception.model_run(),
             ):
                 result = call(cast_variables, resolver)
+        except _Stale:
+            # Cut short: a module met changes a cast. Learn the whole model shape-only
+            # (nothing computed, nothing added to the caller's trace), then run again.
+            known.update(resolver.infos)
+            _learn_shapes(known, resolved, options, cast_variables, call, method)
+            continue
         except Exception as e:
             error = e
         resolver.used_keys |= chosen.used_keys

@@ -1,0 +1,152 @@
+"""Modules' own dtypes and `module_dtype` on stock configs; non-float policies (issue #8).
+
+lm1b, ImageNet's ResNet and Gemma set `dtype=float32` on every layer. The module's own dtype
+wins (Keras's rule), so a policy changes nothing: the wrappers warn once, naming how many
+modules override it and `module_dtype="override"`, which puts every matmul in the policy's
+dtype (counted in the jaxpr). Apply wrappers reject non-float compute dtypes (`"int8"`).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from flax_examples import gemma_nnx
+from flax_examples import lm1b_models as lm
+from flax_examples.measure import (
+    BF16,
+    F32,
+    RTOL_BF16,
+    VOCAB,
+    B,
+    Encoder,
+    NNXEncoder,
+    count,
+    dot_dtypes,
+    lm1b_config,
+    rel_err,
+    tokens,
+)
+
+import jmp_policy as jp
+
+# --------------------------------------------------------------------------- stock configs
+
+
+def override_warnings(record):
+    return [w for w in record if "module_dtype" in str(w.message)]
+
+
+def test_stock_lm1b_config_warns_once_that_modules_own_dtype_override_the_policy():
+    model, x = lm.TransformerLM(lm1b_config()), tokens()
+    variables = model.init(jax.random.key(0), x)
+    fn = jp.linen.apply(model, "mixed_bfloat16")
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fn(variables, x)
+        fn(variables, x)
+
+    found = override_warnings(record)
+    assert len(found) == 1, [str(w.message) for w in record]
+    assert found[0].category is UserWarning
+    message = str(found[0].message)
+    # 4 MLP Dense, 2 attention + 8 of their projections, 5 LayerNorm, the logits Dense
+    assert re.search(r"\b20\b", message), message
+    assert 'module_dtype="override"' in message
+    # respected: every matmul of the model stays float32
+    assert count(dot_dtypes(fn, variables, x)) == {"float32": 17}
+
+
+def test_module_dtype_override_puts_every_lm1b_matmul_in_bfloat16(maybe_jit):
+    model, x = lm.TransformerLM(lm1b_config()), tokens()
+    variables = model.init(jax.random.key(0), x)
+    reference = model.apply(variables, x)
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fn = jp.linen.apply(model, "mixed_bfloat16", module_dtype="override")
+        out = maybe_jit(fn)(variables, x)
+    assert override_warnings(record) == []
+
+    assert count(dot_dtypes(fn, variables, x)) == {"bfloat16": 17}
+    assert out.dtype == F32  # lm1b's own `logits.astype(config.dtype)` at the end
+    assert rel_err(out, reference) < RTOL_BF16
+
+
+def test_float32_output_spellings_on_lm1b():
+    recommended = jp.DTypePolicyMap("mixed_bfloat16", {"": "p=f32,c=bf16,o=f32"})
+    everywhere = "p=f32,c=bf16,o=f32"
+    x = tokens()
+    # lm1b with `dtype=None` (the policy chooses): the recommended spelling, float32 outputs
+    # from the root only, keeps all 17 matmuls in bfloat16; float32 outputs from every module
+    # hand q, k, v to Flax's attention function (not a module) in float32, so q·kᵀ and p·v of
+    # both layers run in float32
+    model = lm.TransformerLM(lm1b_config(dtype=None))
+    variables = model.init(jax.random.key(0), x)
+    fn = jp.linen.apply(model, recommended)
+    assert count(dot_dtypes(fn, variables, x)) == {"bfloat16": 17}
+    assert fn(variables, x).dtype == F32
+    fn = jp.linen.apply(model, everywhere)
+    assert count(dot_dtypes(fn, variables, x)) == {"bfloat16": 13, "float32": 4}
+    # the stock config under override: the attention's own dtype is overridden too, so its
+    # function casts q, k, v back to bfloat16 whichever spelling
+    model = lm.TransformerLM(lm1b_config())
+    variables = model.init(jax.random.key(0), x)
+    for spelling in (recommended, everywhere):
+        fn = jp.linen.apply(model, spelling, module_dtype="override")
+        assert count(dot_dtypes(fn, variables, x)) == {"bfloat16": 17}
+
+
+def test_the_own_dtype_check_does_not_run_the_model_twice():
+    # The first call of a new wrapper (the one that warns) traces what later calls trace:
+    # one copy of the model, not a checking pass left in the computation (eagerly, it runs).
+    model, x = lm.TransformerLM(lm1b_config()), tokens()
+    variables = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fn = jp.linen.apply(model, "mixed_bfloat16")
+        assert count(dot_dtypes(fn, variables, x)) == {"float32": 17}
+
+
+def test_stock_resnet_and_gemma_configs_warn_too():
+    from flax_examples import imagenet_models
+
+    resnet = imagenet_models.ResNet(
+        stage_sizes=[1], block_cls=imagenet_models.ResNetBlock, num_classes=4, num_filters=4
+    )
+    x = jnp.ones((2, 8, 8, 3))
+    variables = resnet.init(jax.random.key(0), x, train=False)
+    with pytest.warns(UserWarning, match='module_dtype="override"'):
+        jp.linen.apply(resnet, "mixed_bfloat16")(variables, x, train=False)
+
+    gemma = gemma_nnx.Transformer(vocab_size=VOCAB, rngs=nnx.Rngs(0), dtype=jnp.float32)
+    # a whole-sequence forward (no cache): tokens, positions, cache, causal mask
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((4, 4), bool)), (B, 4, 4))
+    args = (tokens((B, 4)), jnp.broadcast_to(jnp.arange(4), (B, 4)), None, causal)
+    with pytest.warns(UserWarning, match='module_dtype="override"'):
+        jp.nnx.apply(gemma, "mixed_bfloat16")(*args)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        logits, _ = jp.nnx.apply(gemma, "mixed_bfloat16", module_dtype="override")(*args)
+    assert override_warnings(record) == []
+    assert logits.dtype == BF16
+
+
+# --------------------------------------------------------------------------- non-float policies
+
+
+@pytest.mark.parametrize("wrapper", ["linen.apply", "linen.init", "nnx.apply"])
+def test_non_float_policy_is_rejected(wrapper):
+    make = {
+        "linen.apply": lambda p: jp.linen.apply(Encoder(), p),
+        "linen.init": lambda p: jp.linen.init(Encoder(), p),
+        "nnx.apply": lambda p: jp.nnx.apply(NNXEncoder(rngs=nnx.Rngs(0)), p),
+    }[wrapper]
+    with pytest.raises(ValueError, match=r"int8") as info:
+        make("int8")
+    assert re.search(r"float", str(info.value)), str(info.value)
