@@ -124,10 +124,9 @@ def _learn_shapes(
         ):
             return call(cast_variables, learner)
 
-    try:
+    # A failure here is left for the real run to report; what was met is kept.
+    with contextlib.suppress(Exception):
         jax.eval_shape(run)
-    except Exception:
-        pass
     known.update(learner.infos)
 
 
