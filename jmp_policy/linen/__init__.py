@@ -28,10 +28,11 @@ How it works (the glue only finds calls; the rules live in ``jmp_policy._src``):
   their body's carry back to the carry's dtypes (JAX rejects any other carry, so no
   working program changes).
 * **Module classes** (for ``type_policies``) and modules' own ``dtype=`` attributes are
-  learnt as the model runs; when what is learnt changes a parameter's dtype, the model is
-  traced once more, so a float32 island's weights are never rounded through bfloat16. What
-  a wrapper learnt is kept for its next calls: a model is traced once per compilation
-  after the first.
+  learnt as the model runs; as soon as a module met changes the dtype a parameter was cast
+  to, the run is cut short, the model is learnt shape-only (nothing computed) and run
+  again, so a float32 island's weights are never rounded through bfloat16 and an eager
+  first call never runs the model twice. What a wrapper learnt is kept for its next
+  calls: a model whose policies depend on paths only is traced once.
 * **A module's own ``dtype``** (``nn.Dense(..., dtype=jnp.float32)``) wins over the
   policy (Keras's rule); when that turns the policy off for most of the model (stock
   configs set ``dtype=jnp.float32`` on every layer), the wrappers warn once and
