@@ -39,7 +39,7 @@ import numpy as np
 
 from jmp_policy._src import casting, global_state
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.resolution import Resolution
+from jmp_policy._src.resolution import Options, Resolution
 
 # ext(call, next_fn, args, kwargs) -> outputs
 Extension = Callable[["Call", Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
@@ -244,9 +244,12 @@ _WRAPPERS = {"scan": _scan, "while_loop": _while_loop, "fori_loop": _fori_loop}
 
 
 @contextlib.contextmanager
-def model_run() -> Iterator[None]:
-    """The context of one wrapped model run: the loop-carry rule and input origins."""
-    token = _ORIGINS.set({})
+def model_run(options: Options | None = None) -> Iterator[None]:
+    """The context of one wrapped model run: the loop-carry rule and, when ``options``
+    exclude modules from autocasting, the origins of cast inputs (kept only then: eagerly,
+    they hold every cast input alive until the run ends)."""
+    track = options is not None and bool(options.exclude_types or options.exclude_patterns)
+    token = _ORIGINS.set({} if track else None)
     try:
         with loop_carries():
             yield

@@ -120,7 +120,7 @@ def _learn_shapes(
     def run() -> Any:
         with (
             nn.intercept_methods(interceptor(learner, root_method(method))),
-            interception.model_run(),
+            interception.model_run(options),
         ):
             return call(cast_variables, learner)
 
@@ -200,7 +200,7 @@ def run_traced(
         try:
             with (
                 nn.intercept_methods(interceptor(resolver, root_method(method), on_new)),
-                interception.model_run(),
+                interception.model_run(options),
             ):
                 result = call(cast_variables, resolver)
         except _Stale:

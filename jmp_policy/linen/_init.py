@@ -82,7 +82,7 @@ def init(
         first = Resolver(resolved, opts)
         with (
             nn.intercept_methods(interceptor(first, root_method(method))),
-            interception.model_run(),
+            interception.model_run(opts),
         ):
             created = module.init(
                 rngs,

@@ -230,7 +230,7 @@ def apply(
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
         warn_once(resolver, type(model).__name__, once)
-        with interception.model_run():
+        with interception.model_run(opts):
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
             else:
