@@ -32,6 +32,8 @@ import numpy as np
 
 from jmp_policy._src import dtypes as dt
 
+# Captured at import: the Linen glue may route `jnp.einsum` here for a call.
+JNP_EINSUM = jnp.einsum
 _INT8_MAX = 127.0
 _INT4_MAX = 7.0
 MODES = ("int8", "int4")
@@ -370,7 +372,7 @@ def int8_einsum(subscripts: str, /, *operands: Any, **kwargs: Any) -> jax.Array:
     """
     if kwargs.get("out_sharding", 0) is None:
         kwargs.pop("out_sharding")
-    return jnp.einsum(subscripts, *operands, _dot_general=int8_dot_general, **kwargs)  # type: ignore[no-any-return]
+    return JNP_EINSUM(subscripts, *operands, _dot_general=int8_dot_general, **kwargs)  # type: ignore[no-any-return]
 
 
 def is_int8(policy: Any) -> bool:
