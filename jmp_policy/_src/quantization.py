@@ -320,11 +320,16 @@ def _int8_dot_fwd(lhs: jax.Array, rhs: jax.Array, dn: DimensionNumbers, out_dtyp
 
 def _int8_dot_bwd(dn: DimensionNumbers, out_dtype: np.dtype, res: Any, g: jax.Array) -> Any:
     lhs, rhs = res
+    g = g.astype(out_dtype)
 
     def float_dot(a: jax.Array, b: jax.Array) -> jax.Array:
         return jax.lax.dot_general(a, b, dn, preferred_element_type=out_dtype)
 
-    return jax.vjp(float_dot, lhs, rhs)[1](g.astype(out_dtype))
+    # The transposes alone (`jax.vjp` would also trace the unused float forward matmul).
+    like = jax.ShapeDtypeStruct
+    (g_lhs,) = jax.linear_transpose(lambda a: float_dot(a, rhs), like(lhs.shape, lhs.dtype))(g)
+    (g_rhs,) = jax.linear_transpose(lambda b: float_dot(lhs, b), like(rhs.shape, rhs.dtype))(g)
+    return g_lhs, g_rhs
 
 
 _int8_dot.defvjp(_int8_dot_fwd, _int8_dot_bwd)
