@@ -251,9 +251,9 @@ def test_int8_dot_general_gradient_is_straight_through(maybe_jit):
     def loss(dot):
         return lambda x, w: jnp.sum(dot(x, w) * ct)
 
-    gx, gw = maybe_jit(jax.grad(loss(lambda x, w: quantization.int8_dot_general(x, w, _DN)), (0, 1)))(
-        x, w
-    )
+    gx, gw = maybe_jit(
+        jax.grad(loss(lambda x, w: quantization.int8_dot_general(x, w, _DN)), (0, 1))
+    )(x, w)
     rx, rw = jax.grad(loss(lambda x, w: x @ w), (0, 1))(x, w)
     np.testing.assert_allclose(np.asarray(gx), np.asarray(rx), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(gw), np.asarray(rw), rtol=1e-5, atol=1e-5)

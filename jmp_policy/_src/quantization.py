@@ -264,7 +264,9 @@ def dequantize_leaf(x: Any, dtype: Any) -> Any:
 
 # -- int8 compute ---------------------------------------------------------------------------
 
-DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], ...]]
+DimensionNumbers = tuple[
+    tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]
+]
 
 
 def _normalize(dimension_numbers: Any) -> DimensionNumbers:

@@ -39,9 +39,8 @@ def _replacement(module: Any) -> tuple[str, Any] | None:
     elif isinstance(module, nnx.LinearGeneral):
         if module.dot_general is None and module.dot_general_cls is None:
             return "dot_general", quantization.int8_dot_general
-    elif isinstance(module, nnx.Einsum):
-        if module.einsum_op is quantization.JNP_EINSUM:
-            return "einsum_op", quantization.int8_einsum
+    elif isinstance(module, nnx.Einsum) and module.einsum_op is quantization.JNP_EINSUM:
+        return "einsum_op", quantization.int8_einsum
     return None
 
 

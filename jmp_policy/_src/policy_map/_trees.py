@@ -10,10 +10,9 @@ its module's (``map[module path]``, the root's included): one rule for every tre
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
-
-import warnings
 
 import jax
 import numpy as np
