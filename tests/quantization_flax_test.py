@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jaxpr_counts import dot_kinds as _dots
 
 import jmp_policy as jp
 
@@ -20,24 +21,6 @@ INT8 = "int8_from_float32"
 def _rel(a, b):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def _dots(jaxpr):
-    """(operand dtypes, preferred_element_type) of every dot_general, sub-jaxprs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            pref = eqn.params.get("preferred_element_type")
-            found.append(
-                (tuple(str(v.aval.dtype) for v in eqn.invars), None if pref is None else str(pref))
-            )
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    found += _dots(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    found += _dots(sub)
-    return found
 
 
 def _int8_dots(fn, *args):

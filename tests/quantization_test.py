@@ -8,6 +8,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_counts import dot_kinds as _dots
 
 import jmp_policy as jp
 from jmp_policy._src import quantization
@@ -272,21 +273,3 @@ def test_int8_einsum_matches_einsum():
     assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02
     jaxpr = jax.make_jaxpr(lambda x, w: quantization.int8_einsum("bti,ihd->bthd", x, w))(x, w)
     assert [d[1] for d in _dots(jaxpr.jaxpr)] == ["int32"]
-
-
-def _dots(jaxpr):
-    """(operand dtypes, preferred_element_type) of every dot_general, sub-jaxprs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            pref = eqn.params.get("preferred_element_type")
-            found.append(
-                (tuple(str(v.aval.dtype) for v in eqn.invars), None if pref is None else str(pref))
-            )
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    found += _dots(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    found += _dots(sub)
-    return found
