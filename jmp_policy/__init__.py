@@ -35,6 +35,7 @@ from jmp_policy._src.global_state import set_global_policy as set_global_policy
 from jmp_policy._src.apply import cast_apply as cast_apply
 from jmp_policy._src.global_state import current_policy as current_policy
 from jmp_policy._src.policy_map import DTypePolicyMap as DTypePolicyMap
+from jmp_policy._src.quantization import QuantizedArray as QuantizedArray
 
 # --- serialization ---
 from jmp_policy._src.serialization import deserialize as deserialize
@@ -77,6 +78,8 @@ __all__ = [
     "DTypePolicyMap",
     "cast_apply",
     "current_policy",
+    # quantization
+    "QuantizedArray",
     # serialization
     "deserialize",
     "serialize",

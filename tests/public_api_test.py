@@ -34,6 +34,8 @@ DOCUMENTED = [
     "DTypePolicyMap",
     "cast_apply",
     "current_policy",
+    # Quantized policies
+    "QuantizedArray",
 ]
 
 FLAX_MODULES = {
@@ -57,6 +59,7 @@ POLICY_MEMBERS = [
     "with_output_dtype",
     "get_config",
     "from_config",
+    "quantize",
 ]
 
 

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src import quantization
 
 T = TypeVar("T")
 
@@ -29,8 +30,20 @@ def cast_leaf(x: Any, dtype: np.dtype) -> Any:
 
 
 def cast_tree(tree: T, dtype: np.dtype) -> T:
-    """Casts every leaf of ``tree`` by the casting rule."""
-    return jax.tree.map(lambda x: cast_leaf(x, dtype), tree)
+    """Casts every leaf of ``tree`` by the casting rule (QuantizedArrays kept whole)."""
+    return jax.tree.map(lambda x: cast_leaf(x, dtype), tree, is_leaf=quantization.is_quantized)
+
+
+def compute_leaf(x: Any, dtype: np.dtype) -> Any:
+    """One leaf to a compute dtype: a QuantizedArray dequantized, others by the rule."""
+    if quantization.is_quantized(x):
+        return x.dequantize(dtype)
+    return cast_leaf(x, dtype)
+
+
+def compute_tree(tree: T, dtype: np.dtype) -> T:
+    """Every leaf of ``tree`` to a compute dtype (:func:`compute_leaf`)."""
+    return jax.tree.map(lambda x: compute_leaf(x, dtype), tree, is_leaf=quantization.is_quantized)
 
 
 def half_dtype() -> np.dtype:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src import quantization
 
 WIDTH = 100
 _SEP = "  "
@@ -70,7 +71,9 @@ def _add_name(names: str, name: str) -> str:
 def with_leaf(row: ExplainRow, leaf: Any, compute_dtype: Any) -> ExplainRow:
     """``row`` with one more leaf counted: its dtype, its dtype in compute, its bytes.
 
-    A floating leaf computes in ``compute_dtype``; other leaves keep their dtype. Leaves
+    A floating leaf computes in ``compute_dtype``; other leaves keep their dtype; a
+    ``QuantizedArray`` is stored as its mode (``int8``, ``int4``: values and scales) and
+    computes in ``compute_dtype``. Leaves
     without ``dtype`` and ``shape`` (Python scalars, strings, ``None``) are not counted;
     ``jax.ShapeDtypeStruct`` leaves are.
 
@@ -82,6 +85,14 @@ def with_leaf(row: ExplainRow, leaf: Any, compute_dtype: Any) -> ExplainRow:
         >>> row.stored, row.compute, row.nbytes, row.compute_nbytes
         ('float32,int32', 'bfloat16,int32', 72, 40)
     """
+    if isinstance(leaf, quantization.QuantizedArray):
+        target = np.dtype(compute_dtype)
+        return row._replace(
+            stored=_add_name(row.stored, leaf.mode),
+            compute=_add_name(row.compute, target.name),
+            nbytes=row.nbytes + leaf.nbytes,
+            compute_nbytes=row.compute_nbytes + leaf.size * target.itemsize,
+        )
     if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
         return row
     stored = np.dtype(leaf.dtype)

@@ -213,10 +213,13 @@ class DTypePolicy:
     # -- casting --------------------------------------------------------------------------
 
     def cast_to_compute(self, tree: T) -> T:
-        """Casts every floating array leaf of ``tree`` to :attr:`compute_dtype`."""
+        """Casts every floating array leaf of ``tree`` to :attr:`compute_dtype`.
+
+        A :class:`~jmp_policy.QuantizedArray` is dequantized to the compute dtype.
+        """
         if self._compute_dtype is None:  # "_infer"
             return tree
-        return casting.cast_tree(tree, self._compute_dtype)
+        return casting.compute_tree(tree, self._compute_dtype)
 
     def cast_to_variable(self, tree: T) -> T:
         """Casts every floating array leaf of ``tree`` to :attr:`variable_dtype`."""
@@ -231,6 +234,27 @@ class DTypePolicy:
         if self._output_dtype is None:  # "_infer"
             return tree
         return casting.cast_tree(tree, self._output_dtype)
+
+    def quantize(self, tree: T) -> T:
+        """Quantizes ``tree``'s kernels; only int8 and int4 policies do (see
+        :meth:`QuantizedDTypePolicy.quantize <jmp_policy.QuantizedDTypePolicy.quantize>`).
+
+        Raises:
+            ValueError: always, for a float policy: it names no quantization.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jmp_policy as jp
+            >>> jp.DTypePolicy("mixed_bfloat16").quantize({"kernel": jnp.ones((4, 4))})
+            Traceback (most recent call last):
+            ...
+            ValueError: Policy 'mixed_bfloat16' does not quantize: ...
+        """
+        raise ValueError(
+            f"Policy {self.name!r} does not quantize: only int8 and int4 policies store "
+            f"quantized weights. Use QuantizedDTypePolicy('int8', {self.name!r}) or "
+            f"'int4/128_from_{self.name}'."
+        )
 
     # -- derivation -----------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.policy import DTypePolicy, global_name
+from jmp_policy._src import quantization
+from jmp_policy._src.policy import DTypePolicy, T, global_name
 
 _DEFAULT_INT4_BLOCK = 128
 
@@ -134,6 +135,38 @@ class QuantizedDTypePolicy(DTypePolicy):
     def source_policy(self) -> DTypePolicy:
         """The float policy the dtypes come from."""
         return DTypePolicy(self._source_name)
+
+    def quantize(self, tree: T) -> T:
+        """Every floating leaf of rank >= 2 of ``tree`` as a :class:`~jmp_policy.QuantizedArray`.
+
+        Symmetric abs-max: int8 with one scale per index of the last axis; int4 in blocks
+        of :attr:`block_size` rows along axis 0 (``-1``: per channel; a block size that
+        does not divide axis 0 leaves the last block shorter), values packed two per
+        byte. Biases, norm scales and other rank-1 leaves, non-floating leaves and leaves
+        already quantized are returned as they are. Works under ``jit``.
+
+        Raises:
+            ValueError: a float8 policy (float8 scales at compute time and stores no
+                quantized weights).
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jmp_policy as jp
+            >>> params = {"kernel": jnp.ones((256, 8)), "bias": jnp.zeros(8)}
+            >>> q = jp.get("int4/128_from_float32").quantize(params)
+            >>> q["kernel"]
+            QuantizedArray(int4/128, shape=(256, 8), original_dtype=float32)
+            >>> q["kernel"].values.dtype, q["kernel"].scale.shape
+            (dtype('uint8'), (2, 8))
+        """
+        if self._quantization_mode not in quantization.MODES:
+            raise ValueError(
+                f"Policy {self.name!r} does not store quantized weights: float8 scales "
+                "inputs and kernels at compute time. Only int8 and int4 policies quantize."
+            )
+        return quantization.quantize_tree(  # type: ignore[no-any-return]
+            tree, self._quantization_mode, self._block_size
+        )
 
     def _rebuild_from(self, source: DTypePolicy) -> QuantizedDTypePolicy:
         return QuantizedDTypePolicy(self._mode, source.name)

@@ -10,10 +10,11 @@ import flax.linen as nn
 import jax
 
 import jmp_policy.linen._modules as m
-from jmp_policy._src import casting, interception
+from jmp_policy._src import casting, interception, quantization
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import Options, Resolver
 from jmp_policy._src.run_report import warn_once
+from jmp_policy.linen._quantization import int8_matmuls
 
 _MAX_RETRACES = 8
 
@@ -42,7 +43,7 @@ def interceptor(
     Intercepted: every module's ``__call__``, and the root's ``root_method``. ``on_new``
     is told each module path the resolver had not met, once it is recorded.
     """
-    extensions = resolver.options.extensions
+    extensions = (*resolver.options.extensions, int8_matmuls)  # int8 layers: innermost
 
     def intercept(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
@@ -61,10 +62,15 @@ def interceptor(
     return intercept
 
 
+def _flat(params: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """Flattened with paths; a QuantizedArray is one leaf at its kernel's path."""
+    return jax.tree_util.tree_flatten_with_path(params, is_leaf=quantization.is_quantized)
+
+
 def _cast_params(params: Any, resolver: Resolver) -> Any:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    flat, treedef = _flat(params)
     leaves = [
-        casting.cast_leaf(leaf, resolver.variable(leaf_path(kp))[0].compute_dtype)
+        casting.compute_leaf(leaf, resolver.variable(leaf_path(kp))[0].compute_dtype)
         for kp, leaf in flat
     ]
     return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -72,8 +78,12 @@ def _cast_params(params: Any, resolver: Resolver) -> Any:
 
 def _decisions(params: Any, resolver: Resolver) -> dict[str, Any]:
     """The compute dtype each parameter is read in, by path."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    paths = [leaf_path(kp) for kp, leaf in flat if hasattr(leaf, "dtype")]
+    flat = _flat(params)[0]
+    paths = [
+        leaf_path(kp)
+        for kp, leaf in flat
+        if hasattr(leaf, "dtype") or quantization.is_quantized(leaf)
+    ]
     return {p: resolver.variable(p)[0].compute_dtype for p in paths}
 
 
@@ -89,11 +99,10 @@ def _restore_params(returned: Any, passed: Any, stored: Any, resolver: Resolver)
     """``mutable`` "params" back in their stored dtypes (the stored leaf when unchanged)."""
 
     def by_path(tree: Any) -> dict[str, Any]:
-        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-        return {leaf_path(key_path): leaf for key_path, leaf in flat}
+        return {leaf_path(key_path): leaf for key_path, leaf in _flat(tree)[0]}
 
     passed_leaves, stored_leaves = by_path(passed), by_path(stored)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(returned)
+    flat, treedef = _flat(returned)
     leaves = []
     for key_path, leaf in flat:
         path = leaf_path(key_path)

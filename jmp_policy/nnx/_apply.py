@@ -20,6 +20,7 @@ from jmp_policy._src.resolution import (
     check_floating,
 )
 from jmp_policy._src.run_report import warn_once
+from jmp_policy.nnx._quantization import int8_matmuls
 
 # The attributes a policy-running subclass keeps its original class and its call under.
 _ORIGINAL = "_jmp_policy_original_class"
@@ -193,7 +194,7 @@ def apply(
     check_floating(resolved)
     opts = m.options(options)
     methods = m.methods_for(model, method)
-    extensions = opts.extensions
+    extensions = (*opts.extensions, int8_matmuls)  # int8 layers: innermost
     once = (id(resolved), type(model))
 
     def run(*args: Any, **kwargs: Any) -> Any:

@@ -110,3 +110,23 @@ class NNXDepth2(nnx.Module):
 
     def __call__(self, x):
         return self.encoder(x)
+
+
+def dot_kinds(jaxpr):
+    """(operand dtypes, preferred_element_type or None) of every dot_general in a jaxpr
+    (a ``jax.extend.core.Jaxpr``), sub-jaxprs included: int8 matmuls read
+    ``(("int8", "int8"), "int32")``."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            pref = eqn.params.get("preferred_element_type")
+            found.append(
+                (tuple(str(v.aval.dtype) for v in eqn.invars), None if pref is None else str(pref))
+            )
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    found += dot_kinds(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    found += dot_kinds(sub)
+    return found

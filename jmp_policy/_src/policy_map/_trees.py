@@ -10,13 +10,14 @@ its module's (``map[module path]``, the root's included): one rule for every tre
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
-from jmp_policy._src import casting
+from jmp_policy._src import casting, quantization
 from jmp_policy._src import explain as explain_rows
 from jmp_policy._src.policy import DTypePolicy
 
@@ -29,7 +30,17 @@ _KEY_NAMES: dict[type, Callable[[Any], Any]] = {
     jax.tree_util.FlattenedIndexKey: lambda k: k.key,
 }
 
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, complex, str)
+# Leaves of every walk; a QuantizedArray is one leaf at its kernel's path.
+_ARRAY_TYPES = (
+    jax.Array,
+    np.ndarray,
+    np.generic,
+    int,
+    float,
+    complex,
+    str,
+    quantization.QuantizedArray,
+)
 
 
 def _key_name(key: Any) -> str:
@@ -75,7 +86,7 @@ def leaves(tree: Any) -> tuple[list[tuple[str, str, Any]], Any]:
     Consecutive leaves share their module's key path, so each module path is joined once,
     not once per leaf.
     """
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=quantization.is_quantized)
     out = []
     prev: tuple[Any, ...] | None = None
     module = ""
@@ -161,7 +172,8 @@ class TreeMethods:
     def cast_to_compute(self, tree: T) -> T:
         """Casts each floating leaf to its own policy's compute dtype (by path).
 
-        Works under ``jit``; gradients flow back to each leaf's stored dtype.
+        A :class:`~jmp_policy.QuantizedArray` is dequantized to it. Works under ``jit``;
+        gradients flow back to each leaf's stored dtype.
 
         Examples:
             >>> import jax.numpy as jnp
@@ -171,7 +183,7 @@ class TreeMethods:
             >>> cast["body"]["w"].dtype, cast["head"]["w"].dtype
             (dtype(bfloat16), dtype('float32'))
         """
-        return self._map_policies(tree, lambda p, x: casting.cast_leaf(x, p.compute_dtype))
+        return self._map_policies(tree, lambda p, x: casting.compute_leaf(x, p.compute_dtype))
 
     def cast_to_variable(self, tree: T) -> T:
         """Casts each floating leaf to its own policy's variable dtype (by path).
@@ -198,6 +210,68 @@ class TreeMethods:
             dtype('float16')
         """
         return self._map_policies(tree, lambda p, x: casting.cast_leaf(x, p.output_dtype))
+
+    def quantize(self, tree: T) -> T:
+        """Quantizes the kernels of the modules the map puts under int8 or int4 policies.
+
+        Every floating leaf of rank >= 2 whose policy (the key naming the variable, else
+        its module's) is int8 or int4 becomes a :class:`~jmp_policy.QuantizedArray`, as
+        :meth:`QuantizedDTypePolicy.quantize <jmp_policy.QuantizedDTypePolicy.quantize>`
+        makes it; every other leaf (biases, norms, modules under float or float8
+        policies, leaves already quantized) is returned as it is. Works under ``jit``;
+        the result runs through ``cast_apply``, ``linen.apply`` and ``nnx.apply``, which
+        dequantize each kernel to its compute dtype.
+
+        Raises:
+            ValueError: the map holds no int8 or int4 policy (quantizing would do
+                nothing, which is always a mistake).
+
+        Warns:
+            UserWarning: the map has such a policy but no kernel of ``tree`` is under
+                it (a key that matches nothing, most likely); the tree comes back as is.
+
+        Examples:
+            >>> import jax.numpy as jnp
+            >>> import jmp_policy as jp
+            >>> m = jp.DTypePolicyMap("mixed_bfloat16", {"mlp/.*": "int8_from_mixed_bfloat16"})
+            >>> params = {"mlp": {"up": {"kernel": jnp.ones((64, 8)), "bias": jnp.ones(8)}},
+            ...           "head": {"kernel": jnp.ones((8, 2))}}
+            >>> q = m.quantize(params)
+            >>> q["mlp"]["up"]["kernel"], q["head"]["kernel"].dtype
+            (QuantizedArray(int8, shape=(64, 8), original_dtype=float32), dtype('float32'))
+            >>> m.cast_to_compute(q)["mlp"]["up"]["kernel"].dtype
+            dtype(bfloat16)
+        """
+        stored = [self._policy_of(k) for k in self._stored_keys()]
+        policies = [*stored, self._policy_of(None)]
+        if not any(p.quantization_mode in quantization.MODES for p in policies):
+            names = sorted({p.name for p in policies})
+            raise ValueError(
+                f"This map holds no int8 or int4 policy (it holds {names}), so `quantize` "
+                "has nothing to do. Put the modules to quantize under a quantized policy, "
+                "such as {'mlp/.*': 'int8_from_mixed_bfloat16'} or "
+                "{'.*': 'int4/128_from_float32'}."
+            )
+        done = []
+        policy_of, variable_key = self._policy_of, self._variable_key
+
+        def leaf(module: str, name: str, x: Any) -> Any:
+            policy = policy_of(variable_key(module, name))
+            mode = policy.quantization_mode
+            if mode not in quantization.MODES or not quantization.is_quantizable(x):
+                return x
+            done.append(True)
+            return quantization.quantize(x, mode, getattr(policy, "block_size", None))
+
+        result = map_leaves(tree, leaf)
+        if not done:
+            warnings.warn(
+                "DTypePolicyMap.quantize: no floating leaf of rank >= 2 of the tree is under "
+                "an int8 or int4 policy; the tree is returned unchanged. Check the map's "
+                "keys against the tree's paths (`map.explain(tree)`).",
+                stacklevel=2,
+            )
+        return result
 
     def unused_keys(self, tree: Any) -> list[str]:
         """Keys that choose the policy of no module or variable of ``tree`` (typos).

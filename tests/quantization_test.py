@@ -1,0 +1,275 @@
+"""Quantization in the core: QuantizedArray, policy.quantize / map.quantize, the int8 matmul."""
+
+import pickle
+import warnings
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax_examples.measure import dot_kinds as _dots
+
+import jmp_policy as jp
+from jmp_policy._src import quantization
+
+INT8 = jp.QuantizedDTypePolicy("int8", "mixed_bfloat16")
+
+
+def _kernel(shape, seed=0, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, dtype)
+
+
+# -- round trips and bytes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(64, 16), (128, 4, 8), (300, 33)])
+def test_int8_round_trip_error_is_at_most_half_a_step_per_column(shape, maybe_jit):
+    x = _kernel(shape)
+    q = maybe_jit(lambda x: jp.QuantizedDTypePolicy("int8", "float32").quantize(x))(x)
+    assert q.values.dtype == jnp.int8
+    assert q.scale.dtype == jnp.float32 and q.scale.shape == (shape[-1],)
+    step = np.max(np.abs(np.asarray(x)).reshape(-1, shape[-1]), axis=0) / 127
+    np.testing.assert_allclose(np.asarray(q.scale), step, rtol=1e-6)
+    err = np.abs(np.asarray(q.dequantize()) - np.asarray(x)).reshape(-1, shape[-1]).max(axis=0)
+    assert np.all(err <= step / 2 * (1 + 1e-5))
+    assert np.all(err > 0)  # it did round something
+
+
+@pytest.mark.parametrize("block", [32, 128, -1])
+def test_int4_round_trip_error_is_bounded_per_block(block, maybe_jit):
+    x = _kernel((256, 24))
+    policy = jp.Int4DTypePolicy("int4", "float32", block_size=block)
+    q = maybe_jit(policy.quantize)(x)
+    rows = 256 if block == -1 else block
+    assert q.values.dtype == jnp.uint8 and q.values.shape == (128, 24)  # two per byte
+    assert q.scale.shape == (256 // rows, 24)
+    blocks = np.asarray(x).reshape(256 // rows, rows, 24)
+    step = np.abs(blocks).max(axis=1) / 7
+    err = np.abs(np.asarray(q.dequantize()) - np.asarray(x)).reshape(256 // rows, rows, 24)
+    assert np.all(err.max(axis=1) <= step / 2 * (1 + 1e-5))
+    rel = np.linalg.norm(np.asarray(q.dequantize()) - np.asarray(x)) / np.linalg.norm(x)
+    assert rel < 0.15  # abs-max over Gaussian rows: about 0.12 per channel
+
+
+def test_int4_values_survive_packing_exactly():
+    # Every int4 value -7..7 in both nibbles, an odd number of rows.
+    x = jnp.asarray(np.arange(-7, 8, dtype=np.float32).reshape(15, 1) * np.ones((1, 3)))
+    q = quantization.quantize(x, "int4", -1)
+    assert q.values.shape == (8, 3)
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), np.asarray(x))
+
+
+def test_int4_block_that_does_not_divide_the_axis_leaves_a_shorter_last_block():
+    x = _kernel((100, 8))
+    q = jp.get("int4/64_from_float32").quantize(x)
+    assert q.scale.shape == (2, 8)
+    last = np.abs(np.asarray(x)[64:]).max(axis=0) / 7
+    np.testing.assert_allclose(np.asarray(q.scale)[1], last, rtol=1e-6)
+    assert q.dequantize().shape == (100, 8)
+    err = np.abs(np.asarray(q.dequantize()) - np.asarray(x))[64:].max(axis=0)
+    assert np.all(err <= last / 2 * (1 + 1e-5))
+
+
+@pytest.mark.parametrize(
+    ("policy", "bound"),
+    [("int8_from_float32", 0.27), ("int4/128_from_float32", 0.16), ("int4/-1_from_float32", 0.16)],
+)
+def test_stored_bytes_of_a_kernel_against_float32(policy, bound):
+    x = _kernel((512, 256))
+    q = jp.get(policy).quantize(x)
+    assert q.nbytes == q.values.nbytes + q.scale.nbytes
+    assert q.nbytes / x.nbytes <= bound
+    assert q.nbytes / x.nbytes > bound - 0.05  # not an accounting trick
+
+
+def test_all_zero_kernel_quantizes_to_zero_with_unit_scale():
+    q = quantization.quantize(jnp.zeros((4, 3)), "int8")
+    np.testing.assert_array_equal(np.asarray(q.scale), np.ones(3))
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), np.zeros((4, 3)))
+
+
+# -- the pytree ---------------------------------------------------------------------------
+
+
+def test_quantized_array_round_trips_through_tree_map_and_jit():
+    q = jp.get("int4/32_from_bfloat16").quantize(_kernel((64, 8), dtype=jnp.bfloat16))
+    same = jax.tree.map(lambda x: x, q)
+    through_jit = jax.jit(lambda q: q)(q)
+    for other in (same, through_jit):
+        assert isinstance(other, jp.QuantizedArray)
+        assert (other.mode, other.block_size, other.shape) == ("int4", 32, (64, 8))
+        assert other.original_dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(other.values), np.asarray(q.values))
+    assert q.dequantize().dtype == jnp.bfloat16
+    assert len(jax.tree.leaves(q)) == 2  # values and scale are the children
+    assert pickle.loads(pickle.dumps(q)).shape == (64, 8)
+
+
+def test_quantized_array_given_to_jnp_says_to_dequantize():
+    q = INT8.quantize(_kernel((8, 4)))
+    with pytest.raises(TypeError, match=r"not an array: dequantize it first"):
+        jnp.dot(jnp.ones((2, 8)), q)
+    with pytest.raises(TypeError, match=r"not an array"):
+        np.asarray(q)
+
+
+# -- policy.quantize and map.quantize -----------------------------------------------------
+
+
+def test_policy_quantize_keeps_rank_one_and_integer_leaves_float(maybe_jit):
+    tree = {"kernel": _kernel((64, 8)), "bias": jnp.ones(8), "step": jnp.ones((2, 2), jnp.int32)}
+    q = maybe_jit(INT8.quantize)(tree)
+    assert isinstance(q["kernel"], jp.QuantizedArray)
+    assert q["bias"].dtype == jnp.float32 and q["step"].dtype == jnp.int32
+    assert INT8.quantize(q)["kernel"] is q["kernel"]  # already quantized: kept
+
+
+def test_float_and_float8_policies_refuse_to_quantize():
+    with pytest.raises(ValueError, match=r"Policy 'float32' does not quantize"):
+        jp.DTypePolicy("float32").quantize({"k": jnp.ones((2, 2))})
+    with pytest.raises(ValueError, match=r"float8 scales inputs and kernels at compute time"):
+        jp.get("float8_from_mixed_bfloat16").quantize({"k": jnp.ones((2, 2))})
+
+
+def _params():
+    return {
+        "embed": {"embedding": _kernel((32, 16), 1)},
+        "mlp": {"up": {"kernel": _kernel((16, 64), 2), "bias": jnp.zeros(64)}},
+        "head": {"kernel": _kernel((64, 8), 3)},
+    }
+
+
+def test_map_quantize_quantizes_only_kernels_under_int_policies(maybe_jit):
+    m = jp.DTypePolicyMap(
+        "mixed_bfloat16", {"mlp/.*": "int8_from_mixed_bfloat16", "head": "int4/32_from_float32"}
+    )
+    q = maybe_jit(m.quantize)(_params())
+    assert isinstance(q["mlp"]["up"]["kernel"], jp.QuantizedArray)
+    assert q["mlp"]["up"]["kernel"].mode == "int8"
+    assert q["head"]["kernel"].mode == "int4" and q["head"]["kernel"].block_size == 32
+    assert q["mlp"]["up"]["bias"].dtype == jnp.float32
+    assert q["embed"]["embedding"].dtype == jnp.float32
+
+
+def test_every_tree_walk_sees_a_quantized_array_at_its_kernel_path():
+    m = jp.DTypePolicyMap("float32", {"mlp/up": "int8_from_mixed_bfloat16"})
+    q = m.quantize(_params())
+    policies = m.policy_tree(q)
+    assert policies["mlp"]["up"]["kernel"] == jp.get("int8_from_mixed_bfloat16")
+    compute = m.cast_to_compute(q)
+    assert compute["mlp"]["up"]["kernel"].dtype == jnp.bfloat16
+    assert compute["mlp"]["up"]["kernel"].shape == (16, 64)
+    assert compute["head"]["kernel"].dtype == jnp.float32
+    kept = m.cast_to_variable(q)
+    assert kept["mlp"]["up"]["kernel"] is q["mlp"]["up"]["kernel"]
+    assert jp.DTypePolicy("bfloat16").cast_to_output(q)["mlp"]["up"]["kernel"].scale.dtype == (
+        jnp.float32
+    )
+    assert m.unused_keys(q) == []
+
+
+def test_policy_cast_to_compute_dequantizes_to_the_compute_dtype(maybe_jit):
+    q = INT8.quantize({"kernel": _kernel((64, 8))})
+    out = maybe_jit(INT8.cast_to_compute)(q)
+    assert out["kernel"].dtype == jnp.bfloat16
+    ref = np.asarray(q["kernel"].dequantize(jnp.float32).astype(jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(np.asarray(out["kernel"], np.float32), ref)
+
+
+def test_explain_shows_stored_bytes_and_the_saving():
+    m = jp.DTypePolicyMap("float32", {"mlp/up": "int8_from_float32"})
+    table = m.explain(m.quantize(_params()))
+    row = next(line for line in table.splitlines() if line.startswith("mlp/up"))
+    # 16*64 int8 values + 64 float32 scales + a float32 bias of 64 (1536 bytes), against
+    # 16*64*4 + 256 (4352 bytes) in compute.
+    assert row.split()[-2:] == ["1.5K", "4.2K"]
+    assert "i8" in row
+
+
+def test_quantize_with_a_map_of_no_quantized_policy_raises():
+    m = jp.DTypePolicyMap("mixed_bfloat16", {"head": "float32"})
+    with pytest.raises(ValueError, match=r"holds no int8 or int4 policy.*'int8_from_mixed_bf"):
+        m.quantize(_params())
+
+
+def test_quantize_that_matches_no_kernel_warns_and_returns_the_tree():
+    m = jp.DTypePolicyMap("float32", {"decoder/.*": "int8_from_float32"})
+    params = _params()
+    with pytest.warns(UserWarning, match=r"no floating leaf of rank >= 2.*unchanged"):
+        q = m.quantize(params)
+    assert q == params or jax.tree.all(jax.tree.map(lambda a, b: a is b, q, params))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jp.DTypePolicyMap("float32", {"head": "int8_from_float32"}).quantize(params)
+
+
+def test_quantize_rejects_bad_arguments_of_the_core_function():
+    with pytest.raises(ValueError, match=r"rank >= 2.*\(8,\)"):
+        quantization.quantize(jnp.ones(8), "int8")
+    with pytest.raises(TypeError, match=r"Only floating arrays.*int32"):
+        quantization.quantize(jnp.ones((2, 2), jnp.int32), "int8")
+    with pytest.raises(ValueError, match=r"`block_size` must be -1.*block_size=0"):
+        quantization.quantize(jnp.ones((2, 2)), "int4", 0)
+    with pytest.raises(ValueError, match=r"`mode` must be one of.*'int2'"):
+        quantization.quantize(jnp.ones((2, 2)), "int2")
+
+
+# -- the int8 matmul ----------------------------------------------------------------------
+
+_DN = (((1,), (0,)), ((), ()))
+
+
+def test_int8_dot_general_is_close_to_the_float_matmul(maybe_jit):
+    x, w = _kernel((32, 64), 1), _kernel((64, 16), 2)
+    y = maybe_jit(lambda x, w: quantization.int8_dot_general(x, w, _DN))(x, w)
+    ref = x @ w
+    assert y.dtype == jnp.float32
+    assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02
+
+
+def test_int8_dot_general_handles_batch_and_several_contracting_axes():
+    a, b = _kernel((3, 5, 4, 6), 1), _kernel((3, 6, 4, 7), 2)
+    dn = (((2, 3), (2, 1)), ((0,), (0,)))
+    y = quantization.int8_dot_general(a, b, dn)
+    ref = jax.lax.dot_general(a, b, dn)
+    assert y.shape == ref.shape == (3, 5, 7)
+    assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02
+
+
+def test_int8_dot_general_runs_on_int8_operands_with_int32_accumulation():
+    x, w = _kernel((8, 16), dtype=jnp.bfloat16), _kernel((16, 4), dtype=jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda x, w: quantization.int8_dot_general(x, w, _DN))(x, w)
+    dots = _dots(jaxpr.jaxpr)
+    assert dots == [(("int8", "int8"), "int32")]
+    assert jaxpr.out_avals[0].dtype == jnp.bfloat16
+
+
+def test_int8_dot_general_gradient_is_straight_through(maybe_jit):
+    x, w = _kernel((8, 16), 1), _kernel((16, 4), 2)
+    ct = _kernel((8, 4), 3)
+
+    def loss(dot):
+        return lambda x, w: jnp.sum(dot(x, w) * ct)
+
+    gx, gw = maybe_jit(
+        jax.grad(loss(lambda x, w: quantization.int8_dot_general(x, w, _DN)), (0, 1))
+    )(x, w)
+    rx, rw = jax.grad(loss(lambda x, w: x @ w), (0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(rx), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gw), np.asarray(rw), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_dot_general_leaves_integer_matmuls_alone():
+    a = jnp.ones((2, 3), jnp.int32)
+    out = quantization.int8_dot_general(a, a.T, _DN)
+    assert out.dtype == jnp.int32 and int(out[0, 0]) == 3
+
+
+def test_int8_einsum_matches_einsum():
+    x, w = _kernel((4, 8, 16), 1), _kernel((16, 2, 8), 2)
+    y = quantization.int8_einsum("bti,ihd->bthd", x, w)
+    ref = jnp.einsum("bti,ihd->bthd", x, w)
+    assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02
+    jaxpr = jax.make_jaxpr(lambda x, w: quantization.int8_einsum("bti,ihd->bthd", x, w))(x, w)
+    assert [d[1] for d in _dots(jaxpr.jaxpr)] == ["int32"]
