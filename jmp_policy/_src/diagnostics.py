@@ -132,7 +132,8 @@ def stats_of(leaves: list[Any], dtype: Any) -> Stats:
         for i, mask in enumerate((~finite, (a > 0) & (a < tiny), finite & (a >= near), a == 0)):
             counts[i] = counts[i] + jnp.sum(mask, dtype=jnp.int32)
         size += int(np.prod(x.shape))
-    return Stats(max_abs, *counts, jnp.asarray(size, jnp.int32))
+    non_finite, underflow, near_overflow, zeros = counts
+    return Stats(max_abs, non_finite, underflow, near_overflow, zeros, jnp.asarray(size, jnp.int32))
 
 
 class PathInfo(NamedTuple):

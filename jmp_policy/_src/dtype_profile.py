@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.extend
 import numpy as np
 
 _MATMULS = ("dot_general", "conv_general_dilated")
