@@ -173,9 +173,11 @@ def test_with_gradients_rejects_a_probe_of_another_model():
 
 
 def test_collecting_rejects_a_probe_that_is_not_a_mapping():
-    with pytest.raises(TypeError, match="`probe` must be None or a probe"):
-        with diagnostics.collecting(jnp.zeros(6)):
-            pass
+    with (
+        pytest.raises(TypeError, match="`probe` must be None or a probe"),
+        diagnostics.collecting(jnp.zeros(6)),
+    ):
+        pass
 
 
 def test_probe_naming_paths_the_run_did_not_call_is_an_error():
