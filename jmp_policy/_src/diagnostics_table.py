@@ -74,11 +74,11 @@ def format_report(report: Report, max_rows: int | None = None) -> str:
 
     The first line names the first submodule, in execution order, where a non-finite
     value appeared ("first non-finite: encoder/mlp (forward output)"), or says there was
-    none. Rows are sorted by risk: non-finite values first, then the fraction of values
-    within a factor 2 of the compute dtype's largest value (``near-max``: about to
-    overflow), then the fraction of nonzero values below its smallest normal
-    (``underflow``: precision lost, then flushed to zero; gradients without loss scaling),
-    ties in execution order. ``max|x|`` is the largest finite absolute value. Lines are
+    none. Rows are sorted by risk: those with non-finite values first, in execution order
+    (so they show how the values spread), then by the fraction of values within a factor
+    2 of the compute dtype's largest value (``near-max``: about to overflow), then by the
+    fraction of nonzero values below its smallest normal (``underflow``: precision lost,
+    then flushed to zero; gradients without loss scaling), ties in execution order. ``max|x|`` is the largest finite absolute value. Lines are
     at most 100 columns; long paths keep their end. This reads the report's values, so
     it synchronises with the device: call it outside ``jit``. A report stacked over steps
     (the output of ``scan``) is summarised over them.
@@ -119,6 +119,7 @@ def format_report(report: Report, max_rows: int | None = None) -> str:
     first = first_non_finite(report)
     lines = [f"first non-finite: {first or 'none'}"]
     rows = []
+    last = max((max(p.input_seq, p.output_seq) for p in report.paths), default=0)
     for order, info in enumerate(report.paths):
         for site in ("inputs", "outputs", "gradients"):
             stats = getattr(report, site).get(info.path)
@@ -127,12 +128,16 @@ def format_report(report: Report, max_rows: int | None = None) -> str:
             v = _host(stats)
             under = _fraction(v["underflow"], v["size"])
             near = _fraction(v["near_overflow"], v["size"])
-            risk = (v["non_finite"] > 0, near, under, v["non_finite"])
-            rows.append((risk, order, info, site, v, under, near))
-    rows.sort(key=lambda r: (tuple(-float(x) for x in r[0]), r[1]))
+            if v["non_finite"] > 0:  # in execution order: how the values spread
+                seq = {"inputs": info.input_seq, "outputs": info.output_seq}.get(site)
+                key: tuple[float, ...] = (0, 2 * last - info.output_seq if seq is None else seq)
+            else:
+                key = (1, -near, -under, order)
+            rows.append((key, info, site, v, under, near))
+    rows.sort(key=lambda r: r[0])
     lines.append(_HEADER)
     shown = rows if max_rows is None else rows[:max_rows]
-    for _, _, info, site, v, under, near in shown:
+    for _, info, site, v, under, near in shown:
         lines.append(
             f"{_short(info.path):<{_PATH_WIDTH}} {info.dtype:<8} {_WHERE[site]:<8} "
             f"{v['max_abs']:>10.3g} {int(v['non_finite']):>10d} {_percent(under):>9} "
