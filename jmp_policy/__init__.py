@@ -53,6 +53,10 @@ from jmp_policy._src.optax_wrapper import get_loss_scale as get_loss_scale
 from jmp_policy._src.optax_wrapper import loss_scaling as loss_scaling
 from jmp_policy._src.optax_wrapper import scaled_value_and_grad as scaled_value_and_grad
 
+# --- diagnostics ---
+from jmp_policy._src.diagnostics_table import format_report as format_report
+from jmp_policy._src.dtype_profile import dtype_profile as dtype_profile
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -93,6 +97,9 @@ __all__ = [
     "loss_scaling",
     "scaled_value_and_grad",
     "select_tree",
+    # diagnostics
+    "dtype_profile",
+    "format_report",
 ]
 
 _LAZY_SUBMODULES = ("linen", "nnx")

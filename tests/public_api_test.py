@@ -36,11 +36,14 @@ DOCUMENTED = [
     "current_policy",
     # Quantized policies
     "QuantizedArray",
+    # Diagnostics
+    "format_report",
+    "dtype_profile",
 ]
 
 FLAX_MODULES = {
-    "linen": ["apply", "init", "explain", "NORM_FLOAT32"],
-    "nnx": ["apply", "explain", "NORM_FLOAT32"],
+    "linen": ["apply", "init", "explain", "diagnose", "NORM_FLOAT32"],
+    "nnx": ["apply", "explain", "diagnose", "NORM_FLOAT32"],
 }
 
 POLICY_MEMBERS = [

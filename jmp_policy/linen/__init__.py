@@ -75,11 +75,12 @@ Examples:
 from __future__ import annotations
 
 from jmp_policy.linen._apply import apply as apply
+from jmp_policy.linen._diagnose import diagnose as diagnose
 from jmp_policy.linen._explain import explain as explain
 from jmp_policy.linen._init import init as init
 from jmp_policy.linen._modules import NORM_FLOAT32 as NORM_FLOAT32
 
-__all__ = ["NORM_FLOAT32", "apply", "explain", "init"]
+__all__ = ["NORM_FLOAT32", "apply", "diagnose", "explain", "init"]
 
 
 def __dir__() -> list[str]:

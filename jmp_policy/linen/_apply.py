@@ -339,6 +339,11 @@ def apply(
         dtype(bfloat16)
     """
     resolved, opts = m.prepare(module, policy_or_map, method, options)
+    return apply_with(module, resolved, opts, method)
+
+
+def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> Callable[..., Any]:
+    """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
     default_method = method
     known: dict[str, Any] = {}
     once = (id(resolved), type(module))

@@ -27,10 +27,11 @@ Examples:
 from __future__ import annotations
 
 from jmp_policy.nnx._apply import apply as apply
+from jmp_policy.nnx._diagnose import diagnose as diagnose
 from jmp_policy.nnx._explain import explain as explain
 from jmp_policy.nnx._modules import NORM_FLOAT32 as NORM_FLOAT32
 
-__all__ = ["NORM_FLOAT32", "apply", "explain"]
+__all__ = ["NORM_FLOAT32", "apply", "diagnose", "explain"]
 
 
 def __dir__() -> list[str]:

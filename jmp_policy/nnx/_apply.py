@@ -192,7 +192,13 @@ def apply(
     m.check_model(model)
     resolved = as_policy_or_map(policy_or_map)
     check_floating(resolved)
-    opts = m.options(options)
+    return apply_with(model, resolved, m.options(options), method)
+
+
+def apply_with(
+    model: nnx.Module, resolved: Any, opts: Any, method: str | Callable[..., Any]
+) -> Callable[..., Any]:
+    """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
     methods = m.methods_for(model, method)
     extensions = (*opts.extensions, int8_matmuls)  # int8 layers: innermost
     once = (id(resolved), type(model))

@@ -1,0 +1,93 @@
+"""Diagnosing an NNX model: its run function with statistics taps, returning a report."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+import jmp_policy.nnx._modules as m
+from jmp_policy._src import diagnostics
+from jmp_policy._src.resolution import as_policy_or_map, check_floating
+from jmp_policy.nnx._apply import apply_with
+
+
+def diagnose(
+    model: nnx.Module,
+    policy_or_map: Any,
+    method: str | Callable[..., Any] = "__call__",
+    **options: Any,
+) -> Callable[..., Any]:
+    """Makes a function that runs ``model`` as :func:`apply` does and also returns a report.
+
+    The NNX counterpart of :func:`jmp_policy.linen.diagnose`: the returned function takes
+    ``method``'s arguments plus a keyword ``probe`` and returns ``(outputs, report)``; the
+    report holds, per submodule path, the statistics of the floating leaves of its inputs
+    and outputs (NNX objects passed as arguments are not data, and not measured), and,
+    through the gradient with respect to ``probe``, of the cotangents reaching its outputs
+    (``report.with_gradients(probe_gradient)``). It works under ``nnx.jit``/``jax.jit``,
+    ``nnx.grad``/``jax.grad``, with no host synchronisation; submodules called inside a
+    transform of their own (``nnx.scan``, ``nnx.remat``, ``nnx.vmap``) are listed as
+    ``skipped``. :func:`apply` pays nothing: the taps exist only here; the cost of
+    diagnosing is stated in :func:`jmp_policy.linen.diagnose`.
+
+    Args:
+        model: an ``nnx.Module``; never modified except for its non-``Param`` state.
+        policy_or_map: as for :func:`apply`.
+        method: as for :func:`apply`.
+        **options: as for :func:`apply`.
+
+    Returns:
+        A function ``fn(*args, probe=None, **kwargs)`` returning ``(outputs, report)``;
+        ``fn.probe(*args, **kwargs)`` returns a zero-valued probe for that call (traced
+        with ``jax.eval_shape`` on a copy of the model: nothing runs, nothing changes).
+
+    Raises:
+        TypeError, ValueError: as :func:`apply`; ``probe`` is not a probe of this model.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jmp_policy as jp
+        >>> class Model(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.body = nnx.Linear(3, 4, rngs=rngs)
+        ...         self.head = nnx.Linear(4, 2, rngs=rngs)
+        ...     def __call__(self, x):
+        ...         return self.head(self.body(x) * 1e5)   # overflows float16
+        >>> model = Model(nnx.Rngs(0))
+        >>> out, report = jp.nnx.diagnose(model, "float16")(jnp.ones((1, 3)))
+        >>> print(jp.format_report(report).splitlines()[0])
+        first non-finite: head (forward input)
+        >>> report.paths[1].path, report.paths[1].dtype
+        ('body', 'float16')
+    """
+    m.check_model(model)
+    resolved = as_policy_or_map(policy_or_map)
+    check_floating(resolved)
+    opts = m.options(options)
+    taps = diagnostics.Taps(opaque=m.is_nnx_object)
+    opts = dataclasses.replace(opts, extensions=(taps, *opts.extensions))
+    run = apply_with(model, resolved, opts, method)
+
+    def diagnose_fn(*args: Any, probe: Any = None, **kwargs: Any) -> Any:
+        with diagnostics.collecting(probe) as collector:
+            out = run(*args, **kwargs)
+            report = collector.report()
+        return out, report
+
+    def make_probe(*args: Any, **kwargs: Any) -> dict[str, jax.Array]:
+        graphdef, state = nnx.split(model)
+
+        def shapes(state: Any) -> diagnostics.Report:
+            copy = nnx.merge(graphdef, state)
+            return diagnose(copy, resolved, method, **options)(*args, **kwargs)[1]
+
+        return jax.eval_shape(shapes, state).probe()
+
+    diagnose_fn.probe = make_probe  # type: ignore[attr-defined]
+    return diagnose_fn

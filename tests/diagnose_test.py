@@ -1,0 +1,259 @@
+"""`jmp_policy.linen.diagnose` and `jmp_policy.nnx.diagnose`: the report on real float16 models."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmp_policy as jp
+
+B, D = 8, 16
+
+
+class Block(nn.Module):
+    kernel_scale: float = 1.0
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.variance_scaling(self.kernel_scale**2, "fan_in", "normal")
+        h = nn.Dense(D, name="attn")(x)
+        return nn.Dense(D, kernel_init=init, name="mlp")(nn.relu(h)) + x
+
+
+class Encoder(nn.Module):
+    kernel_scale: float = 1.0
+
+    @nn.compact
+    def __call__(self, x):
+        x = Block(name="layers_0")(x)
+        x = Block(self.kernel_scale, name="layers_1")(x)
+        return Block(name="layers_2")(x)
+
+
+class Model(nn.Module):
+    """`encoder/layers_1/mlp` overflows float16 when `kernel_scale` is large; the `aux`
+    branch enters the output scaled by 1e-4, so its gradients underflow float16."""
+
+    kernel_scale: float = 1.0
+
+    @nn.compact
+    def __call__(self, x):
+        h = Encoder(self.kernel_scale, name="encoder")(x)
+        return nn.Dense(D, name="head")(h) + 1e-4 * nn.Dense(D, name="aux")(h)
+
+
+X = jax.random.normal(jax.random.key(1), (B, D))
+
+
+def _variables(model):
+    return model.init(jax.random.key(0), X)
+
+
+def test_overflowing_submodule_is_named_first_non_finite_forward(maybe_jit):
+    model = Model(kernel_scale=3e4)
+    variables = _variables(model)
+    plain = jp.linen.apply(model, "float16")(variables, X)
+    assert not np.isfinite(np.asarray(plain, np.float32)).all()  # the model does overflow
+    out, report = maybe_jit(jp.linen.diagnose(model, "float16"))(variables, X)
+    np.testing.assert_array_equal(out, plain)  # diagnose computes what apply computes
+    lines = jp.format_report(report).splitlines()
+    assert lines[0] == "first non-finite: encoder/layers_1/mlp (forward output)"
+    mlp = report.outputs["encoder/layers_1/mlp"]
+    assert int(mlp.non_finite) > 0
+    assert int(report.inputs["encoder/layers_1/mlp"].non_finite) == 0
+    assert int(report.outputs["encoder/layers_1/attn"].non_finite) == 0
+    # rows with non-finite values first, in execution order: where it started, then spread
+    assert [line.split()[:3] for line in lines[2:5]] == [
+        ["encoder/layers_1/mlp", "float16", "output"],
+        ["encoder/layers_1", "float16", "output"],
+        ["encoder/layers_2", "float16", "input"],
+    ]
+    assert max(len(line) for line in lines) <= 100
+
+
+def test_finite_model_reports_none_and_keeps_paths_in_execution_order(maybe_jit):
+    model = Model()
+    out, report = maybe_jit(jp.linen.diagnose(model, "mixed_float16"))(_variables(model), X)
+    assert out.dtype == jnp.float16
+    paths = [p.path for p in report.paths]
+    assert paths[:5] == [
+        "",
+        "encoder",
+        "encoder/layers_0",
+        "encoder/layers_0/attn",
+        "encoder/layers_0/mlp",
+    ]
+    assert paths[-2:] == ["head", "aux"]
+    assert {p.dtype for p in report.paths} == {"float16"}
+    assert jp.format_report(report).splitlines()[0] == "first non-finite: none"
+    assert int(report.inputs["head"].size) == B * D
+    # inputs as the module receives them: cast to its compute dtype
+    assert float(report.inputs[""].max_abs) == float(jnp.abs(X.astype(jnp.float16)).max())
+
+
+def _loss(diag, params, probe):
+    out, report = diag({"params": params}, X, probe=probe)
+    return out.astype(jnp.float32).sum() / B, report
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**10])
+def test_gradient_underflow_of_one_submodule_shows_without_loss_scaling(maybe_jit, scale):
+    model = Model()
+    variables = _variables(model)
+    diag = jp.linen.diagnose(model, "mixed_float16")
+    probe = diag.probe(variables, X)
+    grad = jp.scaled_value_and_grad(lambda p, q: _loss(diag, p, q), argnums=(0, 1), has_aux=True)
+    (_, report), (_, probe_grad) = maybe_jit(grad)(
+        jp.StaticLossScale(scale), variables["params"], probe
+    )
+    report = report.with_gradients(probe_grad)
+    aux = float(report.gradients["aux"].underflow_fraction)
+    head = float(report.gradients["head"].underflow_fraction)
+    # the cotangent reaching aux's output is 1e-4 / B (times the loss scale): float16
+    # subnormal without loss scaling, normal with it
+    if scale == 1.0:
+        assert aux == 1.0
+        assert jp.format_report(report).splitlines()[2].split()[:3] == [
+            "aux",
+            "float16",
+            "gradient",
+        ]
+    else:
+        assert aux == 0.0
+    assert head == 0.0
+    assert int(report.gradients["aux"].size) == B * D
+
+
+def test_non_finite_gradient_is_named_in_backward_order():
+    model = Model()
+    variables = _variables(model)
+    diag = jp.linen.diagnose(model, "float16")
+
+    def loss(params, probe):
+        out, report = diag({"params": params}, X, probe=probe)
+        return out.astype(jnp.float32).sum() * 1e6, report  # 1e6 overflows float16
+
+    probe_grad, report = jax.grad(loss, argnums=1, has_aux=True)(
+        variables["params"], diag.probe(variables, X)
+    )
+    report = report.with_gradients(probe_grad)
+    # the backward pass reaches the root's output first, then aux and head
+    assert (
+        jp.format_report(report).splitlines()[0] == "first non-finite: (root) (backward gradient)"
+    )
+
+
+def test_plain_apply_has_no_taps():
+    model = Model()
+    variables = _variables(model)
+    plain = jax.make_jaxpr(lambda v: jp.linen.apply(model, "mixed_float16")(v, X))(variables)
+    diagnosed = jax.make_jaxpr(lambda v: jp.linen.diagnose(model, "mixed_float16")(v, X))(variables)
+    assert "custom_vjp" not in str(plain) and "is_finite" not in str(plain)
+    assert "is_finite" in str(diagnosed)
+
+
+def test_linen_diagnose_keeps_apply_keywords_and_checks_arguments():
+    model = nn.Sequential([nn.Dense(4), nn.BatchNorm(use_running_average=False)])
+    variables = model.init(jax.random.key(0), X)
+    (_, state), report = jp.linen.diagnose(model, "mixed_float16")(
+        variables, X, mutable=["batch_stats"]
+    )
+    assert state["batch_stats"]["layers_1"]["mean"].dtype == jnp.float32
+    assert [p.path for p in report.paths] == ["", "layers_0", "layers_1"]
+    with pytest.raises(TypeError, match=r"`module` must be a flax\.linen Module"):
+        jp.linen.diagnose(lambda x: x, "float16")
+    with pytest.raises(TypeError, match="`probe` must be None or a probe"):
+        jp.linen.diagnose(Model(), "float16")(_variables(Model()), X, probe=jnp.zeros(6))
+
+
+def test_linen_scan_body_is_listed_as_skipped():
+    class Cell(nn.Module):
+        @nn.compact
+        def __call__(self, c, x):
+            return nn.Dense(D, name="dense")(c) + x, None
+
+    class Scanned(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(Cell, variable_broadcast="params", split_rngs={"params": False})
+            c, _ = scan(name="cell")(x, jnp.ones((3, *x.shape), x.dtype))
+            return nn.Dense(2, name="head")(c)
+
+    model = Scanned()
+    variables = model.init(jax.random.key(0), X)
+    _, report = jp.linen.diagnose(model, "mixed_float16")(variables, X)
+    assert "cell/dense" in report.skipped
+    assert "head" in report.outputs
+    assert "cell/dense" in jp.format_report(report).splitlines()[-1]
+
+
+class NnxModel(nnx.Module):
+    def __init__(self, kernel_scale, rngs):
+        self.body = nnx.Linear(D, D, rngs=rngs)
+        self.mlp = nnx.Linear(D, D, rngs=rngs)
+        self.mlp.kernel.set_value(self.mlp.kernel.get_value() * kernel_scale)
+        self.head = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(self.mlp(nnx.relu(self.body(x))))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_nnx_report_names_the_overflowing_submodule(jit):
+    model = NnxModel(3e4, nnx.Rngs(0))
+
+    def run(model, x):
+        return jp.nnx.diagnose(model, "float16")(x)
+
+    _, report = (nnx.jit(run) if jit else run)(model, X)
+    assert jp.format_report(report).splitlines()[0] == "first non-finite: mlp (forward output)"
+    assert [p.path for p in report.paths] == ["", "body", "mlp", "head"]
+    assert int(report.outputs["body"].non_finite) == 0
+    assert model.mlp.kernel.get_value().dtype == jnp.float32  # the model is unchanged
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_nnx_gradient_statistics_through_the_probe(jit):
+    model = NnxModel(1.0, nnx.Rngs(0))
+    diag = jp.nnx.diagnose(model, "mixed_float16")
+    probe = diag.probe(X)
+    assert {k: v.shape for k, v in probe.items()} == {
+        "": (1, 6), "body": (1, 6), "mlp": (1, 6), "head": (1, 6)
+    }  # fmt: skip
+
+    def loss(model, probe):
+        out, report = jp.nnx.diagnose(model, "mixed_float16")(X, probe=probe)
+        return out.astype(jnp.float32).sum() * 1e-6, report
+
+    grad = nnx.grad(loss, argnums=(0, 1), has_aux=True)
+    (grads, probe_grad), report = (nnx.jit(grad) if jit else grad)(model, probe)
+    report = report.with_gradients(probe_grad)
+    assert float(report.gradients["head"].underflow_fraction) == 1.0  # 1e-6 in float16
+    assert grads.head.kernel.get_value().dtype == jnp.float32
+    assert "gradient" in jp.format_report(report)
+
+
+def test_nnx_diagnose_checks_its_model():
+    with pytest.raises(TypeError, match=r"`model` must be an `nnx\.Module`"):
+        jp.nnx.diagnose(object(), "float16")
+
+
+def test_diagnose_under_scan_of_training_steps():
+    model = Model()
+    variables = _variables(model)
+    diag = jp.linen.diagnose(model, "mixed_float16")
+
+    def step(carry, x):
+        _, report = diag(variables, x)
+        return carry, report
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, reports = jax.lax.scan(step, 0, jnp.stack([X, X * 1e5, X]))
+    assert reports.outputs["head"].non_finite.shape == (3,)
+    assert int(reports.outputs["head"].non_finite[1]) > 0
+    assert jp.format_report(reports).splitlines()[0].startswith("first non-finite: ")

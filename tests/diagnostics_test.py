@@ -1,0 +1,225 @@
+"""Diagnostics core (no flax): statistics, the report pytree, the taps in the hook, the table."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_policy as jp
+from jmp_policy._src import diagnostics, interception
+from jmp_policy._src.diagnostics import Report, Stats, stats_of
+from jmp_policy._src.resolution import Options, Resolver
+
+F16_TINY = float(jnp.finfo(jnp.float16).tiny)  # 6.1e-05
+F16_MAX = float(jnp.finfo(jnp.float16).max)  # 65504
+
+
+def _values(stats):
+    return {f.name: np.asarray(getattr(stats, f.name)).item() for f in dataclasses.fields(stats)}
+
+
+def test_stats_count_each_kind_of_value(maybe_jit):
+    x = jnp.array([0.0, 1e-6, -3e-5, 1.0, -40000.0, jnp.inf, jnp.nan, 2.0], jnp.float32)
+    y = jnp.array([[0.5, 60000.0]], jnp.float16)
+    stats = maybe_jit(lambda a, b: stats_of([a, b], "float16"))(x, y)
+    assert _values(stats) == {
+        "max_abs": 60000.0,  # the largest finite value, inf and nan aside
+        "non_finite": 2,
+        "underflow": 2,  # 1e-6 and 3e-5: nonzero, below float16's smallest normal
+        "near_overflow": 2,  # 40000 and 60000 are within a factor 2 of 65504
+        "zeros": 1,
+        "size": 10,
+    }
+    assert stats.underflow_fraction == pytest.approx(0.2)
+    assert stats.near_overflow_fraction == pytest.approx(0.2)
+
+
+def test_stats_thresholds_follow_the_compute_dtype():
+    x = jnp.array([1e-6, 40000.0], jnp.float32)
+    assert _values(stats_of([x], "float32"))["underflow"] == 0
+    assert _values(stats_of([x], "float32"))["near_overflow"] == 0
+    assert _values(stats_of([x], "bfloat16"))["underflow"] == 0  # bf16 tiny is 1.2e-38
+    assert _values(stats_of([x], "float16"))["underflow"] == 1
+
+
+def test_stats_of_nothing_are_zero():
+    assert _values(stats_of([], "float16")) == dict.fromkeys(
+        ["max_abs", "non_finite", "underflow", "near_overflow", "zeros", "size"], 0
+    )
+
+
+def test_stats_row_round_trip_and_merge():
+    a = stats_of([jnp.array([1.0, jnp.inf])], "float16")
+    b = stats_of([jnp.array([3.0, 1e-6, 0.0])], "float16")
+    assert _values(Stats.from_row(a.row())) == _values(a)
+    assert _values(a.merge(b)) == {
+        "max_abs": 3.0,
+        "non_finite": 1,
+        "underflow": 1,
+        "near_overflow": 0,
+        "zeros": 1,
+        "size": 5,
+    }
+
+
+def _policy(name):
+    return jp.get_policy(name)
+
+
+def _run_model(x, probe=None, scale=1.0):
+    """A plain-function 'model' run through the hook: root -> "body" -> "head"."""
+    options = Options(extensions=(diagnostics.Taps(),))
+    resolver = Resolver(_policy("float16"), options)
+
+    def call(path, fn, *args):
+        c = interception.Call(path, None, resolver.module(path))
+        return interception.run(c, fn, args, {}, extensions=options.extensions)
+
+    def head(v):  # times `scale`, in float16, in two steps that each stay finite
+        s = (jnp.asarray(scale, jnp.float32) ** 0.5).astype(v.dtype)
+        return v * s * s
+
+    def root(x):
+        h = call("body", lambda v: v * 2.0, x)
+        return call("head", head, h)
+
+    with diagnostics.collecting(probe) as collector:
+        out = call("", root, x)
+        report = collector.report()
+    return out, report
+
+
+def test_taps_record_paths_in_execution_order_with_their_dtype(maybe_jit):
+    out, report = maybe_jit(_run_model)(jnp.ones((2, 3), jnp.float32))
+    assert out.dtype == jnp.float16
+    assert [(p.path, p.dtype, p.calls) for p in report.paths] == [
+        ("", "float16", 1),
+        ("body", "float16", 1),
+        ("head", "float16", 1),
+    ]
+    seqs = {p.path: (p.input_seq, p.output_seq) for p in report.paths}
+    assert seqs == {"": (0, 5), "body": (1, 2), "head": (3, 4)}
+    assert float(report.outputs["head"].max_abs) == 2.0
+    assert int(report.inputs["body"].size) == 6
+    assert report.gradients == {}
+
+
+def test_taps_do_nothing_outside_a_diagnose_run():
+    taps = diagnostics.Taps()
+    resolver = Resolver(_policy("float16"), Options(extensions=(taps,)))
+    c = interception.Call("a", None, resolver.module("a"))
+    out = interception.run(c, lambda v: v + 1, (jnp.ones(2),), {}, extensions=(taps,))
+    assert out.tolist() == [2.0, 2.0]
+
+
+def test_first_non_finite_is_the_first_in_execution_order(maybe_jit):
+    _, report = maybe_jit(lambda x: _run_model(x, scale=1e5))(jnp.ones((2, 3)))
+    text = jp.format_report(report)
+    assert text.splitlines()[0] == "first non-finite: head (forward output)"
+    # the root's output is non-finite too, but later in execution order
+    assert int(report.outputs[""].non_finite) == 6
+
+
+def test_backward_statistics_come_back_through_the_probe_gradient(maybe_jit):
+    x = jnp.ones((2, 3), jnp.float32)
+    _, report = _run_model(x)
+    probe = report.probe()
+    assert {k: v.shape for k, v in probe.items()} == {"": (1, 6), "body": (1, 6), "head": (1, 6)}
+
+    def loss(x, probe):
+        out, report = _run_model(x, probe)
+        return out.astype(jnp.float32).sum() * 1e-6, report
+
+    grad = maybe_jit(jax.grad(loss, argnums=1, has_aux=True))
+    probe_grad, report = grad(x, probe)
+    report = report.with_gradients(probe_grad)
+    # 1e-6 reaches every output in float16: nonzero, below its smallest normal
+    for path in ("", "body", "head"):
+        assert _values(report.gradients[path])["underflow"] == 6
+        assert float(report.gradients[path].underflow_fraction) == 1.0
+    assert "head" in jp.format_report(report)
+
+
+def test_report_is_a_pytree_that_keeps_its_metadata():
+    _, report = _run_model(jnp.ones((2, 3)))
+    copy = jax.tree.map(lambda v: v, report)
+    jitted = jax.jit(lambda r: r)(report)
+    for other in (copy, jitted):
+        assert other.paths == report.paths
+        assert other.skipped == report.skipped
+        assert _values(other.outputs["head"]) == _values(report.outputs["head"])
+
+
+def test_report_stacked_by_scan_is_summarised():
+    def step(carry, scale):
+        _, report = _run_model(jnp.ones((2, 3)), scale=scale)
+        return carry, report
+
+    _, reports = jax.lax.scan(step, 0, jnp.array([1.0, 1e5, 1.0]))
+    assert reports.outputs["head"].non_finite.tolist() == [0, 6, 0]
+    assert jp.format_report(reports).splitlines()[0] == "first non-finite: head (forward output)"
+
+
+def test_with_gradients_rejects_a_probe_of_another_model():
+    _, report = _run_model(jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"does not know: \['other'\]"):
+        report.with_gradients({"other": jnp.zeros((1, 6))})
+    with pytest.raises(ValueError, match=r"has shape \(2, 6\); expected \(1, 6\)"):
+        report.with_gradients({"head": jnp.zeros((2, 6))})
+    with pytest.raises(TypeError, match="must be the gradient with respect to a probe"):
+        report.with_gradients(jnp.zeros(3))
+
+
+def test_collecting_rejects_a_probe_that_is_not_a_mapping():
+    with (
+        pytest.raises(TypeError, match="`probe` must be None or a probe"),
+        diagnostics.collecting(jnp.zeros(6)),
+    ):
+        pass
+
+
+def test_probe_naming_paths_the_run_did_not_call_is_an_error():
+    with pytest.raises(ValueError, match=r"did not call: \['gone'\]"):
+        _run_model(jnp.ones(2), probe={"gone": jnp.zeros((1, 6))})
+
+
+def test_format_report_sorts_by_risk_within_100_columns():
+    long = "encoder/" + "very_long_block_name/" * 4 + "mlp"
+    inputs = {
+        "": stats_of([jnp.ones(4)], "float16"),
+        long: stats_of([jnp.array([1e-6, 1.0])], "float16"),
+        "head": stats_of([jnp.array([50000.0, 1.0])], "float16"),
+    }
+    report = Report(
+        inputs=inputs,
+        outputs={},
+        gradients={"head": stats_of([jnp.array([jnp.nan])], "float16")},
+        paths=tuple(diagnostics.PathInfo(p, "float16", 1, i, i + 10) for i, p in enumerate(inputs)),
+        skipped=("encoder/scan",),
+    )
+    lines = jp.format_report(report).splitlines()
+    assert lines[0] == "first non-finite: head (backward gradient)"
+    assert lines[1].split() == [
+        "path", "dtype", "where", "max|x|", "non-finite", "underflow", "near-max"
+    ]  # fmt: skip
+    assert lines[2].split()[:3] == ["head", "float16", "gradient"]  # non-finite first
+    assert lines[3].split()[:3] == ["head", "float16", "input"]  # then near-overflow
+    assert lines[3].split()[-1] == "50.00%"
+    assert lines[4].startswith("...") and lines[4].split()[-2] == "50.00%"  # underflow
+    assert lines[5].split()[0] == "(root)"
+    assert lines[6:] == [
+        "not collected (called inside a transform of their own):",
+        "  encoder/scan",
+    ]
+    assert max(len(line) for line in lines) <= 100
+    assert jp.format_report(report, max_rows=1).splitlines()[-3] == "... 3 more row(s)"
+
+
+def test_format_report_rejects_other_values():
+    with pytest.raises(TypeError, match="must be the report of a `diagnose` function"):
+        jp.format_report({"head": 1})
+    _, report = _run_model(jnp.ones(2))
+    with pytest.raises(TypeError, match="`max_rows` must be None or an int"):
+        jp.format_report(report, max_rows="5")
