@@ -27,3 +27,27 @@ def test_notebook_executes_without_errors(path):
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "loss" in text
+
+
+def _cells_with_outputs(notebook):
+    return [
+        i
+        for i, cell in enumerate(notebook.cells)
+        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)
+    ]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_is_stored_without_outputs(path):
+    dirty = _cells_with_outputs(nbformat.read(path, as_version=4))
+    assert not dirty, f"{path.name}: cells {dirty} have outputs or execution counts; strip them"
+
+
+def test_output_check_finds_outputs_and_execution_counts():
+    notebook = nbformat.v4.new_notebook()
+    counted = nbformat.v4.new_code_cell("x = 1", execution_count=1)
+    printed = nbformat.v4.new_code_cell("print('loss')")
+    printed.outputs = [nbformat.v4.new_output("stream", text="loss\n")]
+    notebook.cells = [nbformat.v4.new_markdown_cell("# t"), counted, printed]
+    notebook.cells.append(nbformat.v4.new_code_cell("y = 2"))
+    assert _cells_with_outputs(notebook) == [1, 2]

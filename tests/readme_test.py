@@ -54,3 +54,21 @@ def test_names_table_has_a_row_per_peer_and_the_kept_differences():
 
 def test_good_to_know_says_the_global_policy_is_read_at_trace_time():
     assert "a jitted function keeps the policy it was traced under" in _section("Good to know")
+
+
+def test_newcomer_section_runs_train_and_links_existing_colabs_and_benchmarks():
+    section = _section("Two commands for a newcomer")
+    assert 'pip install -e ".[examples]" && python examples/train.py' in section
+    links = re.findall(r"\]\(([^)]+)\)", section)
+    assert any(link.startswith("colabs/") for link in links)
+    assert "benchmarks/run_all.py" in links
+    missing = [link for link in links if not (README.parent / link).is_file()]
+    assert not missing, missing
+    colabs = {p.name for p in (README.parent / "colabs").glob("*.ipynb")}
+    assert colabs == {pathlib.PurePath(link).name for link in links if link.startswith("colabs/")}
+
+
+def test_peer_table_has_a_column_per_peer():
+    header = _section("Against the peers").splitlines()[2]
+    for peer in ["Keras 3", "tf.keras", "jmp", "Haiku", "Flax `dtype=`", "optax", "PyTorch AMP"]:
+        assert f"| {peer} |" in header, peer
