@@ -11,6 +11,8 @@ do not depend on the machine's load.
 * loss scaling (``loss_scaling_bench``'s tree): ``jp.loss_scaling(adam)`` against plain adam,
   a jmp-style hand-written loop and ``optax.apply_if_finite(adam)``: bytes accessed and
   update time;
+* quantization: stored parameter bytes and output error of int8 and int4 weights
+  against float32 (an MLP);
 * policy maps (``policy_map_bench``): resolving a whole tree with 200 regex keys, against
   Keras's ``DTypePolicyMap`` doing the module lookups (when Keras is installed; not in
   ``--quick``, where the whole tree is compared with our module lookups alone).
@@ -89,7 +91,41 @@ def linen_rows(quick: bool) -> list[Row]:
             med(ours["traces"]) / med(hand["traces"]),
         ),
         ("linen", "activation bytes", "mixed_bfloat16", "float32", ours["temp"] / f32["temp"]),
+        ("linen", "step time", "mixed_bfloat16", "float32", med(ours["times"]) / med(f32["times"])),
     ]
+
+
+def quantization_rows(quick: bool) -> list[Row]:
+    """Stored bytes and output error of int8 / int4 weights against float32 (an MLP)."""
+    import flax.linen as nn
+
+    width = 64 if quick else 512
+    mlp = nn.Sequential([nn.Dense(width), nn.relu, nn.Dense(width), nn.relu, nn.Dense(width)])
+    x = jax.random.normal(jax.random.key(0), (8, width))
+    params = mlp.init(jax.random.key(1), x)["params"]
+    reference = mlp.apply({"params": params}, x)
+
+    def nbytes(tree: Any) -> int:
+        leaves = jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, jp.QuantizedArray))
+        return sum(int(v.nbytes) for v in leaves)
+
+    rows: list[Row] = []
+    for mode in ("int8", "int4/32"):
+        policy_map = jp.DTypePolicyMap("float32", {".*": f"{mode}_from_float32"})
+        quantized = policy_map.quantize(params)
+        out = jp.linen.apply(mlp, "float32")({"params": quantized}, x)
+        error = float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
+        rows.append(
+            (
+                "quantization",
+                f"parameter bytes, {mode}",
+                mode,
+                "float32",
+                nbytes(quantized) / nbytes(params),
+            )
+        )
+        rows.append(("quantization", f"output rel. error, {mode}", mode, "float32", error))
+    return rows
 
 
 def _bytes(exe: Any) -> float:
@@ -212,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         f"jax {jax.__version__} on {device.device_kind} ({os.cpu_count()} cores), "
         f"{'quick' if args.quick else 'full'} sizes; ratio = ours / against (< 1: ours less)"
     )
-    rows = linen_rows(args.quick) + loss_scaling_rows(args.quick) + policy_map_rows(args.quick)
+    rows = linen_rows(args.quick) + loss_scaling_rows(args.quick)
+    rows += policy_map_rows(args.quick) + quantization_rows(args.quick)
     print(format_table(rows))
 
 
