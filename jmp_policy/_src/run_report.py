@@ -17,11 +17,10 @@ from jmp_policy._src.explain import ExplainRow, with_leaf
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import Resolver
 
-_WARNED: set[tuple[Any, ...]] = set()
 
-
-def warn_once(resolver: Resolver, model: str, once: Any) -> None:
-    """Warns (once per ``once`` key) when the run quietly turned the user's request off.
+def warn_once(resolver: Resolver, model: str, warned: set[str]) -> None:
+    """Warns (once per wrapper: ``warned`` holds what it has said) when a run quietly
+    turned the user's request off.
 
     Two cases: modules' own ``dtype`` attributes overriding the policy for most of the
     model (the way out: ``module_dtype="override"``), and keys of the map that chose no
@@ -29,8 +28,8 @@ def warn_once(resolver: Resolver, model: str, once: Any) -> None:
     """
     overridden = resolver.overridden()
     total = len(resolver.infos)
-    if overridden and 2 * len(overridden) >= total and (once, "dtype") not in _WARNED:
-        _WARNED.add((once, "dtype"))
+    if overridden and 2 * len(overridden) >= total and "dtype" not in warned:
+        warned.add("dtype")
         asked = sorted({resolver.module(p).resolved.compute_dtype.name for p in overridden})
         own = sorted({str(resolver.module(p).own_dtype) for p in overridden})
         warnings.warn(
@@ -43,8 +42,8 @@ def warn_once(resolver: Resolver, model: str, once: Any) -> None:
             stacklevel=4,
         )
     unused = resolver.unused_keys()
-    if unused and (once, "keys") not in _WARNED:
-        _WARNED.add((once, "keys"))
+    if unused and "keys" not in warned:
+        warned.add("keys")
         warnings.warn(
             f"Keys of the DTypePolicyMap resolve no module or variable of {model}: "
             f"{unused}. Check them for typos; `DTypePolicyMap.unused_keys(params)` lists "

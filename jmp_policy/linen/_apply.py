@@ -346,10 +346,10 @@ def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> 
     """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
     default_method = method
     known: dict[str, Any] = {}
-    once = (id(resolved), type(module))
+    warned: set[str] = set()  # what this wrapper has warned about
 
     def report(resolver: Resolver) -> None:
-        warn_once(resolver, type(module).__name__, once)
+        warn_once(resolver, type(module).__name__, warned)
 
     def apply_fn(
         variables: Mapping[str, Any],
@@ -378,7 +378,7 @@ def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> 
         result, resolver, cast_variables = run_traced(
             module, resolved, opts, known, variables, call, method, report
         )
-        warn_once(resolver, type(module).__name__, once)
+        warn_once(resolver, type(module).__name__, warned)
         if mutable is not False or capture_intermediates:
             out, state = result
             if isinstance(state, Mapping) and "params" in state and "params" in variables:

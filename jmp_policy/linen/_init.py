@@ -65,7 +65,7 @@ def init(
     """
     resolved, opts = m.prepare(module, policy_or_map, method, options)
     default_method = method
-    once = (id(resolved), type(module))
+    warned: set[str] = set()  # what this wrapper has warned about
 
     def init_fn(
         rngs: Any,
@@ -94,7 +94,7 @@ def init(
             )
         known = dict(first.infos)
         if "params" not in created:
-            warn_once(first, type(module).__name__, once)
+            warn_once(first, type(module).__name__, warned)
             return created
         params = created["params"]
 
@@ -128,7 +128,7 @@ def init(
         for name, collection in state.items():
             if name != "params" and in_filter(mutable, name):
                 variables[name] = collection
-        warn_once(resolver, type(module).__name__, once)
+        warn_once(resolver, type(module).__name__, warned)
         return variables
 
     return init_fn

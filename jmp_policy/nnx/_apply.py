@@ -201,7 +201,7 @@ def apply_with(
     """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
     methods = m.methods_for(model, method)
     extensions = (*opts.extensions, int8_matmuls)  # int8 layers: innermost
-    once = (id(resolved), type(model))
+    warned: set[str] = set()  # what this wrapper has warned about
 
     def run(*args: Any, **kwargs: Any) -> Any:
         resolver = resolver_for(model, resolved, opts)
@@ -236,7 +236,7 @@ def apply_with(
 
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
-        warn_once(resolver, type(model).__name__, once)
+        warn_once(resolver, type(model).__name__, warned)
         with interception.model_run(opts):
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
