@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from flax_examples import seq2seq_models
+from flax_examples.measure import dot_dtypes
 
 import jmp_policy as jp
 
@@ -354,25 +355,6 @@ class ScanMLP(nnx.Module):
         return x
 
 
-def dot_operand_dtypes(jaxpr):
-    """The operand dtypes of every dot_general in a jaxpr, sub-jaxprs included."""
-    found = []
-
-    def walk(j):
-        for eqn in j.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
-
-    walk(jaxpr.jaxpr)
-    return found
-
-
 @pytest.mark.parametrize(
     ("root", "layers", "dot"),
     [("float32", "mixed_bfloat16", "bfloat16"), ("mixed_bfloat16", "float32", "float32")],
@@ -396,4 +378,4 @@ def test_nnx_scan_over_layers_under_a_map_giving_layers_another_policy(root, lay
     def pure(state, x):
         return jp.nnx.apply(nnx.merge(graphdef, state), policy_map)(x)
 
-    assert dot_operand_dtypes(jax.make_jaxpr(pure)(state, x)) == [(dot, dot)]
+    assert dot_dtypes(pure, state, x) == [(dot, dot)]

@@ -30,23 +30,24 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def dot_equations(jaxpr):
+    """Every dot_general equation of a jaxpr (a ``jax.extend.core.Jaxpr``), sub-jaxprs
+    (scan, while, cond, custom_vjp) included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from dot_equations(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from dot_equations(sub)
+
+
 def dot_dtypes(fn, *args, **kwargs):
     """Operand dtypes of every dot_general `fn` traces to, sub-jaxprs (scan, while) included."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        walk(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args).jaxpr)
-    return found
+    jaxpr = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args).jaxpr
+    return [tuple(str(v.aval.dtype) for v in eqn.invars) for eqn in dot_equations(jaxpr)]
 
 
 def count(pairs):
@@ -117,16 +118,9 @@ def dot_kinds(jaxpr):
     (a ``jax.extend.core.Jaxpr``), sub-jaxprs included: int8 matmuls read
     ``(("int8", "int8"), "int32")``."""
     found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            pref = eqn.params.get("preferred_element_type")
-            found.append(
-                (tuple(str(v.aval.dtype) for v in eqn.invars), None if pref is None else str(pref))
-            )
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    found += dot_kinds(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    found += dot_kinds(sub)
+    for eqn in dot_equations(jaxpr):
+        pref = eqn.params.get("preferred_element_type")
+        found.append(
+            (tuple(str(v.aval.dtype) for v in eqn.invars), None if pref is None else str(pref))
+        )
     return found
