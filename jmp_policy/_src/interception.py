@@ -161,14 +161,62 @@ def _link(ext: Extension, call: Call, next_fn: Callable[..., Any]) -> Callable[.
 
 # -- the loop-carry rule ------------------------------------------------------------------
 
-_LOCK = threading.Lock()
-_ACTIVE = 0
-_ORIGINALS: dict[str, Any] = {}
-_DEPTH = threading.local()
+
+@contextlib.contextmanager
+def attribute_set(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """``obj.name`` is ``value`` inside the block (frozen Flax modules included)."""
+    old = getattr(obj, name)
+    object.__setattr__(obj, name, value)
+    try:
+        yield
+    finally:
+        object.__setattr__(obj, name, old)
+
+
+class ThreadPatch:
+    """Replaces functions of a module (``jax.lax.scan``, ``jnp.einsum``) while any thread
+    is inside :meth:`active`, and restores them when the last one leaves. A replacement
+    made by ``wrappers[name](original)`` must act only when :meth:`inside` is true and
+    pass through otherwise, so threads outside the block see the original behaviour.
+    """
+
+    def __init__(
+        self, target: Any, wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]
+    ):
+        self._target = target
+        self._wrappers = wrappers
+        self._lock = threading.Lock()
+        self._active = 0
+        self._originals: dict[str, Any] = {}
+        self._depth = threading.local()
+
+    def inside(self) -> bool:
+        """Whether this thread is inside :meth:`active`."""
+        return getattr(self._depth, "value", 0) > 0
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with self._lock:
+            if self._active == 0:
+                for name, wrap in self._wrappers.items():
+                    self._originals[name] = getattr(self._target, name)
+                    setattr(self._target, name, wrap(self._originals[name]))
+            self._active += 1
+        self._depth.value = getattr(self._depth, "value", 0) + 1
+        try:
+            yield
+        finally:
+            self._depth.value -= 1
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    for name, original in self._originals.items():
+                        setattr(self._target, name, original)
+                    self._originals.clear()
 
 
 def _in_scope() -> bool:
-    return getattr(_DEPTH, "value", 0) > 0
+    return _LOOPS.inside()
 
 
 def _like(new: Any, old: Any) -> Any:
@@ -240,7 +288,7 @@ def _fori_loop(original: Callable[..., Any]) -> Callable[..., Any]:
     return fori_loop
 
 
-_WRAPPERS = {"scan": _scan, "while_loop": _while_loop, "fori_loop": _fori_loop}
+_LOOPS = ThreadPatch(jax.lax, {"scan": _scan, "while_loop": _while_loop, "fori_loop": _fori_loop})
 
 
 @contextlib.contextmanager
@@ -265,21 +313,5 @@ def loop_carries() -> Iterator[None]:
     inside such a block and restored when the last one leaves; the wrappers act only in
     the threads that are inside one, and pass through elsewhere.
     """
-    global _ACTIVE
-    with _LOCK:
-        if _ACTIVE == 0:
-            for name, wrap in _WRAPPERS.items():
-                _ORIGINALS[name] = getattr(jax.lax, name)
-                setattr(jax.lax, name, wrap(_ORIGINALS[name]))
-        _ACTIVE += 1
-    _DEPTH.value = getattr(_DEPTH, "value", 0) + 1
-    try:
+    with _LOOPS.active():
         yield
-    finally:
-        _DEPTH.value -= 1
-        with _LOCK:
-            _ACTIVE -= 1
-            if _ACTIVE == 0:
-                for name, original in _ORIGINALS.items():
-                    setattr(jax.lax, name, original)
-                _ORIGINALS.clear()

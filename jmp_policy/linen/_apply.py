@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -17,20 +17,6 @@ from jmp_policy._src.run_report import warn_once
 from jmp_policy.linen._quantization import int8_matmuls
 
 _MAX_RETRACES = 8
-
-
-@contextlib.contextmanager
-def _dtype_set(module: nn.Module, dtype: Any) -> Iterator[None]:
-    """``module_dtype="override"``: the module's own ``dtype`` is the policy's for a call."""
-    if dtype is None:
-        yield
-        return
-    old = module.dtype  # type: ignore[attr-defined]
-    object.__setattr__(module, "dtype", dtype)
-    try:
-        yield
-    finally:
-        object.__setattr__(module, "dtype", old)
 
 
 def interceptor(
@@ -56,7 +42,11 @@ def interceptor(
         if new:
             on_new(path)  # type: ignore[misc]
         call = interception.Call(path, module, resolution)
-        with _dtype_set(module, resolution.set_dtype):
+        with (
+            contextlib.nullcontext()
+            if resolution.set_dtype is None  # module_dtype="override" gives the policy's
+            else interception.attribute_set(module, "dtype", resolution.set_dtype)
+        ):
             return interception.run(call, next_fun, args, kwargs, extensions=extensions)
 
     return intercept

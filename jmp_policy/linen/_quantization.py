@@ -12,56 +12,26 @@ thread's calls to the original), restored when the last such call ends.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jmp_policy._src import quantization
-
-_LOCK = threading.Lock()
-_ACTIVE = 0
-_ORIGINAL: list[Callable[..., Any]] = []
-_DEPTH = threading.local()
+from jmp_policy._src import interception, quantization
 
 
-@contextlib.contextmanager
-def _attribute(module: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(module, name)
-    object.__setattr__(module, name, value)
-    try:
-        yield
-    finally:
-        object.__setattr__(module, name, old)
+def _einsum(original: Callable[..., Any]) -> Callable[..., Any]:
+    def einsum(*args: Any, **kwargs: Any) -> Any:
+        if _EINSUM.inside():
+            return quantization.int8_einsum(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    return einsum
 
 
-def _einsum(*args: Any, **kwargs: Any) -> Any:
-    if getattr(_DEPTH, "value", 0) > 0:
-        return quantization.int8_einsum(*args, **kwargs)
-    return _ORIGINAL[0](*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _int8_einsum() -> Iterator[None]:
-    """This thread's ``jnp.einsum`` calls are int8 inside the block."""
-    global _ACTIVE
-    with _LOCK:
-        if _ACTIVE == 0:
-            _ORIGINAL[:] = [jnp.einsum]
-            jnp.einsum = _einsum
-        _ACTIVE += 1
-    _DEPTH.value = getattr(_DEPTH, "value", 0) + 1
-    try:
-        yield
-    finally:
-        _DEPTH.value -= 1
-        with _LOCK:
-            _ACTIVE -= 1
-            if _ACTIVE == 0:
-                jnp.einsum = _ORIGINAL.pop()
+# This thread's `jnp.einsum` calls are int8 while `_EINSUM.active()`.
+_EINSUM = interception.ThreadPatch(jnp, {"einsum": _einsum})
 
 
 def int8_matmuls(
@@ -74,9 +44,9 @@ def int8_matmuls(
     if isinstance(module, (nn.Dense, nn.DenseGeneral)):
         if module.dot_general is not None or module.dot_general_cls is not None:
             return next_fn(*args, **kwargs)  # the user's own matmul
-        with _attribute(module, "dot_general", quantization.int8_dot_general):
+        with interception.attribute_set(module, "dot_general", quantization.int8_dot_general):
             return next_fn(*args, **kwargs)
     if isinstance(module, nn.Einsum):
-        with _int8_einsum():
+        with _EINSUM.active():
             return next_fn(*args, **kwargs)
     return next_fn(*args, **kwargs)

@@ -11,24 +11,13 @@ user set their own matmul is left alone.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
 
-from jmp_policy._src import quantization
-
-
-@contextlib.contextmanager
-def _attribute(module: Any, name: str, value: Any) -> Iterator[None]:
-    old = getattr(module, name)
-    object.__setattr__(module, name, value)
-    try:
-        yield
-    finally:
-        object.__setattr__(module, name, old)
+from jmp_policy._src import interception, quantization
 
 
 def _replacement(module: Any) -> tuple[str, Any] | None:
@@ -54,5 +43,5 @@ def int8_matmuls(
     replacement = _replacement(module)
     if replacement is None:
         return next_fn(*args, **kwargs)
-    with _attribute(module, *replacement):
+    with interception.attribute_set(module, *replacement):
         return next_fn(*args, **kwargs)
