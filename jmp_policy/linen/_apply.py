@@ -14,7 +14,7 @@ from jmp_policy._src import casting, interception, quantization
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import Options, Resolver
 from jmp_policy._src.run_report import warn_once
-from jmp_policy.linen._quantization import int8_matmuls
+from jmp_policy.linen._quantization import quantized_matmuls
 
 _MAX_RETRACES = 8
 
@@ -29,7 +29,8 @@ def interceptor(
     Intercepted: every module's ``__call__``, and the root's ``root_method``. ``on_new``
     is told each module path the resolver had not met, once it is recorded.
     """
-    extensions = (*resolver.options.extensions, int8_matmuls)  # int8 layers: innermost
+    # Quantized layers' matmuls innermost; one per run (it counts float8 calls).
+    extensions = (*resolver.options.extensions, quantized_matmuls())
 
     def intercept(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module

@@ -1,52 +1,201 @@
-"""int8 compute for Linen: the hook's extension that gives int8 layers an int8 matmul.
+"""Quantized compute for Linen: the hook's extension that routes layers' matmuls.
 
-Under an int8 policy, a ``Dense`` or ``DenseGeneral`` whose user set neither
-``dot_general`` nor ``dot_general_cls`` runs with
-:func:`~jmp_policy._src.quantization.int8_dot_general` as its ``dot_general`` for the
-duration of the call (Flax reads the attribute at call time; it is restored after). An
-``nn.Einsum`` has no such attribute and calls ``jnp.einsum`` itself: while one runs under
-an int8 policy, ``jax.numpy.einsum`` is replaced by a wrapper that sends the calls of
-that thread to :func:`~jmp_policy._src.quantization.int8_einsum` (and every other
-thread's calls to the original), restored when the last such call ends.
+Under an int8 or float8 policy, a ``Dense`` or ``DenseGeneral`` whose user set neither
+``dot_general`` nor ``dot_general_cls`` runs with a replacement ``dot_general`` for the
+duration of the call (Flax reads the attribute at call time; it is restored after):
+:func:`~jmp_policy._src.quantization.int8_dot_general`, or a float8 quantize-dequantize
+around ``jax.lax.dot_general`` with the call's delayed-scaling state
+(:mod:`jmp_policy._src.float8`). An ``nn.Einsum`` has no such attribute and calls
+``jnp.einsum`` itself: while one runs under such a policy, ``jax.numpy.einsum`` is
+replaced by a router that sends the calls of that thread to the replacement (and every
+other thread's calls to the original), restored when the last such call ends.
+
+**float8 state.** Each call of a float8 layer reads its own state, the variable
+``float8_<i>`` (``i``: the how-manieth call of that module in this run, from 0) of the
+collection ``"_overwrite_with_gradient"`` (:data:`COLLECTION`): a dict of the scales
+and amax histories of its input, kernel and output gradient. :func:`jmp_policy.linen.init`
+creates it; a module called twice in one step has two states, so their new values (the
+state's gradients) are never summed. Applying a float8 layer without its state is a
+``ValueError`` naming ``jmp_policy.linen.init``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jmp_policy._src import interception, quantization
+from jmp_policy._src import float8, interception, quantization
+
+COLLECTION = float8.COLLECTION
+
+# This thread's `jnp.einsum` calls go to `_EINSUM_AS.get()` while `_EINSUM.inside()`.
+_EINSUM_AS: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
+    "jmp_policy_linen_einsum", default=None
+)
 
 
 def _einsum(original: Callable[..., Any]) -> Callable[..., Any]:
     def einsum(*args: Any, **kwargs: Any) -> Any:
-        if _EINSUM.inside():
-            return quantization.int8_einsum(*args, **kwargs)
-        return original(*args, **kwargs)
+        replacement = _EINSUM_AS.get() if _EINSUM.inside() else None
+        if replacement is None:
+            return original(*args, **kwargs)
+        return replacement(*args, **kwargs)
 
     return einsum
 
 
-# This thread's `jnp.einsum` calls are int8 while `_EINSUM.active()`.
 _EINSUM = interception.ThreadPatch(jnp, {"einsum": _einsum})
 
 
-def int8_matmuls(
-    call: Any, next_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """The hook extension: int8 layers' matmuls on int8 operands (see the module docstring)."""
-    module = call.module
-    if not quantization.is_int8(call.resolution.policy) or module is None:
-        return next_fn(*args, **kwargs)
-    if isinstance(module, (nn.Dense, nn.DenseGeneral)):
-        if module.dot_general is not None or module.dot_general_cls is not None:
-            return next_fn(*args, **kwargs)  # the user's own matmul
-        with interception.attribute_set(module, "dot_general", quantization.int8_dot_general):
-            return next_fn(*args, **kwargs)
-    if isinstance(module, nn.Einsum):
+@contextlib.contextmanager
+def _einsum_as(replacement: Callable[..., Any]) -> Iterator[None]:
+    token = _EINSUM_AS.set(replacement)
+    try:
         with _EINSUM.active():
+            yield
+    finally:
+        _EINSUM_AS.reset(token)
+
+
+def _routable(module: Any) -> bool:
+    """A Dense/DenseGeneral with Flax's own matmul, or an Einsum."""
+    if isinstance(module, (nn.Dense, nn.DenseGeneral)):
+        return module.dot_general is None and module.dot_general_cls is None
+    return isinstance(module, nn.Einsum)
+
+
+def _run_with(
+    module: Any,
+    dot_general: Callable[..., Any],
+    einsum: Callable[..., Any],
+    next_fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    if isinstance(module, nn.Einsum):
+        with _einsum_as(einsum):
             return next_fn(*args, **kwargs)
-    return next_fn(*args, **kwargs)
+    with interception.attribute_set(module, "dot_general", dot_general):
+        return next_fn(*args, **kwargs)
+
+
+def float8_state(module: nn.Module, policy: Any, index: int) -> Any:
+    """The state of ``module``'s ``index``-th call in this run, created when mutable."""
+    name = f"float8_{index}"
+    if module.has_variable(COLLECTION, name):
+        return module.get_variable(COLLECTION, name)
+    if not module.is_mutable_collection(COLLECTION):
+        where = "/".join(module.path) or "the root module"
+        twice = (
+            f" It is call {index + 1} of this module in one step: a module called several "
+            "times needs a state per call, which `init` creates when it calls it as often."
+            if index
+            else ""
+        )
+        raise ValueError(
+            f"{type(module).__name__} at {where!r} runs under the float8 policy "
+            f"{policy.name!r} but its float8 state {COLLECTION!r}/{name!r} is not in the "
+            "variables. Create the variables with `jmp_policy.linen.init(module, "
+            "policy_or_map)` and pass them whole (the float8 state comes back as its "
+            "gradient: see `jmp_policy.linen.split_gradients`). Under `nn.scan`, list "
+            f"{COLLECTION!r} in `variable_axes` (like 'params').{twice}"
+        )
+    return module.variable(COLLECTION, name, float8.init_state, policy.amax_history_length).value
+
+
+def quantized_matmuls() -> Callable[..., Any]:
+    """The hook extension for one model run (it counts float8 layers' calls)."""
+    # id(module) -> (module, calls so far). Flax gives each call a fresh scope, but the
+    # same instance; a lifted transform (nn.scan) traces clones, so a body is one call.
+    calls: dict[int, tuple[Any, int]] = {}
+
+    def extension(
+        call: Any, next_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        module, policy = call.module, call.resolution.policy
+        if module is None or not _routable(module):
+            return next_fn(*args, **kwargs)
+        if quantization.is_int8(policy):
+            return _run_with(
+                module,
+                quantization.int8_dot_general,
+                quantization.int8_einsum,
+                next_fn,
+                args,
+                kwargs,
+            )
+        if not float8.is_float8(policy):
+            return next_fn(*args, **kwargs)
+        index = calls.get(id(module), (module, 0))[1]
+        calls[id(module)] = (module, index + 1)
+        state = float8_state(module, policy, index)
+        return _run_with(
+            module,
+            float8.dot_general(state),
+            float8.einsum(state, quantization.JNP_EINSUM),
+            next_fn,
+            args,
+            kwargs,
+        )
+
+    return extension
+
+
+def split_gradients(grads: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Splits gradients into what the optimizer updates and the new float8 state.
+
+    The float8 state's "gradient" is its new value (Flax's convention): it must replace
+    the state, never go through an optimizer (which would add it, decay it, or unscale
+    it under loss scaling). ``flax.training.train_state.TrainState.apply_gradients``
+    does this split itself; a plain optax loop uses this function.
+
+    Args:
+        grads: the gradients with respect to the whole variables (``{"params": ...,
+            "_overwrite_with_gradient": ...}``), e.g. ``jax.grad(loss)(variables)``.
+
+    Returns:
+        ``(optimizer_grads, float8_state)``: ``grads`` without the
+        ``"_overwrite_with_gradient"`` collection, and ``{"_overwrite_with_gradient":
+        new_state}`` (empty when there is none), ready to merge into the new variables
+        (``{"params": new_params, **float8_state}``).
+
+    Raises:
+        TypeError: ``grads`` is not a mapping of collections.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import flax.linen as nn
+        >>> import optax
+        >>> import jmp_policy as jp
+        >>> model = nn.Dense(4)
+        >>> x = jnp.ones((2, 3))
+        >>> variables = jp.linen.init(model, "float8_from_mixed_bfloat16")(
+        ...     jax.random.key(0), x)
+        >>> sorted(variables)
+        ['_overwrite_with_gradient', 'params']
+        >>> fn = jp.linen.apply(model, "float8_from_mixed_bfloat16")
+        >>> loss = lambda v: fn(v, x).astype(jnp.float32).sum()
+        >>> tx = optax.sgd(0.1)
+        >>> opt_state = tx.init(variables["params"])
+        >>> grads, state = jp.linen.split_gradients(jax.grad(loss)(variables))
+        >>> updates, opt_state = tx.update(grads["params"], opt_state)
+        >>> variables = {"params": optax.apply_updates(variables["params"], updates),
+        ...              **state}
+        >>> float(variables["_overwrite_with_gradient"]["float8_0"]["input_scale"])
+        448.0
+    """
+    if not isinstance(grads, Mapping):
+        raise TypeError(
+            "`grads` must be a mapping of variable collections (the gradients with respect "
+            "to the whole variables, e.g. {'params': ..., '_overwrite_with_gradient': ...}). "
+            f"Received: grads of type {type(grads).__name__}"
+        )
+    rest = {name: value for name, value in grads.items() if name != COLLECTION}
+    state = {COLLECTION: grads[COLLECTION]} if COLLECTION in grads else {}
+    return rest, state

@@ -30,18 +30,32 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def dot_equations(jaxpr):
-    """Every dot_general equation of a jaxpr (a ``jax.extend.core.Jaxpr``), sub-jaxprs
+def equations(jaxpr, primitive):
+    """Every ``primitive`` equation of a jaxpr (a ``jax.extend.core.Jaxpr``), sub-jaxprs
     (scan, while, cond, custom_vjp) included."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
+        if eqn.primitive.name == primitive:
             yield eqn
         for value in eqn.params.values():
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from dot_equations(sub.jaxpr)
+                    yield from equations(sub.jaxpr, primitive)
                 elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from dot_equations(sub)
+                    yield from equations(sub, primitive)
+
+
+def dot_equations(jaxpr):
+    """Every dot_general equation of a jaxpr, sub-jaxprs included."""
+    return equations(jaxpr, "dot_general")
+
+
+def converts(fn, *args, **kwargs):
+    """``(from dtype, to dtype, shape)`` of every conversion ``fn`` traces to."""
+    jaxpr = jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args).jaxpr
+    return [
+        (str(e.invars[0].aval.dtype), str(e.params["new_dtype"]), e.invars[0].aval.shape)
+        for e in equations(jaxpr, "convert_element_type")
+    ]
 
 
 def dot_dtypes(fn, *args, **kwargs):

@@ -1,0 +1,273 @@
+"""float8 with delayed scaling: quantize-dequantize around a matmul, and its state.
+
+The recipe of Transformer Engine, Keras and Flax: a matmul's two operands (the layer's
+input and kernel) are quantized to ``float8_e4m3fn`` in the forward pass and the gradient
+reaching its output to ``float8_e5m2`` in the backward pass, each through a
+quantize-dequantize (``dequant(quant(x))``) that XLA can fold into a native float8 matmul
+on GPUs that have one (H100 and later); elsewhere it is exact emulation.
+
+**State.** Each of the three tensors has a float32 ``scale`` (shape ``()``, a multiplier
+applied before the cast: ``fp8 = cast(clip(x * scale))`` and ``x ≈ fp8 / scale``) and a
+float32 ``amax_history`` of shape ``(amax_history_length,)``, newest first. One call's
+state is a dict with Flax's and Keras's names: ``input_scale``, ``input_amax_history``,
+``kernel_scale``, ``kernel_amax_history``, ``output_grad_scale``,
+``output_grad_amax_history`` (:func:`init_state`).
+
+**Delayed scaling** (:func:`update`): a step quantizes with the scale computed from the
+history *before* its own amax is recorded; then its amax is pushed into the history and
+the new scale is ``fp8_max / max(history)``, kept unchanged when that maximum is zero. A
+non-finite amax (an overflowing step under dynamic loss scaling) is not recorded and
+leaves the state as it was, so one bad step does not freeze a scale for a whole history.
+The one exception, documented: while the history holds nothing yet (``max == 0``, the
+first step), the step is scaled by its own amax (``fp8_max / amax``) instead of the
+initial scale of 1, so inputs far from 1 in magnitude do not flush to zero (or saturate)
+on the first step. The state stored after the step is the same either way.
+
+**Values.** Quantization saturates at the float8 maximum (448 for e4m3, 57344 for e5m2),
+as Transformer Engine does, but a non-finite value stays non-finite (``inf`` and ``nan``
+are not clipped to a finite number), so a dynamic loss scale still sees an overflow.
+The arithmetic runs in the tensor's own dtype (the compute dtype): nothing is upcast.
+
+**New state as a gradient.** :func:`in_qdq` and :func:`out_qdq` are ``jax.custom_vjp``
+functions whose "gradient" with respect to the state is the new state (Flax's
+``_overwrite_with_gradient`` convention): ``jax.grad`` of a loss with respect to the
+variables returns the updated state where the state was, and the optimizer must
+replace, not update, it. Under ``jit`` a forward pass without ``grad`` computes no new
+state.
+
+Nothing here knows Flax: the glue decides which module calls use :func:`dot_general`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+TENSORS = ("input", "kernel", "output_grad")
+STATE_KEYS = tuple(f"{t}_{k}" for t in TENSORS for k in ("scale", "amax_history"))
+# Where Flax keeps state whose gradient is its new value (and where Linen's float8 goes).
+COLLECTION = "_overwrite_with_gradient"
+
+
+def check_not_in(grads: Any, where: str) -> None:
+    """Raises when ``grads`` (a dict of collections) carries float8 state, which an
+    optimizer must replace rather than update (loss scaling would also unscale it)."""
+    if isinstance(grads, Mapping) and COLLECTION in grads:
+        raise ValueError(
+            f"{where} received gradients with the {COLLECTION!r} collection: that is "
+            "float8 state, whose gradient is its new value and must replace it, never be "
+            "unscaled, skipped or added. Split it off first with "
+            "`grads, float8_state = jmp_policy.linen.split_gradients(grads)` and update "
+            "only grads['params'] (flax's TrainState.apply_gradients does this itself)."
+        )
+
+
+def max_value(dtype: Any) -> float:
+    """The largest finite value of a float8 ``dtype`` (448 for e4m3fn, 57344 for e5m2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def init_state(amax_history_length: int) -> dict[str, jax.Array]:
+    """One call's float8 state: scales 1, empty (zero) histories, all float32.
+
+    Examples:
+        >>> from jmp_policy._src import float8
+        >>> state = float8.init_state(4)
+        >>> sorted(state)[:2]
+        ['input_amax_history', 'input_scale']
+        >>> state["input_scale"], state["input_amax_history"]
+        (Array(1., dtype=float32), Array([0., 0., 0., 0.], dtype=float32))
+    """
+    if isinstance(amax_history_length, bool) or not isinstance(amax_history_length, int):
+        raise TypeError(
+            "`amax_history_length` must be an integer. "
+            f"Received: amax_history_length={amax_history_length!r}"
+        )
+    if amax_history_length < 1:
+        raise ValueError(
+            "`amax_history_length` must be at least 1. "
+            f"Received: amax_history_length={amax_history_length!r}"
+        )
+    state: dict[str, jax.Array] = {}
+    for tensor in TENSORS:
+        state[f"{tensor}_scale"] = jnp.ones((), jnp.float32)
+        state[f"{tensor}_amax_history"] = jnp.zeros((amax_history_length,), jnp.float32)
+    return state
+
+
+def amax(x: jax.Array) -> jax.Array:
+    """``max(|x|)`` as a float32 scalar (computed in ``x``'s dtype, then converted)."""
+    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+
+
+def update(
+    scale: jax.Array, history: jax.Array, new_amax: jax.Array, dtype: Any
+) -> tuple[jax.Array, jax.Array]:
+    """The state after a step whose amax is ``new_amax`` (see the module docstring).
+
+    Returns:
+        ``(new_scale, new_history)``: the history with ``new_amax`` pushed in front (the
+        oldest dropped) and ``fp8_max / max(new_history)``; both unchanged when
+        ``new_amax`` is not finite; the scale unchanged when the new maximum is zero.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jmp_policy._src import float8
+        >>> scale, history = float8.update(
+        ...     jnp.float32(1.0), jnp.zeros(2, jnp.float32), jnp.float32(2.0), float8.E4M3)
+        >>> float(scale), history.tolist()
+        (224.0, [2.0, 0.0])
+        >>> scale, history = float8.update(scale, history, jnp.float32(jnp.inf), float8.E4M3)
+        >>> float(scale), history.tolist()   # not recorded
+        (224.0, [2.0, 0.0])
+    """
+    finite = jnp.isfinite(new_amax)
+    pushed = jnp.concatenate([new_amax[None], history[:-1]])
+    new_history = jnp.where(finite, pushed, history)
+    top = jnp.max(new_history)
+    fp8_max = jnp.float32(max_value(dtype))
+    new_scale = jnp.where(top > 0, fp8_max / jnp.where(top > 0, top, 1.0), scale)
+    return new_scale.astype(jnp.float32), new_history.astype(jnp.float32)
+
+
+def step_scale(
+    scale: jax.Array, history: jax.Array, current_amax: jax.Array, dtype: Any
+) -> jax.Array:
+    """The scale a step quantizes with: ``scale``, or, while ``history`` is empty, the
+    step's own ``fp8_max / amax`` (when that amax is finite and above zero)."""
+    fp8_max = jnp.float32(max_value(dtype))
+    usable = jnp.isfinite(current_amax) & (current_amax > 0)
+    own = fp8_max / jnp.where(usable, current_amax, 1.0)
+    empty = jnp.max(history) <= 0
+    return jnp.where(empty & usable, own, scale)
+
+
+def qdq(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """``x`` quantized to float8 ``dtype`` with ``scale`` and back, in ``x``'s dtype.
+
+    Saturates finite values at the float8 maximum; ``inf`` and ``nan`` stay non-finite.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jmp_policy._src import float8
+        >>> x = jnp.array([1.0, 0.3, 1000.0, jnp.inf], jnp.float32)
+        >>> float8.qdq(x, jnp.float32(1.0), float8.E4M3).tolist()
+        [1.0, 0.3125, 448.0, nan]
+    """
+    compute = x.dtype
+    fp8_max = jnp.asarray(max_value(dtype), compute)
+    scaled = x * scale.astype(compute)
+    clipped = jnp.clip(scaled, -fp8_max, fp8_max)
+    clipped = jnp.where(jnp.isfinite(scaled), clipped, scaled)
+    return clipped.astype(dtype).astype(compute) * (1.0 / scale).astype(compute)
+
+
+def _straight_through(x: jax.Array) -> Any:
+    return x
+
+
+@jax.custom_vjp
+def in_qdq(x: jax.Array, scale: jax.Array, history: jax.Array) -> jax.Array:
+    """``x`` through e4m3 with delayed scaling; its gradient passes straight through,
+    the state's "gradient" is the new state (see the module docstring)."""
+    return _in_fwd(x, scale, history)[0]
+
+
+def _in_fwd(x: jax.Array, scale: jax.Array, history: jax.Array) -> Any:
+    a = amax(x)
+    y = qdq(x, step_scale(scale, history, a, E4M3), E4M3)
+    return y, update(scale, history, a, E4M3)
+
+
+def _in_bwd(res: Any, g: jax.Array) -> Any:
+    new_scale, new_history = res
+    return g, new_scale, new_history
+
+
+in_qdq.defvjp(_in_fwd, _in_bwd)
+
+
+@jax.custom_vjp
+def out_qdq(y: jax.Array, scale: jax.Array, history: jax.Array) -> jax.Array:
+    """``y`` as it is; the gradient reaching it goes through e5m2 with delayed scaling,
+    and the state's "gradient" is the new state (see the module docstring)."""
+    return y
+
+
+def _out_fwd(y: jax.Array, scale: jax.Array, history: jax.Array) -> Any:
+    return y, (scale, history)
+
+
+def _out_bwd(res: Any, g: jax.Array) -> Any:
+    scale, history = res
+    a = amax(g)
+    g_q = qdq(g, step_scale(scale, history, a, E5M2), E5M2)
+    new_scale, new_history = update(scale, history, a, E5M2)
+    return g_q, new_scale, new_history
+
+
+out_qdq.defvjp(_out_fwd, _out_bwd)
+
+
+def quantize_operands(
+    lhs: jax.Array, rhs: jax.Array, state: dict[str, jax.Array]
+) -> tuple[jax.Array, jax.Array]:
+    """The input (``lhs``) and kernel (``rhs``) of a matmul through e4m3."""
+    lhs = in_qdq(lhs, state["input_scale"], state["input_amax_history"])
+    rhs = in_qdq(rhs, state["kernel_scale"], state["kernel_amax_history"])
+    return lhs, rhs
+
+
+def quantize_output(y: jax.Array, state: dict[str, jax.Array]) -> jax.Array:
+    """A matmul's output, whose gradient goes through e5m2."""
+    return out_qdq(y, state["output_grad_scale"], state["output_grad_amax_history"])
+
+
+def dot_general(state: dict[str, jax.Array]) -> Callable[..., jax.Array]:
+    """A drop-in ``jax.lax.dot_general`` for ``(input, kernel)`` operands, through float8
+    with the call's ``state`` (what a Flax ``Dense`` gets as its ``dot_general``).
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> from jmp_policy._src import float8
+        >>> state = float8.init_state(8)
+        >>> x, w = jnp.full((2, 3), 0.1), jnp.full((3, 4), 0.5)
+        >>> y = float8.dot_general(state)(x, w, (((1,), (0,)), ((), ())))
+        >>> y.shape, bool(jnp.allclose(y, x @ w, rtol=0.1))
+        ((2, 4), True)
+        >>> new_state = jax.grad(
+        ...     lambda s: float8.dot_general(s)(x, w, (((1,), (0,)), ((), ()))).sum())(state)
+        >>> float(new_state["kernel_amax_history"][0]), float(new_state["kernel_scale"])
+        (0.5, 896.0)
+    """
+
+    def fp8_dot_general(
+        lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, *args: Any, **kwargs: Any
+    ) -> jax.Array:
+        lhs, rhs = quantize_operands(lhs, rhs, state)
+        y = jax.lax.dot_general(lhs, rhs, dimension_numbers, *args, **kwargs)
+        return quantize_output(y, state)
+
+    return fp8_dot_general
+
+
+def einsum(state: dict[str, jax.Array], original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (``jnp.einsum``) for ``(subscripts, input, kernel)``, through float8."""
+
+    def fp8_einsum(subscripts: str, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> Any:
+        lhs, rhs = quantize_operands(lhs, rhs, state)
+        return quantize_output(original(subscripts, lhs, rhs, *args, **kwargs), state)
+
+    return fp8_einsum
+
+
+def is_float8(policy: Any) -> bool:
+    """Whether ``policy`` is a float8 policy (``quantization_mode == "float8"``)."""
+    return getattr(policy, "quantization_mode", None) == "float8"

@@ -1,0 +1,227 @@
+"""float8 delayed scaling on plain arrays (``jmp_policy._src.float8``), with and without jit.
+
+The amax history and scale sequences are written down by hand first (history newest
+first; e4m3's maximum is 448, e5m2's 57344):
+
+history length 3, input amaxes 2, 4, 1, inf, 0.5, 0.5, 0:
+
+    step  amax   scale used       history after       scale after
+    1     2      448/2 = 224 *    [2, 0, 0]           224
+    2     4      224              [4, 2, 0]           112
+    3     1      112              [1, 4, 2]           112
+    4     inf    112              [1, 4, 2] (kept)    112
+    5     0.5    112              [0.5, 1, 4]         112
+    6     0.5    112              [0.5, 0.5, 1]       448
+    7     0      448              [0, 0.5, 0.5]       896
+
+    * the history is empty: the step scales by its own amax (the documented exception).
+
+history length 1, amaxes 2, 4, 1, nan, 0: scales after 224, 112, 448, 448 (nan not
+recorded), 448 (a zero maximum keeps the scale); histories [2], [4], [1], [1], [0].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax_examples import measure
+
+from jmp_policy._src import float8
+
+E4M3, E5M2 = float8.E4M3, float8.E5M2
+INF, NAN = float("inf"), float("nan")
+
+SEQ3 = [  # amax, scale used, history after, scale after
+    (2.0, 224.0, [2.0, 0.0, 0.0], 224.0),
+    (4.0, 224.0, [4.0, 2.0, 0.0], 112.0),
+    (1.0, 112.0, [1.0, 4.0, 2.0], 112.0),
+    (INF, 112.0, [1.0, 4.0, 2.0], 112.0),
+    (0.5, 112.0, [0.5, 1.0, 4.0], 112.0),
+    (0.5, 112.0, [0.5, 0.5, 1.0], 448.0),
+    (0.0, 448.0, [0.0, 0.5, 0.5], 896.0),
+]
+SEQ1 = [
+    (2.0, [2.0], 224.0),
+    (4.0, [4.0], 112.0),
+    (1.0, [1.0], 448.0),
+    (NAN, [1.0], 448.0),
+    (0.0, [0.0], 448.0),
+]
+
+
+def reference_qdq(x, scale, dtype):
+    """What a float8 quantize-dequantize is, in numpy and ml_dtypes (float32)."""
+    x = np.asarray(x, np.float32)
+    fp8_max = float(ml_dtypes.finfo(dtype).max)
+    scaled = x * np.float32(scale)
+    clipped = np.where(np.isfinite(scaled), np.clip(scaled, -fp8_max, fp8_max), scaled)
+    return clipped.astype(dtype).astype(np.float32) * np.float32(1.0 / scale)
+
+
+def input_with_amax(a):
+    # One element at the amax, others small enough to show the scale used.
+    if a == 0:
+        return jnp.zeros(3, jnp.float32)
+    return jnp.array([a, -a / 3 if np.isfinite(a) else 0.01, 0.013], jnp.float32)
+
+
+def test_init_state_names_shapes_and_dtypes():
+    state = float8.init_state(5)
+    assert sorted(state) == sorted(float8.STATE_KEYS)
+    assert set(state) == {
+        "input_scale",
+        "input_amax_history",
+        "kernel_scale",
+        "kernel_amax_history",
+        "output_grad_scale",
+        "output_grad_amax_history",
+    }
+    for key, value in state.items():
+        assert value.dtype == np.float32
+        if key.endswith("_scale"):
+            assert value.shape == () and float(value) == 1.0
+        else:
+            assert value.shape == (5,) and not np.any(np.asarray(value))
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (0, ValueError, "at least 1. Received: amax_history_length=0"),
+        (True, TypeError, "must be an integer. Received: amax_history_length=True"),
+        (2.0, TypeError, "must be an integer. Received: amax_history_length=2.0"),
+    ],
+)
+def test_init_state_rejects_bad_lengths(value, error, message):
+    with pytest.raises(error, match=message):
+        float8.init_state(value)
+
+
+def test_update_follows_the_hand_written_sequence_history_3(maybe_jit):
+    update = maybe_jit(lambda s, h, a: float8.update(s, h, a, E4M3))
+    used = maybe_jit(lambda s, h, a: float8.step_scale(s, h, a, E4M3))
+    scale, history = jnp.float32(1.0), jnp.zeros(3, jnp.float32)
+    for amax, scale_used, history_after, scale_after in SEQ3:
+        a = jnp.float32(amax)
+        assert float(used(scale, history, a)) == scale_used
+        scale, history = update(scale, history, a)
+        assert history.tolist() == history_after
+        assert float(scale) == scale_after
+        assert scale.dtype == history.dtype == np.float32
+
+
+def test_update_follows_the_hand_written_sequence_history_1(maybe_jit):
+    update = maybe_jit(lambda s, h, a: float8.update(s, h, a, E4M3))
+    scale, history = jnp.float32(1.0), jnp.zeros(1, jnp.float32)
+    for amax, history_after, scale_after in SEQ1:
+        scale, history = update(scale, history, jnp.float32(amax))
+        assert history.tolist() == history_after
+        assert float(scale) == scale_after
+
+
+def test_e5m2_scales_use_its_own_maximum():
+    scale, _ = float8.update(jnp.float32(1.0), jnp.zeros(2, jnp.float32), jnp.float32(4.0), E5M2)
+    assert float(scale) == 57344.0 / 4
+    assert float8.max_value(E4M3) == 448.0 and float8.max_value(E5M2) == 57344.0
+
+
+def test_in_qdq_steps_through_the_sequence_with_the_state_as_its_gradient(maybe_jit):
+    """``in_qdq``'s forward uses the scale before this step; its state gradient is the new state."""
+
+    def step(x, scale, history):
+        y, vjp = jax.vjp(float8.in_qdq, x, scale, history)
+        gx, new_scale, new_history = vjp(jnp.ones_like(y))
+        return y, gx, new_scale, new_history
+
+    step = maybe_jit(step)
+    scale, history = jnp.float32(1.0), jnp.zeros(3, jnp.float32)
+    for amax, scale_used, history_after, scale_after in SEQ3:
+        x = input_with_amax(amax)
+        y, gx, scale, history = step(x, scale, history)
+        np.testing.assert_array_equal(y, reference_qdq(x, scale_used, ml_dtypes.float8_e4m3fn))
+        np.testing.assert_array_equal(gx, np.ones(3, np.float32))  # straight through
+        assert history.tolist() == history_after
+        assert float(scale) == scale_after
+
+
+def test_out_qdq_quantizes_the_gradient_to_e5m2_with_delayed_scaling(maybe_jit):
+    def step(g, scale, history):
+        y = jnp.full((3,), 7.0)
+        out, vjp = jax.vjp(float8.out_qdq, y, scale, history)
+        return out, *vjp(g)
+
+    step = maybe_jit(step)
+    scale, history = jnp.float32(1.0), jnp.zeros(3, jnp.float32)
+    for amax, _, history_after, _ in SEQ3:
+        g = input_with_amax(amax)
+        out, gy, new_scale, history = step(g, scale, history)
+        np.testing.assert_array_equal(out, np.full(3, 7.0, np.float32))  # forward: as is
+        used = 57344.0 / amax if scale == 1.0 and np.isfinite(amax) and amax > 0 else scale
+        np.testing.assert_array_equal(gy, reference_qdq(g, used, ml_dtypes.float8_e5m2))
+        assert history.tolist() == history_after
+        top = max(history_after)
+        assert float(new_scale) == (57344.0 / top if top > 0 else float(scale))
+        scale = new_scale
+
+
+def test_qdq_saturates_finite_values_and_keeps_non_finite_ones(maybe_jit):
+    x = jnp.array([1000.0, -1000.0, 0.3, INF, -INF, NAN], jnp.float32)
+    e4 = maybe_jit(lambda x: float8.qdq(x, jnp.float32(1.0), E4M3))(x)
+    assert e4[:3].tolist() == [448.0, -448.0, 0.3125]
+    assert np.isnan(np.asarray(e4[3:])).all()  # e4m3fn has no inf: nan, never finite
+    e5 = maybe_jit(lambda x: float8.qdq(x, jnp.float32(1.0), E5M2))(x * 100)
+    assert e5[:2].tolist() == [57344.0, -57344.0]
+    assert e5[3:5].tolist() == [INF, -INF] and np.isnan(float(e5[5]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_qdq_computes_in_the_tensors_dtype_and_converts_only_to_and_from_float8(dtype):
+    x = jnp.linspace(-3, 3, 64, dtype=dtype).reshape(8, 8)
+    found = measure.converts(lambda x: float8.in_qdq(x, jnp.float32(2.0), jnp.ones(4)), x)
+    name = np.dtype(dtype).name
+    full = [(a, b) for a, b, shape in found if shape == (8, 8)]
+    assert full == [(name, "float8_e4m3fn"), ("float8_e4m3fn", name)]
+    y = float8.in_qdq(x, jnp.float32(2.0), jnp.ones(4))
+    assert y.dtype == np.dtype(dtype)
+
+
+def test_dot_general_matches_the_matmul_of_quantized_operands(maybe_jit):
+    x = jax.random.normal(jax.random.key(0), (4, 16)) * 1e-3
+    w = jax.random.normal(jax.random.key(1), (16, 8))
+    state = float8.init_state(4)
+    dn = (((1,), (0,)), ((), ()))
+    y = maybe_jit(lambda x, w: float8.dot_general(state)(x, w, dn))(x, w)
+    xs = 448.0 / float(jnp.max(jnp.abs(x)))  # first step: the tensors' own amax
+    ws = 448.0 / float(jnp.max(jnp.abs(w)))
+    xq = reference_qdq(x, xs, ml_dtypes.float8_e4m3fn)
+    wq = reference_qdq(w, ws, ml_dtypes.float8_e4m3fn)
+    np.testing.assert_allclose(y, xq @ wq, rtol=1e-5, atol=1e-9)
+    # Inputs around 1e-3 survive (e4m3's smallest subnormal is 2**-9 ~ 2e-3).
+    np.testing.assert_allclose(y, x @ w, rtol=0.1, atol=0.1 * float(jnp.abs(x @ w).max()))
+
+
+def test_state_gradients_are_new_states_not_sums_of_calls(maybe_jit):
+    """Two matmuls on two states: each state's gradient is its own new state."""
+    x = jnp.full((2, 3), 0.5)
+    w = jnp.full((3, 3), 2.0)
+    dn = (((1,), (0,)), ((), ()))
+
+    def loss(states):
+        h = float8.dot_general(states[0])(x, w, dn)
+        return float8.dot_general(states[1])(h, w, dn).sum()
+
+    new = maybe_jit(jax.grad(loss))([float8.init_state(2), float8.init_state(2)])
+    assert new[0]["input_amax_history"].tolist() == [0.5, 0.0]
+    assert new[1]["input_amax_history"].tolist() == [3.0, 0.0]  # 0.5 * 2 * 3
+    assert new[0]["kernel_scale"] == new[1]["kernel_scale"] == 224.0
+    assert new[1]["output_grad_amax_history"].tolist() == [1.0, 0.0]
+    assert new[0]["output_grad_amax_history"].tolist() == [6.0, 0.0]  # 1 * 2 * 3
+
+
+def test_check_not_in_rejects_float8_state_among_gradients():
+    float8.check_not_in({"params": {}}, "x")
+    with pytest.raises(ValueError, match=r"jmp_policy\.linen\.split_gradients"):
+        float8.check_not_in({"params": {}, "_overwrite_with_gradient": {}}, "loss_scaling")
