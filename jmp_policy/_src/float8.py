@@ -27,6 +27,8 @@ on the first step. The state stored after the step is the same either way.
 as Transformer Engine does, but a non-finite value stays non-finite (``inf`` and ``nan``
 are not clipped to a finite number), so a dynamic loss scale still sees an overflow.
 The arithmetic runs in the tensor's own dtype (the compute dtype): nothing is upcast.
+In float16 a scale above ``2**15`` is applied as ``2**15`` (float16 holds no larger
+power of two); that loses nothing float16 itself could represent.
 
 **New state as a gradient.** :func:`in_qdq` and :func:`out_qdq` are ``jax.custom_vjp``
 functions whose "gradient" with respect to the state is the new state (Flax's
@@ -148,10 +150,18 @@ def step_scale(
     return jnp.where(empty & usable, own, scale)
 
 
+def _scale_limit(compute: Any) -> float:
+    """The largest power of two the compute dtype holds (2**15 for float16)."""
+    return float(2.0 ** np.floor(np.log2(float(jnp.finfo(compute).max))))
+
+
 def qdq(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     """``x`` quantized to float8 ``dtype`` with ``scale`` and back, in ``x``'s dtype.
 
     Saturates finite values at the float8 maximum; ``inf`` and ``nan`` stay non-finite.
+    The scale is applied in ``x``'s dtype; one larger than that dtype holds (float16: a
+    tensor whose amax is below ``fp8_max / 2**15``) is applied as the largest power of two
+    it holds, which loses nothing float16 itself could keep.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -159,9 +169,13 @@ def qdq(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
         >>> x = jnp.array([1.0, 0.3, 1000.0, jnp.inf], jnp.float32)
         >>> float8.qdq(x, jnp.float32(1.0), float8.E4M3).tolist()
         [1.0, 0.3125, 448.0, nan]
+        >>> tiny = jnp.array([1e-6, 3e-7], jnp.float16)   # scale 448 / 1e-6 > float16's max
+        >>> float8.qdq(tiny, jnp.float32(4.48e8), float8.E4M3).tolist()
+        [9.5367431640625e-07, 2.980232238769531e-07]
     """
     compute = x.dtype
     fp8_max = jnp.asarray(max_value(dtype), compute)
+    scale = jnp.minimum(scale.astype(jnp.float32), _scale_limit(compute))
     scaled = x * scale.astype(compute)
     clipped = jnp.clip(scaled, -fp8_max, fp8_max)
     clipped = jnp.where(jnp.isfinite(scaled), clipped, scaled)
