@@ -3,15 +3,16 @@
 The amax history and scale sequences are written down by hand first (history newest
 first; e4m3's maximum is 448, e5m2's 57344):
 
-history length 3, input amaxes 2, 4, 1, inf, 0.5, 0.5, 0:
+history length 3, input amaxes 2, 4, 1, inf, 0.5, 0.5, 0 (the history is the peers' ring:
+a step rolls it by -1 and writes index 0, so it holds the last 3 amaxes):
 
     step  amax   scale used       history after       scale after
     1     2      448/2 = 224 *    [2, 0, 0]           224
-    2     4      224              [4, 2, 0]           112
-    3     1      112              [1, 4, 2]           112
-    4     inf    112              [1, 4, 2] (kept)    112
-    5     0.5    112              [0.5, 1, 4]         112
-    6     0.5    112              [0.5, 0.5, 1]       448
+    2     4      224              [4, 0, 2]           112
+    3     1      112              [1, 2, 4]           112
+    4     inf    112              [1, 2, 4] (kept)    112
+    5     0.5    112              [0.5, 4, 1]         112
+    6     0.5    112              [0.5, 1, 0.5]       448
     7     0      448              [0, 0.5, 0.5]       896
 
     * the history is empty: the step scales by its own amax (the documented exception).
@@ -36,11 +37,11 @@ INF, NAN = float("inf"), float("nan")
 
 SEQ3 = [  # amax, scale used, history after, scale after
     (2.0, 224.0, [2.0, 0.0, 0.0], 224.0),
-    (4.0, 224.0, [4.0, 2.0, 0.0], 112.0),
-    (1.0, 112.0, [1.0, 4.0, 2.0], 112.0),
-    (INF, 112.0, [1.0, 4.0, 2.0], 112.0),
-    (0.5, 112.0, [0.5, 1.0, 4.0], 112.0),
-    (0.5, 112.0, [0.5, 0.5, 1.0], 448.0),
+    (4.0, 224.0, [4.0, 0.0, 2.0], 112.0),
+    (1.0, 112.0, [1.0, 2.0, 4.0], 112.0),
+    (INF, 112.0, [1.0, 2.0, 4.0], 112.0),
+    (0.5, 112.0, [0.5, 4.0, 1.0], 112.0),
+    (0.5, 112.0, [0.5, 1.0, 0.5], 448.0),
     (0.0, 448.0, [0.0, 0.5, 0.5], 896.0),
 ]
 SEQ1 = [

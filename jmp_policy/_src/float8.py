@@ -8,7 +8,9 @@ on GPUs that have one (H100 and later); elsewhere it is exact emulation.
 
 **State.** Each of the three tensors has a float32 ``scale`` (shape ``()``, a multiplier
 applied before the cast: ``fp8 = cast(clip(x * scale))`` and ``x ≈ fp8 / scale``) and a
-float32 ``amax_history`` of shape ``(amax_history_length,)``, newest first. One call's
+float32 ``amax_history`` of shape ``(amax_history_length,)`` holding the amaxes of the
+last ``amax_history_length`` steps, laid out as Flax, Keras and Transformer Engine lay it
+out (a step rolls it by -1 and writes its amax at index 0), so their states read alike. One call's
 state is a dict with Flax's and Keras's names: ``input_scale``, ``input_amax_history``,
 ``kernel_scale``, ``kernel_amax_history``, ``output_grad_scale``,
 ``output_grad_amax_history`` (:func:`init_state`).
@@ -114,8 +116,8 @@ def update(
     """The state after a step whose amax is ``new_amax`` (see the module docstring).
 
     Returns:
-        ``(new_scale, new_history)``: the history with ``new_amax`` pushed in front (the
-        oldest dropped) and ``fp8_max / max(new_history)``; both unchanged when
+        ``(new_scale, new_history)``: the history rolled by -1 with ``new_amax`` written
+        at index 0 (the oldest amax is the one dropped) and ``fp8_max / max(new_history)``; both unchanged when
         ``new_amax`` is not finite; the scale unchanged when the new maximum is zero.
 
     Examples:
@@ -130,7 +132,7 @@ def update(
         (224.0, [2.0, 0.0])
     """
     finite = jnp.isfinite(new_amax)
-    pushed = jnp.concatenate([new_amax[None], history[:-1]])
+    pushed = jnp.roll(history, -1).at[0].set(new_amax)
     new_history = jnp.where(finite, pushed, history)
     top = jnp.max(new_history)
     fp8_max = jnp.float32(max_value(dtype))
