@@ -268,7 +268,10 @@ def apply(
     path ``""``. Only the ``"params"`` collection is cast: BatchNorm statistics and caches
     stay in their stored dtype; when ``mutable`` includes ``"params"``, the parameters
     come back as stored (not as cast). The carry of every loop in the model keeps the
-    dtype it entered with.
+    dtype it entered with. Under an int8 policy, ``Dense``, ``DenseGeneral`` and
+    ``Einsum`` run int8 matmuls; under a float8 policy, float8 quantize-dequantize with
+    delayed scaling, reading their state from ``"_overwrite_with_gradient"`` (created by
+    :func:`init`; its gradient is its new value, see :func:`split_gradients`).
 
     Works under ``jax.jit``, ``jax.grad`` (gradients come back in the stored dtype,
     float32 for float32 master weights), ``nn.scan``, ``nn.RNN``, ``nn.while_loop``,

@@ -32,7 +32,10 @@ def init(
     capture_intermediates=False, **kwargs)``, and returns the variables. Submodules run
     as under :func:`apply`; each leaf of the ``"params"`` collection is then cast to the
     variable dtype of its path's policy (usually float32, the master weights). Other
-    collections are returned as created.
+    collections are returned as created: among them, for every call of a ``Dense``,
+    ``DenseGeneral`` or ``Einsum`` under a float8 policy, its float8 state ``float8_<i>``
+    in ``"_overwrite_with_gradient"`` (float32 scales and amax histories; see
+    :func:`split_gradients`).
 
     Args:
         module: a ``flax.linen`` Module instance.
