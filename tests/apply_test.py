@@ -186,3 +186,14 @@ def test_same_hlo_as_hand_written_casts():
     ours = jax.jit(jp.cast_apply(policy)(model)).lower(params, x).as_text()
     theirs = jax.jit(by_hand).lower(params, x).as_text()
     assert ours.count("convert") == theirs.count("convert") == 3
+
+
+def test_float8_policies_warn_that_a_plain_function_computes_in_the_source_dtype(maybe_jit):
+    with pytest.warns(UserWarning, match=r"the float8 policies \['float8_from_mixed_bfloat16'\]"):
+        apply = jp.cast_apply(jp.DTypePolicyMap("float32", {"w": "float8_from_mixed_bfloat16"}))(
+            lambda p, x: x @ p["w"]
+        )
+    out = maybe_jit(apply)({"w": jnp.ones((3, 2))}, jnp.ones((1, 3)))
+    assert out.dtype == jnp.float32  # the root (default) policy: float32 inputs and outputs
+    with pytest.warns(UserWarning, match="jmp_policy.linen.apply"):
+        jp.cast_apply("float8_from_mixed_bfloat16")

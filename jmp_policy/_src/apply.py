@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from jmp_policy._src import global_state, interception
+from jmp_policy._src import float8, global_state, interception
 from jmp_policy._src.resolution import Options, Resolver, as_policy_or_map, check_floating
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -24,7 +25,9 @@ def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
     policy is the policy itself, or the map's policy of the path ``""`` (usually its
     default). Loops inside keep their carry's dtypes. Gradients flow back to the stored
     dtype. Works under ``jit`` and ``grad``; :func:`current_policy` returns the root
-    policy inside.
+    policy inside. A plain function has no layers whose matmuls could be routed: a
+    float8 policy computes here in its source policy's dtypes, and the decorator warns so
+    (float8 training is for Flax layers under ``jmp_policy.linen.apply``/``nnx.apply``).
 
     Args:
         policy_or_map: a policy, a name, a ``DTypePolicyMap`` or a ``dict`` (made a map
@@ -52,6 +55,20 @@ def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
     """
     resolved = as_policy_or_map(policy_or_map)
     check_floating(resolved)
+    policies = [] if resolved is None else [resolved]
+    if hasattr(resolved, "values"):  # a map
+        policies = [resolved.default_policy, *resolved.values()]
+    named = sorted({p.name for p in policies if float8.is_float8(p)})
+    if named:
+        warnings.warn(
+            f"cast_apply runs a plain function, whose matmuls it cannot route: the float8 "
+            f"policies {named} compute here in their source policy's dtypes, without float8 "
+            "quantization. Float8 training applies to Flax layers (Dense, DenseGeneral, "
+            "Einsum; NNX Linear, LinearGeneral, Einsum) under `jmp_policy.linen.apply` or "
+            "`jmp_policy.nnx.apply`.",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def decorator(fn: F) -> F:
         @functools.wraps(fn)
