@@ -11,6 +11,13 @@ do not depend on the machine's load.
 * loss scaling (``loss_scaling_bench``'s tree): ``jp.loss_scaling(adam)`` against plain adam,
   a jmp-style hand-written loop and ``optax.apply_if_finite(adam)``: bytes accessed and
   update time;
+* float8 (``float8_bench``): a training step (``value_and_grad``, adam, the float8 state
+  split off) of an MLP stack with its Dense layers under ``"float8_from_mixed_bfloat16"``
+  against ``"mixed_bfloat16"`` and float32: step time, temp bytes, float8 converts (6 per
+  Dense: input, kernel and output gradient, each to and from float8), the share of dots in
+  the form XLA's GPU GemmRewriter makes native float8 GEMMs of (and on a GPU the share it
+  did), and the loss after a few hundred steps (its distance to bf16's, over the first
+  loss). A CPU has no float8 units: there only the loss and the counts mean something;
 * quantization: stored parameter bytes and output error of int8 and int4 weights
   against float32 (an MLP);
 * policy maps (``policy_map_bench``): resolving a whole tree with 200 regex keys, against
@@ -39,6 +46,7 @@ import optax
 import jmp_policy as jp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import float8_bench
 import linen_overhead_bench
 import loss_scaling_bench
 
@@ -93,6 +101,47 @@ def linen_rows(quick: bool) -> list[Row]:
         ("linen", "activation bytes", "mixed_bfloat16", "float32", ours["temp"] / f32["temp"]),
         ("linen", "step time", "mixed_bfloat16", "float32", med(ours["times"]) / med(f32["times"])),
     ]
+
+
+def float8_rows(quick: bool) -> list[Row]:
+    """float8 Dense layers against bf16 and float32 in a training step (float8_bench)."""
+    args = float8_bench.parse_args(["--quick"] if quick else [])
+    results = float8_bench.measure(args)
+    f8, bf16, f32 = results["float8"], results["bf16"], results["float32"]
+    med = statistics.median
+    ours = "float8 Dense"
+    denses = 2 * args.layers
+    rows: list[Row] = [
+        ("float8", "step time", ours, "mixed_bfloat16", med(f8["times"]) / med(bf16["times"])),
+        ("float8", "step time", ours, "float32", med(f8["times"]) / med(f32["times"])),
+        ("float8", "step temp bytes", ours, "mixed_bfloat16", f8["temp"] / bf16["temp"]),
+        (
+            "float8",
+            "float8 converts",
+            ours,
+            f"6 per Dense x {denses}",
+            f8["f8_converts"] / (6 * denses),
+        ),
+        (
+            "float8",
+            "dots in fp8 GEMM form",
+            ours,
+            "all dots",
+            f8["fp8_form"][0] / f8["fp8_form"][1],
+        ),
+        (
+            "float8",
+            f"loss after {args.steps} steps, - bf16's",
+            ours,
+            "first loss",
+            abs(f8["losses"][-1] - bf16["losses"][-1]) / bf16["losses"][0],
+        ),
+    ]
+    if jax.devices()[0].platform == "gpu":
+        rows.append(
+            ("float8", "native fp8 GEMMs", ours, "all GEMMs", f8["fp8_gemms"] / f8["gemms"])
+        )
+    return rows
 
 
 def quantization_rows(quick: bool) -> list[Row]:
@@ -249,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{'quick' if args.quick else 'full'} sizes; ratio = ours / against (< 1: ours less)"
     )
     rows = linen_rows(args.quick) + loss_scaling_rows(args.quick)
-    rows += policy_map_rows(args.quick) + quantization_rows(args.quick)
+    rows += policy_map_rows(args.quick) + quantization_rows(args.quick) + float8_rows(args.quick)
     print(format_table(rows))
 
 

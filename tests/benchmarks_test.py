@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import jax
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -20,7 +22,7 @@ def test_run_all_quick_prints_one_table_of_ratios():
     lines = result.stdout.splitlines()
     rows = [line for line in lines if re.search(r"\s\d+\.\d{3}x$", line)]
     benchmarks = {line.split()[0] for line in rows}
-    assert benchmarks == {"linen", "loss", "policy", "quantization"}, rows
+    assert benchmarks == {"linen", "loss", "policy", "quantization", "float8"}, rows
     assert all(len(line) <= 100 for line in lines)
     # The deterministic columns: zero overhead against casting by hand.
     by_hand = {re.split(r"\s{2,}", line)[1]: line for line in rows if "by hand" in line}
@@ -31,3 +33,34 @@ def test_run_all_quick_prints_one_table_of_ratios():
     assert any("apply_if_finite" in line for line in rows)
     int8 = next(line for line in rows if "parameter bytes, int8" in line)
     assert float(int8.split()[-1].rstrip("x")) <= 0.28  # int8 kernels + float32 biases
+    # float8: every float8 convert where expected (6 per Dense: input, kernel and output
+    # gradient, each to and from float8), and training tracks bf16.
+    float8 = {re.split(r"\s{2,}", line)[1]: line for line in rows if line.startswith("float8")}
+    assert float8["float8 converts"].endswith(" 1.000x")
+    assert float8["dots in fp8 GEMM form"].endswith(" 1.000x")
+    loss = next(v for k, v in float8.items() if k.startswith("loss after"))
+    assert float(loss.split()[-1].rstrip("x")) < 0.05  # of the first loss
+
+
+def test_float8_bench_quick_prints_its_table_and_the_loss_gap():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "float8_bench.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    table = {line.split()[0]: line.split() for line in lines[2:6]}
+    assert set(table) == {"variant", "float8", "bf16", "float32"}
+    # columns: variant, step ms, /, fwd ms, /, temp MB, /, f8 cvt, f8 dots, f8 GEMMs, loss, -bf16
+    assert table["float8"][7] == "24" and table["bf16"][7] == table["float32"][7] == "0"
+    # Every dot of the step (4 Dense: forward and two backward) in GemmRewriter's form.
+    assert table["float8"][8] == "12/12" and table["bf16"][8] == "0/12"
+    if jax.default_backend() == "cpu":  # no float8 GEMMs there
+        assert table["float8"][9] == "0/12"
+    assert lines[-1].endswith("float8 state finite: True")
+    assert table["bf16"][-1] == "+0.0000"
+    assert abs(float(table["float8"][-1])) < 0.05  # loss - bf16's, over the first loss
+    assert all(len(line) <= 100 for line in lines)

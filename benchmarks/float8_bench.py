@@ -1,0 +1,339 @@
+"""float8 training against bfloat16 and float32: step time, memory, float8 ops, loss.
+
+A stack of pre-norm residual MLP blocks (``LayerNorm -> Dense(hidden) -> gelu ->
+Dense(width)``, the matmuls of a transformer's MLP) trained on a fixed regression task
+(random tokens, a random ``tanh`` teacher) with a jitted step: ``value_and_grad``,
+``jp.linen.split_gradients`` and optax adam. Three variants, measured side by side in one
+run (the same initial parameters and data):
+
+* ``float8``: the Dense layers under ``"float8_from_mixed_bfloat16"`` (inputs and kernels
+  through e4m3, output gradients through e5m2, delayed scaling), the rest
+  ``"mixed_bfloat16"``;
+* ``bf16``: ``"mixed_bfloat16"`` everywhere;
+* ``float32``: ``"float32"`` everywhere.
+
+For each: the step time (median of interleaved repeats), the compiled temp bytes
+(``memory_analysis()``), the ``convert`` ops to or from float8 in the optimized HLO
+(``f8 cvt``), the dots of the unoptimized HLO in the form XLA's GPU GemmRewriter turns into
+native float8 GEMMs (``f8 dots``: both operands ``convert(f8) * broadcast(scalar)``), the
+GEMMs XLA did lower to native float8 (``f8 GEMMs``: ``__cublas$lt$matmul$f8`` custom
+calls, on GPUs with float8 units, H100 and later), the forward time of one Dense layer
+alone, and the loss after ``--steps`` steps, and its distance to bf16's as a fraction of
+the first loss (float8 should track bf16; the issue's fidelity measure).
+
+A CPU has no float8 units: there XLA emulates the quantize-dequantize and float8 costs time;
+only the loss, the op counts and the memory mean something. On an H100 XLA folds each
+``convert(f8) * scale`` into the GEMM. Run on a GPU:
+``JAX_PLATFORMS=cuda python benchmarks/float8_bench.py --tokens 8192 --width 8192
+--hidden 8192 --layers 2``.
+
+Run: ``python benchmarks/float8_bench.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jmp_policy as jp
+
+FP8_GEMM = "__cublas$lt$matmul$f8"
+VARIANTS = {
+    "float8": jp.DTypePolicyMap(
+        "mixed_bfloat16", {r"block_\d+/(up|down)": "float8_from_mixed_bfloat16"}
+    ),
+    "bf16": "mixed_bfloat16",
+    "float32": "float32",
+}
+
+
+class Block(nn.Module):
+    width: int
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(self.hidden, name="up")(nn.LayerNorm(name="norm")(x))
+        return x + nn.Dense(self.width, name="down")(nn.gelu(h))
+
+
+class MLPStack(nn.Module):
+    width: int
+    hidden: int
+    layers: int
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.layers):
+            x = Block(self.width, self.hidden, name=f"block_{i}")(x)
+        return x
+
+
+def make_data(args: argparse.Namespace) -> tuple[jax.Array, jax.Array]:
+    """Tokens ``(tokens, width)`` and a teacher's targets ``tanh(x @ A)``."""
+    kx, ka = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (args.tokens, args.width), jnp.float32)
+    a = jax.random.normal(ka, (args.width, args.width), jnp.float32) / np.sqrt(args.width)
+    return x, jnp.tanh(x @ a)
+
+
+def make_step(model: nn.Module, policy: Any, tx: Any) -> Any:
+    fn = jp.linen.apply(model, policy)
+
+    def loss_fn(variables, x, y):
+        return jnp.mean(jnp.square(fn(variables, x).astype(jnp.float32) - y))
+
+    def step(variables, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(variables, x, y)
+        grads, float8_state = jp.linen.split_gradients(grads)
+        updates, opt_state = tx.update(grads["params"], opt_state, variables["params"])
+        params = optax.apply_updates(variables["params"], updates)
+        return {"params": params, **float8_state}, opt_state, loss
+
+    return step
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = (\w+)\[([^\]]*)\]\S* ([\w-]+)\(([^)]*)\)")
+# Ops GemmRewriter lets stand between a dequantization and the dot (it moves them before).
+_COMMUTATIVE = {"bitcast", "broadcast", "copy", "reshape", "slice", "transpose", "pad"}
+Op = tuple[str, str, str, list[str]]  # dtype, dims, opcode, operand names
+
+
+def computations(hlo: str) -> list[dict[str, Op]]:
+    """HLO text as one ``{name: (dtype, dims, opcode, operands)}`` per computation (names
+    are unique within a computation, not across fused ones)."""
+    result: list[dict[str, Op]] = [{}]
+    for line in hlo.splitlines():
+        if line.rstrip().endswith("{") and not line.startswith(" "):
+            result.append({})
+        m = _INSTRUCTION.match(line)
+        if m:
+            name, dtype, dims, op, args = m.groups()
+            names = [a.split()[-1].lstrip("%") for a in args.split(",") if a.strip()]
+            result[-1][name] = (dtype, dims, op, names)
+    return result
+
+
+def _is_fp8(ops: dict[str, Op], name: str) -> bool:
+    return name in ops and ops[name][0].startswith("f8")
+
+
+def float8_converts(hlo: str) -> int:
+    """``convert`` ops whose result or operand is float8."""
+    return sum(
+        1
+        for ops in computations(hlo)
+        for name, (_, _, op, args) in ops.items()
+        if op == "convert" and (_is_fp8(ops, name) or _is_fp8(ops, args[0]))
+    )
+
+
+def _dequantized(ops: dict[str, Op], name: str) -> bool:
+    """Whether ``name`` is float8, or ``convert(f8) [* or /] broadcast(scalar)``, through
+    ops that commute with it (GemmRewriter's ``MatchFp8Param``)."""
+    while name in ops and ops[name][2] in _COMMUTATIVE:
+        name = ops[name][3][0]
+    if name not in ops:
+        return False
+    _, _, op, args = ops[name]
+    if _is_fp8(ops, name) or (op == "convert" and _is_fp8(ops, args[0])):
+        return True
+    if op not in ("multiply", "divide") or len(args) != 2:
+        return False
+    converted = [a for a in args if a in ops and ops[a][2] == "convert"]
+    scalars = [
+        a
+        for a in args
+        if a in ops and ops[a][2] == "broadcast" and ops.get(ops[a][3][0], ("", "x"))[1] == ""
+    ]
+    return len(converted) == 1 and _is_fp8(ops, ops[converted[0]][3][0]) and len(scalars) == 1
+
+
+def fp8_form_dots(hlo: str) -> tuple[int, int]:
+    """(dots whose two operands are float8 or ``convert(f8) * broadcast(scalar)``, all dots)
+    in unoptimized HLO text: the form XLA's GPU GemmRewriter makes native float8 GEMMs of,
+    already before any simplification (Flax's ``fp8_ops``, whose scales have shape ``(1,)``,
+    reach it only after XLA's simplifier: this check is sufficient, not necessary)."""
+    found = total = 0
+    for ops in computations(hlo):
+        for _, _, op, args in ops.values():
+            if op == "dot":
+                total += 1
+                found += all(_dequantized(ops, a) for a in args[:2])
+    return found, total
+
+
+def fp8_gemms(hlo: str) -> tuple[int, int]:
+    """(native float8 GEMMs, all GEMMs) in optimized HLO text: float8 GEMMs are cuBLASLt's
+    ``__cublas$lt$matmul$f8`` calls and dots of two float8 operands (Triton's); all GEMMs
+    add the other cuBLAS calls and dots."""
+    fp8 = total = 0
+    for ops in computations(hlo):
+        for _, _, op, args in ops.values():
+            if op == "dot":
+                total += 1
+                fp8 += all(_is_fp8(ops, a) for a in args[:2])
+    fp8 += hlo.count(f'custom_call_target="{FP8_GEMM}"')
+    total += len(re.findall(r'custom_call_target="__cublas\$(lt\$)?(matmul|gemm)[^"]*"', hlo))
+    return fp8, total
+
+
+def _time(fns: dict[str, Any], repeats: int) -> dict[str, list[float]]:
+    """Interleaved wall times of ``fns`` (no-argument callables), after one warm-up."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):  # interleaved: load changes hit every variant alike
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    model = MLPStack(args.width, args.hidden, args.layers)
+    x, y = make_data(args)
+    tx = optax.adam(args.lr)
+    results: dict[str, dict[str, Any]] = {}
+    steps, states = {}, {}
+    for name, policy in VARIANTS.items():
+        variables = jax.jit(jp.linen.init(model, policy))(jax.random.key(1), x[:8])
+        opt_state = tx.init(variables["params"])
+        step = jax.jit(make_step(model, policy, tx))
+        lowered = step.lower(variables, opt_state, x, y)
+        compiled = lowered.compile()
+        hlo = compiled.as_text()
+        steps[name], states[name] = compiled, (variables, opt_state)
+        fp8, gemms = fp8_gemms(hlo)
+        results[name] = {
+            "temp": compiled.memory_analysis().temp_size_in_bytes,
+            "f8_converts": float8_converts(hlo),
+            "fp8_gemms": fp8,
+            "fp8_form": fp8_form_dots(lowered.as_text(dialect="hlo")),
+            "gemms": gemms,
+        }
+    # The same initial parameters for every variant (init casts "params" to float32).
+    first = jax.tree.leaves(states["float32"][0]["params"])
+    for name in VARIANTS:
+        leaves = jax.tree.leaves(states[name][0]["params"])
+        assert all(bool(jnp.array_equal(a, b)) for a, b in zip(first, leaves, strict=True))
+
+    def run_step(name: str) -> Any:
+        compiled, (variables, opt_state) = steps[name], states[name]
+        return lambda: compiled(variables, opt_state, x, y)
+
+    times = _time({name: run_step(name) for name in VARIANTS}, args.repeats)
+    for name in VARIANTS:
+        results[name]["times"] = times[name]
+    # The forward matmul of one Dense (tokens x width -> width) alone.
+    dense = nn.Dense(args.width)
+    forwards = {}
+    for name, policy in VARIANTS.items():
+        single = policy if isinstance(policy, str) else "float8_from_mixed_bfloat16"
+        variables = jax.jit(jp.linen.init(dense, single))(jax.random.key(2), x[:8])
+        fwd = jax.jit(jp.linen.apply(dense, single)).lower(variables, x).compile()
+        forwards[name] = lambda fwd=fwd, variables=variables: fwd(variables, x)
+    times = _time(forwards, args.repeats)
+    for name in VARIANTS:
+        results[name]["forward"] = times[name]
+    # Training: the loss after `steps` steps of each variant from the same start.
+    for name in VARIANTS:
+        compiled, (variables, opt_state) = steps[name], states[name]
+        losses = []
+        for _ in range(args.steps):
+            variables, opt_state, loss = compiled(variables, opt_state, x, y)
+            losses.append(loss)
+        results[name]["losses"] = [float(v) for v in losses]
+        state = jax.tree.leaves(variables.get("_overwrite_with_gradient", {}))
+        results[name]["state_finite"] = all(bool(jnp.all(jnp.isfinite(v))) for v in state)
+    return results
+
+
+def format_table(results: dict[str, dict[str, Any]], steps: int) -> str:
+    med = statistics.median
+    bf16 = results["bf16"]
+    header = [
+        "variant",
+        "step ms",
+        "/bf16",
+        "fwd ms",
+        "/bf16",
+        "temp MB",
+        "/bf16",
+        "f8 cvt",
+        "f8 dots",
+        "f8 GEMMs",
+        f"loss@{steps}",
+        "-bf16",
+    ]
+    table = [header]
+    for name, r in results.items():
+        table.append(
+            [
+                name,
+                f"{med(r['times']) * 1e3:.2f}",
+                f"{med(r['times']) / med(bf16['times']):.3f}",
+                f"{med(r['forward']) * 1e3:.3f}",
+                f"{med(r['forward']) / med(bf16['forward']):.3f}",
+                f"{r['temp'] / 1e6:.1f}",
+                f"{r['temp'] / bf16['temp']:.3f}",
+                str(r["f8_converts"]),
+                "{}/{}".format(*r["fp8_form"]),
+                f"{r['fp8_gemms']}/{r['gemms']}",
+                f"{r['losses'][-1]:.5f}",
+                f"{(r['losses'][-1] - bf16['losses'][-1]) / bf16['losses'][0]:+.4f}",
+            ]
+        )
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = []
+    for row in table:
+        cells = [row[0].ljust(widths[0])]
+        cells += [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join(cells))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CI)")
+    parser.add_argument("--tokens", type=int, default=512, help="batch x sequence")
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200, help="training steps for the loss")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.width, args.hidden, args.layers = 64, 32, 64, 2
+        args.steps, args.repeats = 30, 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print(
+        f"MLP stack: {args.layers} blocks, width {args.width}, hidden {args.hidden}, "
+        f"{args.tokens} tokens, adam; median of {args.repeats} interleaved runs"
+    )
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
+    results = measure(args)
+    print(format_table(results, args.steps))
+    print(
+        f"-bf16: the loss minus bf16's, over the first loss ({results['bf16']['losses'][0]:.4f}); "
+        f"float8 state finite: {results['float8']['state_finite']}"
+    )
+
+
+if __name__ == "__main__":
+    main()
