@@ -109,8 +109,13 @@ def load_data(seed: int) -> tuple[np.ndarray, ...]:
     return x[n_test:], y[n_test:], x[:n_test], y[:n_test]
 
 
-def run(policy, params, args, data, progress_name: str) -> dict[str, Any]:
-    """Trains ``MLP`` from ``params`` under ``policy``; returns the history and measurements."""
+def run(policy, variables, args, data, progress_name: str) -> dict[str, Any]:
+    """Trains ``MLP`` from ``variables`` under ``policy``; returns the history and measurements.
+
+    ``variables`` are ``{"params": ...}``, plus the float8 state a float8 policy needs
+    (``jp.linen.init`` creates it): its gradient is its new value, so it is split off the
+    gradients and replaces the old state instead of going through the optimizer.
+    """
     x_train, y_train, x_test, y_test = data
     model = MLP(args.hidden)
     apply = jp.linen.apply(model, policy)
@@ -119,32 +124,34 @@ def run(policy, params, args, data, progress_name: str) -> dict[str, Any]:
     # on a non-finite one. Keras and PyTorch wait 2000 steps; a short run shows more with less.
     loss_scale = jp.DynamicLossScale(2.0**15, period=args.loss_scale_period)
     optimizer = jp.loss_scaling(optax.adam(args.lr), loss_scale if scaling == "dynamic" else "none")
-    opt_state = jax.jit(optimizer.init)(params)
+    opt_state = jax.jit(optimizer.init)(variables["params"])
 
-    def loss_fn(params, x, y):
-        logits = apply({"params": params}, x).astype(jnp.float32)  # the loss in float32
+    def loss_fn(variables, x, y):
+        logits = apply(variables, x).astype(jnp.float32)  # the loss in float32
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     grad_fn = jp.scaled_value_and_grad(loss_fn)
 
     @jax.jit
-    def step(params, opt_state, x, y):
-        loss, grads = grad_fn(jp.get_loss_scale(opt_state), params, x, y)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    def step(variables, opt_state, x, y):
+        loss, grads = grad_fn(jp.get_loss_scale(opt_state), variables, x, y)
+        grads, float8_state = jp.linen.split_gradients(grads)  # {} without float8
+        params = variables["params"]
+        updates, opt_state = optimizer.update(grads["params"], opt_state, params)
+        return {"params": optax.apply_updates(params, updates), **float8_state}, opt_state, loss
 
     @jax.jit
-    def accuracy(params, x, y):
-        logits = apply({"params": params}, x)
+    def accuracy(variables, x, y):
+        logits = apply(variables, x)
         return jnp.mean(jnp.argmax(logits, -1) == y)
 
     # Activations kept for the backward pass: the compiled gradient's temporary buffers.
     xb, yb = jnp.asarray(x_train[: args.batch]), jnp.asarray(y_train[: args.batch])
     compiled = (
-        jax.jit(lambda p, x, y: jax.value_and_grad(loss_fn)(p, x, y)).lower(params, xb, yb)
+        jax.jit(lambda v, x, y: jax.value_and_grad(loss_fn)(v, x, y)).lower(variables, xb, yb)
     ).compile()
     activation_bytes = compiled.memory_analysis().temp_size_in_bytes
-    param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
+    param_bytes = sum(p.nbytes for p in jax.tree.leaves(variables["params"]))
 
     rng = np.random.default_rng(args.seed)
     history: dict[str, list[float]] = {"loss": [], "scale": [], "skipped": []}
@@ -153,7 +160,7 @@ def run(policy, params, args, data, progress_name: str) -> dict[str, Any]:
     for _ in bar:
         idx = rng.integers(0, len(x_train), args.batch)
         start = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, x_train[idx], y_train[idx])
+        variables, opt_state, loss = step(variables, opt_state, x_train[idx], y_train[idx])
         loss = float(loss)  # waits for the step
         times.append(time.perf_counter() - start)
         history["loss"].append(loss)
@@ -167,13 +174,13 @@ def run(policy, params, args, data, progress_name: str) -> dict[str, Any]:
     return {
         "history": history,
         "loss": history["loss"][-1],
-        "accuracy": float(accuracy(params, jnp.asarray(x_test), jnp.asarray(y_test))),
+        "accuracy": float(accuracy(variables, jnp.asarray(x_test), jnp.asarray(y_test))),
         "step_ms": statistics.median(times[1:] or times) * 1e3,  # the first step compiles
         "activation_bytes": activation_bytes,
         "param_bytes": param_bytes,
         "skipped": history["skipped"][-1],
         "scale": history["scale"][-1] if scaling == "dynamic" else None,
-        "param_dtypes": sorted({str(p.dtype) for p in jax.tree.leaves(params)}),
+        "param_dtypes": sorted({str(p.dtype) for p in jax.tree.leaves(variables["params"])}),
     }
 
 
@@ -270,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--policy",
         default="mixed_bfloat16",
-        help="a policy name: Keras (mixed_float16), jmp (p=f32,c=bf16,o=f32) or a dtype",
+        help="a policy name: Keras (mixed_float16, float8_from_mixed_bfloat16), jmp "
+        "(p=f32,c=bf16,o=f32) or a dtype",
     )
     parser.add_argument(
         "--policy-map",
@@ -301,10 +309,12 @@ def main(argv: list[str] | None = None) -> None:
     # for the mixed policies), created as `jp.linen.apply` will use them. Jitted: an eager
     # Flax init compiles one small program per op.
     init = jax.jit(jp.linen.init(MLP(args.hidden), policy))
-    params = init(jax.random.key(args.seed), jnp.asarray(data[0][:1]))["params"]
-    ours = run(policy, params, args, data, name)
+    variables = init(jax.random.key(args.seed), jnp.asarray(data[0][:1]))  # + float8 state
+    ours = run(policy, variables, args, data, name)
     float32 = jp.get_policy("float32")
-    base = run(float32, float32.cast_to_param(params), args, data, "float32")
+    base = run(
+        float32, {"params": float32.cast_to_param(variables["params"])}, args, data, "float32"
+    )
     print(f"\n{args.steps} steps of batch {args.batch} on {jax.devices()[0].platform.upper()}:")
     print(format_table(name, ours, base))
     print(f"{name}: parameters stored in {', '.join(ours['param_dtypes'])}")

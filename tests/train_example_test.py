@@ -61,6 +61,29 @@ def test_short_float16_run_prints_the_table_and_writes_the_plot(tmp_path):
     assert "it/s" in result.stderr  # the tqdm progress bar
 
 
+def test_float8_policy_trains_with_its_state_split_off_the_gradients(tmp_path):
+    """A float8 policy on the hidden layers: the script creates and carries the state."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--steps=30",
+            "--policy=mixed_bfloat16",
+            "--policy-map=hidden_.*=float8_from_mixed_bfloat16,head=float32",
+            "--no-progress",
+            f"--plot={tmp_path / 'loss.png'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = result.stdout[result.stdout.index("30 steps of batch 128") :]
+    accuracy = next(line for line in table.splitlines() if "test accuracy" in line).split()
+    assert float(accuracy[2]) > 0.8 and abs(float(accuracy[2]) - float(accuracy[3])) < 0.05
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
