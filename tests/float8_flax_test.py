@@ -435,3 +435,36 @@ def test_lm1b_with_float8_mlps_trains_like_bfloat16():
     new = trained[COLLECTION]["decoder"]["encoderdecoderblock_0"]["MlpBlock_0"]["Dense_1"]
     assert int(jnp.count_nonzero(new["float8_0"]["output_grad_amax_history"])) == 60
     assert all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(trained[COLLECTION]))
+
+
+# -- sharding --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_data_parallel_on_8_devices_gives_the_single_device_state(axis_type):
+    """Under jit with the batch sharded over 8 devices (classic or explicit sharding), the
+    amaxes are global reductions: the new state equals the one computed on one device."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    assert len(jax.devices()) == 8
+    mesh = jax.make_mesh((8,), ("batch",), axis_types=(getattr(AxisType, axis_type),))
+    x, y = data(n=64)
+    variables = jp.linen.init(MLP(), hidden_map())(jax.random.key(0), x)
+    fn = jp.linen.apply(MLP(), hidden_map())
+
+    @jax.jit
+    def new_state(variables, x, y):
+        grads = jax.grad(lambda v: jnp.mean((fn(v, x).astype(jnp.float32) - y) ** 2))(variables)
+        return jp.linen.split_gradients(grads)[1]
+
+    single = new_state(variables, x, y)
+    sharded_x = jax.device_put(x, NamedSharding(mesh, PartitionSpec("batch")))
+    sharded_y = jax.device_put(y, NamedSharding(mesh, PartitionSpec("batch")))
+    assert len(sharded_x.sharding.device_set) == 8
+    with jax.set_mesh(mesh):
+        sharded = new_state(variables, sharded_x, sharded_y)
+    # Equal up to bfloat16 rounding (2**-8): a sharded backward sums in another order.
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-2)
+    up = sharded[COLLECTION]["up"]["float8_0"]
+    assert float(up["input_amax_history"][0]) == pytest.approx(float(jnp.abs(x).max()), rel=1e-2)
