@@ -226,3 +226,16 @@ def test_check_not_in_rejects_float8_state_among_gradients():
     float8.check_not_in({"params": {}}, "x")
     with pytest.raises(ValueError, match=r"jmp_policy\.linen\.split_gradients"):
         float8.check_not_in({"params": {}, "_overwrite_with_gradient": {}}, "loss_scaling")
+
+
+def test_a_zeroed_state_reads_as_fresh_never_as_a_division_by_zero(maybe_jit):
+    """A layer left out of a differentiated step gets a zero "gradient": its state comes
+    back all zeros. The next step neither divides by zero nor loses its values."""
+    zero = {k: jnp.zeros_like(v) for k, v in float8.init_state(4).items()}
+    x = jnp.array([[0.5, -2.0, 0.0]])
+    w = jnp.ones((3, 2))
+    dn = (((1,), (0,)), ((), ()))
+    y = maybe_jit(lambda x: float8.dot_general(zero)(x, w, dn))(x)
+    np.testing.assert_allclose(y, x @ w)  # its own amax: 0.5, -2 and 1 are exact in e4m3
+    y0 = maybe_jit(lambda x: float8.dot_general(zero)(x, w, dn))(jnp.zeros((1, 3)))
+    np.testing.assert_array_equal(y0, np.zeros((1, 2), np.float32))  # not nan

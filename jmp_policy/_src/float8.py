@@ -144,11 +144,26 @@ def step_scale(
     scale: jax.Array, history: jax.Array, current_amax: jax.Array, dtype: Any
 ) -> jax.Array:
     """The scale a step quantizes with: ``scale``, or, while ``history`` is empty, the
-    step's own ``fp8_max / amax`` (when that amax is finite and above zero)."""
+    step's own ``fp8_max / amax`` (when that amax is finite and above zero); 1 for a
+    scale that is zero or not finite (a state zeroed by a layer left out of a step).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from jmp_policy._src import float8
+        >>> zeros = jnp.zeros(4, jnp.float32)
+        >>> float(float8.step_scale(jnp.float32(7.0), zeros, jnp.float32(2.0), float8.E4M3))
+        224.0
+        >>> float(float8.step_scale(jnp.float32(0.0), zeros, jnp.float32(0.0), float8.E4M3))
+        1.0
+    """
     fp8_max = jnp.float32(max_value(dtype))
     usable = jnp.isfinite(current_amax) & (current_amax > 0)
     own = fp8_max / jnp.where(usable, current_amax, 1.0)
     empty = jnp.max(history) <= 0
+    # A scale that is not a positive finite number never came from `update`: a state that
+    # got a zero "gradient" (its layer did not run in the differentiated function) reads
+    # as a fresh one (scale 1), never as a division by zero.
+    scale = jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 1.0)
     return jnp.where(empty & usable, own, scale)
 
 
