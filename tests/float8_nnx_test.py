@@ -243,6 +243,47 @@ def test_steps_match_the_linen_route():
     assert history.tolist() == amaxes
 
 
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.relu(self.lin(x))
+
+
+class Stack(nnx.Module):
+    """Three blocks created stacked and run with nnx.scan over layers."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Block(rngs)
+
+        self.blocks = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+
+        return body(x, self.blocks)
+
+
+def test_layers_scanned_over_get_a_state_each():
+    model = jp.nnx.init_float8(Stack(nnx.Rngs(0)), fp8(2, "float32"))
+    state = state_of(model.blocks.lin)
+    assert state["input_amax_history"].shape == (3, 2)
+    assert state["kernel_scale"].shape == (3,)
+    x = jnp.full((2, 4), 0.5)
+    _, new = nnx.jit(lambda m: jp.nnx.split_gradients(grads_of(m, fp8(2, "float32"), x)))(model)
+    new = new["blocks"]["lin"]["float8"].get_value()
+    kernels = np.abs(np.asarray(model.blocks.lin.kernel.get_value())).max(axis=(1, 2))
+    np.testing.assert_allclose(new["kernel_amax_history"][:, 0], kernels, rtol=1e-6)
+    np.testing.assert_array_equal(new["kernel_amax_history"][:, 1], np.zeros(3))
+    assert float(new["input_amax_history"][0, 0]) == 0.5  # the first block's input
+
+
 def test_grad_step_has_two_e4m3_and_one_e5m2_conversion_per_float8_layer():
     policy_map = fp8_map()
     model = jp.nnx.init_float8(MLP(nnx.Rngs(0)), policy_map)
