@@ -43,7 +43,15 @@ DOCUMENTED = [
 
 FLAX_MODULES = {
     "linen": ["apply", "init", "explain", "diagnose", "NORM_FLOAT32"],
-    "nnx": ["apply", "explain", "diagnose", "NORM_FLOAT32"],
+    "nnx": [
+        "apply",
+        "explain",
+        "diagnose",
+        "NORM_FLOAT32",
+        "init_float8",
+        "split_gradients",
+        "Float8State",
+    ],
 }
 
 POLICY_MEMBERS = [

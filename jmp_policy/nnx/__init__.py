@@ -10,6 +10,12 @@ mapping that computes NNX's normalisation layers (``LayerNorm``, ``RMSNorm``,
 ``BatchNorm``, ``GroupNorm``, ``InstanceNorm``) in float32 and returns their outputs in
 the caller's compute dtype.
 
+float8 training: :func:`init_float8` returns a copy of the model whose float8 layers
+(``Linear``, ``LinearGeneral``, ``Einsum``) hold their delayed-scaling state in a
+:class:`Float8State` variable, which ``nnx.Optimizer(..., wrt=nnx.Param)`` leaves alone;
+:func:`apply` runs their matmuls through float8, and :func:`split_gradients` separates
+the new float8 state from the parameters' gradients.
+
 Examples:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -29,9 +35,20 @@ from __future__ import annotations
 from jmp_policy.nnx._apply import apply as apply
 from jmp_policy.nnx._diagnose import diagnose as diagnose
 from jmp_policy.nnx._explain import explain as explain
+from jmp_policy.nnx._init import init_float8 as init_float8
 from jmp_policy.nnx._modules import NORM_FLOAT32 as NORM_FLOAT32
+from jmp_policy.nnx._quantization import Float8State as Float8State
+from jmp_policy.nnx._quantization import split_gradients as split_gradients
 
-__all__ = ["NORM_FLOAT32", "apply", "diagnose", "explain"]
+__all__ = [
+    "NORM_FLOAT32",
+    "Float8State",
+    "apply",
+    "diagnose",
+    "explain",
+    "init_float8",
+    "split_gradients",
+]
 
 
 def __dir__() -> list[str]:

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 import jmp_policy.nnx._modules as m
+import jmp_policy.nnx._quantization as q
 from jmp_policy._src import casting, interception
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import (
@@ -20,7 +21,6 @@ from jmp_policy._src.resolution import (
     check_floating,
 )
 from jmp_policy._src.run_report import warn_once
-from jmp_policy.nnx._quantization import int8_matmuls
 
 # The attributes a policy-running subclass keeps its original class and its call under.
 _ORIGINAL = "_jmp_policy_original_class"
@@ -123,6 +123,12 @@ def apply(
     (``BatchStat``, RNG counts, ``Cache``, sown ``Intermediate``) is written back into
     ``model`` with ``nnx.update``, cast to its stored dtype.
 
+    **Quantized layers.** An ``nnx.Linear``, ``nnx.LinearGeneral`` or ``nnx.Einsum``
+    with NNX's own matmul runs it on int8 operands under an int8 policy, and through
+    float8 with delayed scaling under a float8 policy, reading its state from the
+    ``Float8State`` that :func:`jmp_policy.nnx.init_float8` gave it (one call per layer
+    and run; see :func:`jmp_policy.nnx.split_gradients` for the training step).
+
     Works under ``nnx.jit``, ``nnx.grad``/``nnx.value_and_grad``, ``nnx.vmap`` and
     ``nnx.scan`` over a model and ``jax.jit`` of a ``split``/``merge`` function: call
     ``apply`` inside the transformed function, on the model it receives.
@@ -200,7 +206,7 @@ def apply_with(
 ) -> Callable[..., Any]:
     """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
     methods = m.methods_for(model, method)
-    extensions = (*opts.extensions, int8_matmuls)  # int8 layers: innermost
+    extensions = (*opts.extensions, q.quantized_matmuls)  # quantized layers: innermost
     warned: set[str] = set()  # what this wrapper has warned about
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -237,7 +243,7 @@ def apply_with(
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
         warn_once(resolver, type(model).__name__, warned)
-        with interception.model_run(opts):
+        with interception.model_run(opts), q.model_run():
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
             else:

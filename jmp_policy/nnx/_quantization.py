@@ -1,47 +1,219 @@
-"""int8 compute for NNX: the hook's extension that gives int8 layers an int8 matmul.
+"""Quantized compute for NNX: the hook's extension that routes layers' matmuls.
 
-Under an int8 policy, an ``nnx.Linear`` whose ``dot_general`` is JAX's own, an
+Under an int8 or float8 policy, an ``nnx.Linear`` whose ``dot_general`` is JAX's own, an
 ``nnx.LinearGeneral`` whose user set neither ``dot_general`` nor ``dot_general_cls``, and
-an ``nnx.Einsum`` whose ``einsum_op`` is ``jnp.einsum`` run with
-:func:`~jmp_policy._src.quantization.int8_dot_general` (or
-:func:`~jmp_policy._src.quantization.int8_einsum`) in that attribute for the duration of
-the call, on the policy-running copy of the model; it is restored after. A layer whose
-user set their own matmul is left alone.
+an ``nnx.Einsum`` whose ``einsum_op`` is ``jnp.einsum`` run with a replacement in that
+attribute for the duration of the call, on the policy-running copy of the model (it is
+restored after): :func:`~jmp_policy._src.quantization.int8_dot_general` (or
+:func:`~jmp_policy._src.quantization.int8_einsum`), or a float8 quantize-dequantize around
+the matmul with the layer's delayed-scaling state (:mod:`jmp_policy._src.float8`). A layer
+whose user set their own matmul is left alone.
+
+**float8 state.** A float8 layer reads its state from its attribute ``float8``
+(:data:`ATTR`), a :class:`Float8State` that :func:`jmp_policy.nnx.init_float8` creates:
+one dict of the scales and amax histories of its input, kernel and output gradient. The
+state's gradient is its new value (:func:`split_gradients`). NNX keeps one state per
+layer, not per call: a float8 layer called twice in one run is a ``ValueError``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 from flax import nnx
 
-from jmp_policy._src import interception, quantization
+from jmp_policy._src import float8, interception, quantization
+
+ATTR = "float8"  # the attribute of a float8 layer that holds its Float8State
+
+# id(module) -> module, for the float8 layers called so far in the model run in progress.
+_CALLED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
+    "jmp_policy_nnx_float8_called", default=None
+)
 
 
-def _replacement(module: Any) -> tuple[str, Any] | None:
-    """The attribute to set and its int8 value, or None (not ours, or the user's own)."""
+class Float8State(nnx.Variable):
+    """The float8 delayed-scaling state of one NNX layer (a ``dict`` value).
+
+    Its value holds the float32 scales (shape ``()``) and amax histories (shape
+    ``(amax_history_length,)``, newest first) of the layer's input, kernel and output
+    gradient, under the names ``input_scale``, ``input_amax_history``, ``kernel_scale``,
+    ``kernel_amax_history``, ``output_grad_scale`` and ``output_grad_amax_history``.
+    :func:`jmp_policy.nnx.init_float8` creates it, as the attribute ``float8`` of each
+    float8 layer. It is not an ``nnx.Param``: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``
+    leaves it alone, and its gradient (taken with a filter that includes it, such as
+    ``nnx.DiffState(0, nnx.Any(nnx.Param, Float8State))``) is its new value, which
+    :func:`jmp_policy.nnx.split_gradients` hands back for ``nnx.update``.
+
+    Examples:
+        >>> from flax import nnx
+        >>> import jmp_policy as jp
+        >>> layer = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+        >>> layer = jp.nnx.init_float8(layer, "float8_from_mixed_bfloat16")
+        >>> isinstance(layer.float8, jp.nnx.Float8State)
+        True
+        >>> layer.float8.get_value()["input_amax_history"].shape   # amax_history_length
+        (1024,)
+        >>> sorted(nnx.state(layer, jp.nnx.Float8State)["float8"].get_value())[:2]
+        ['input_amax_history', 'input_scale']
+    """
+
+
+def _replacement(module: Any) -> str | None:
+    """The attribute holding the module's matmul, when routable (NNX's own matmul)."""
     if isinstance(module, nnx.Linear):
         if module.dot_general is jax.lax.dot_general:
-            return "dot_general", quantization.int8_dot_general
+            return "dot_general"
     elif isinstance(module, nnx.LinearGeneral):
         if module.dot_general is None and module.dot_general_cls is None:
-            return "dot_general", quantization.int8_dot_general
+            return "dot_general"
     elif isinstance(module, nnx.Einsum) and module.einsum_op is quantization.JNP_EINSUM:
-        return "einsum_op", quantization.int8_einsum
+        return "einsum_op"
     return None
 
 
-def int8_matmuls(
+def routable(module: Any) -> bool:
+    """Whether a quantized policy reaches the module's matmul (see the module docstring)."""
+    return _replacement(module) is not None
+
+
+@contextlib.contextmanager
+def model_run() -> Iterator[None]:
+    """One model run: each float8 layer may be called once inside."""
+    token = _CALLED.set({})
+    try:
+        yield
+    finally:
+        _CALLED.reset(token)
+
+
+def _where(call: Any) -> str:
+    return f"{type(call.module).__name__} at {call.path or 'the root'!r}"
+
+
+def _float8_state(call: Any) -> dict[str, jax.Array]:
+    """The state of a float8 layer's call, after checking it is there and called once."""
+    module, policy = call.module, call.resolution.policy
+    variable = getattr(module, ATTR, None)
+    if not isinstance(variable, Float8State):
+        raise ValueError(
+            f"{_where(call)} runs under the float8 policy {policy.name!r} but has no float8 "
+            f"state (a `jmp_policy.nnx.Float8State` attribute {ATTR!r}). Create it with "
+            "`model = jmp_policy.nnx.init_float8(model, policy_or_map)` (a copy of the "
+            "model with the state) and take gradients with respect to it too: "
+            "`nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, "
+            "jmp_policy.nnx.Float8State)))`, then `jmp_policy.nnx.split_gradients`."
+        )
+    called = _CALLED.get()
+    if called is not None:
+        if id(module) in called:
+            raise ValueError(
+                f"{_where(call)} runs under the float8 policy {policy.name!r} and is called "
+                "a second time in one run (a shared module). jmp_policy's NNX route keeps one "
+                "float8 state per layer, and the new states of two calls would be summed "
+                "into a corrupted one: one state per call is not supported in NNX (it is in "
+                "Linen). Use a separate layer per call, or give this module a float32 or "
+                "bfloat16 policy in the map."
+            )
+        called[id(module)] = module  # kept alive, so its id is not reused in this run
+    state = variable.get_value()
+    history = getattr(
+        state.get("input_amax_history") if isinstance(state, dict) else None, "shape", None
+    )
+    if history != (policy.amax_history_length,):
+        raise ValueError(
+            f"{_where(call)} runs under the float8 policy {policy.name!r} with "
+            f"amax_history_length={policy.amax_history_length}, but its float8 state holds "
+            f"an amax history of shape {history}. Create the state with the map you apply: "
+            "`jmp_policy.nnx.init_float8(model, policy_or_map)`."
+        )
+    return state
+
+
+def quantized_matmuls(
     call: Any, next_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """The hook extension: int8 layers' matmuls on int8 operands (see the module docstring)."""
-    module = call.module
-    if not quantization.is_int8(call.resolution.policy) or module is None:
+    """The hook extension: quantized layers' matmuls (see the module docstring)."""
+    module, policy = call.module, call.resolution.policy
+    name = None if module is None else _replacement(module)
+    if name is None:
         return next_fn(*args, **kwargs)
-    replacement = _replacement(module)
-    if replacement is None:
+    if quantization.is_int8(policy):
+        value = quantization.int8_einsum if name == "einsum_op" else quantization.int8_dot_general
+    elif float8.is_float8(policy):
+        state = _float8_state(call)
+        if name == "einsum_op":
+            value = float8.einsum(state, quantization.JNP_EINSUM)
+        else:
+            value = float8.dot_general(state)
+    else:
         return next_fn(*args, **kwargs)
-    with interception.attribute_set(module, *replacement):
+    with interception.attribute_set(module, name, value):
         return next_fn(*args, **kwargs)
+
+
+def split_gradients(grads: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """Splits NNX gradients into what the optimizer updates and the new float8 state.
+
+    A :class:`Float8State`'s "gradient" is its new value (Flax's convention): it must
+    replace the state, never go through an optimizer (which would add it, decay it, or
+    unscale it under loss scaling).
+
+    Args:
+        grads: an ``nnx.State`` of gradients taken with respect to the parameters and the
+            float8 state, e.g. ``nnx.grad(loss, argnums=nnx.DiffState(0,
+            nnx.Any(nnx.Param, jmp_policy.nnx.Float8State)))(model, ...)``.
+
+    Returns:
+        ``(param_grads, float8_state)``: ``grads`` without its :class:`Float8State`
+        entries (for ``optimizer.update(model, param_grads)``), and those entries, the new
+        states (for ``nnx.update(model, float8_state)``; empty when there are none). A
+        float8 layer whose matmul did not run in the differentiated function gets a zero
+        "new state": differentiate the function that runs every float8 layer once.
+
+    Raises:
+        TypeError: ``grads`` is not an ``nnx.State``.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> import optax
+        >>> from flax import nnx
+        >>> import jmp_policy as jp
+        >>> policy_map = jp.DTypePolicyMap("float8_from_float32", {"head": "float32"})
+        >>> class MLP(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.hidden = nnx.Linear(3, 8, rngs=rngs)
+        ...         self.head = nnx.Linear(8, 1, rngs=rngs)
+        ...     def __call__(self, x):
+        ...         return self.head(nnx.relu(self.hidden(x)))
+        >>> model = jp.nnx.init_float8(MLP(nnx.Rngs(0)), policy_map)
+        >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        >>> def loss(model, x, y):
+        ...     return jnp.mean((jp.nnx.apply(model, policy_map)(x) - y) ** 2)
+        >>> @nnx.jit
+        ... def train_step(model, optimizer, x, y):
+        ...     wrt = nnx.DiffState(0, nnx.Any(nnx.Param, jp.nnx.Float8State))
+        ...     grads = nnx.grad(loss, argnums=wrt)(model, x, y)
+        ...     param_grads, float8_state = jp.nnx.split_gradients(grads)
+        ...     optimizer.update(model, param_grads)
+        ...     nnx.update(model, float8_state)
+        >>> x, y = jnp.full((4, 3), 0.5), jnp.ones((4, 1))
+        >>> train_step(model, optimizer, x, y)
+        >>> model.hidden.float8.get_value()["input_amax_history"][:2]
+        Array([0.5, 0. ], dtype=float32)
+        >>> float(model.hidden.float8.get_value()["input_scale"])   # 448 / 0.5
+        896.0
+    """
+    if not isinstance(grads, nnx.State):
+        raise TypeError(
+            "`grads` must be an `nnx.State` of gradients with respect to the model's "
+            "parameters and float8 state, e.g. `nnx.grad(loss, argnums=nnx.DiffState(0, "
+            "nnx.Any(nnx.Param, jmp_policy.nnx.Float8State)))(model, ...)`. Received: grads "
+            f"of type {type(grads).__name__}"
+        )
+    float8_state, param_grads = nnx.filter_state(grads, Float8State, ...)
+    return param_grads, float8_state
