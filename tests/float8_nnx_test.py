@@ -455,3 +455,55 @@ def test_split_gradients_without_float8_state_gives_an_empty_state():
     param_grads, float8_state = jp.nnx.split_gradients(grads)
     assert jax.tree.leaves(float8_state) == []
     assert sorted(param_grads) == ["head", "hidden1", "hidden2"]
+
+
+# -- the NNX Gemma (Flax's constructs: nnx.Einsum QKV and output, nnx.Linear gated MLP) --------
+
+
+def test_nnx_gemma_with_float8_blocks_trains_like_bfloat16():
+    from flax_examples import gemma_nnx
+
+    batch, length = 4, 12
+    rows = np.arange(batch)[:, None] * 5 + np.arange(length)[None] * np.array([[1], [2], [3], [1]])
+    seq = jnp.asarray(rows % 47 + 1, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((length, length), bool)), (batch, length, length))
+    f8 = jp.DTypePolicyMap("mixed_bfloat16", {r"layers/\d+/(attn/\w+_einsum|mlp/\w+_proj)": F8})
+    bf16 = jp.DTypePolicyMap("mixed_bfloat16")
+
+    def train(policy_map, model, steps=40):
+        optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+        wrt = WRT if policy_map is f8 else nnx.DiffState(0, nnx.Param)
+
+        def loss(m):
+            run = jp.nnx.apply(m, policy_map, type_policies=jp.nnx.NORM_FLOAT32)
+            logits, _ = run(seq, positions, None, mask)
+            logits = logits[:, :-1].astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, seq[:, 1:]).mean()
+
+        @nnx.jit
+        def step(model, optimizer):
+            value, grads = nnx.value_and_grad(loss, argnums=wrt)(model)
+            if policy_map is f8:
+                grads, state = jp.nnx.split_gradients(grads)
+                nnx.update(model, state)
+            optimizer.update(model, grads)
+            return value
+
+        return [float(step(model, optimizer)) for _ in range(steps)]
+
+    model = gemma_nnx.Transformer(vocab_size=48, rngs=nnx.Rngs(0))
+    f8_model = jp.nnx.init_float8(model, f8)
+    layer = f8_model.layers[0]
+    states = [layer.attn.qkv_einsum, layer.attn.attn_vec_einsum, layer.mlp.gate_proj,
+              layer.mlp.up_proj, layer.mlp.down_proj]  # fmt: skip
+    assert all(isinstance(s.float8, jp.nnx.Float8State) for s in states)
+    assert not hasattr(model.layers[0].mlp.up_proj, "float8")  # the user's model: untouched
+    losses = train(f8, f8_model)
+    losses_bf16 = train(bf16, model)
+    assert losses_bf16[-1] < 0.5 * losses_bf16[0]
+    assert abs(losses[-1] - losses_bf16[-1]) <= 0.05 * losses_bf16[0]
+    for s in states:
+        value = s.float8.get_value()
+        assert all(bool(jnp.isfinite(v).all()) for v in value.values())
+        assert int(jnp.count_nonzero(value["output_grad_amax_history"])) == 40
