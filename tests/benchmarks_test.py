@@ -10,15 +10,20 @@ import jax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_run_all_quick_prints_one_table_of_ratios():
+def _run(script, *flags):
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "run_all.py"), "--quick"],
+        [sys.executable, str(ROOT / "benchmarks" / script), *flags],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_run_all_quick_prints_one_table_of_ratios():
+    result = _run("run_all.py", "--quick")
     lines = result.stdout.splitlines()
     rows = [line for line in lines if re.search(r"\s\d+\.\d{3}x$", line)]
     benchmarks = {line.split()[0] for line in rows}
@@ -43,14 +48,7 @@ def test_run_all_quick_prints_one_table_of_ratios():
 
 
 def test_float8_bench_quick_prints_its_table_and_the_loss_gap():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "float8_bench.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _run("float8_bench.py", "--quick")
     lines = result.stdout.splitlines()
     table = {line.split()[0]: line.split() for line in lines[2:6]}
     assert set(table) == {"variant", "float8", "bf16", "float32"}

@@ -19,24 +19,28 @@ def _load_script():
     return module
 
 
-def test_short_float16_run_prints_the_table_and_writes_the_plot(tmp_path):
-    plot = tmp_path / "loss.png"
+def _train(tmp_path, *flags):
     result = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--steps=20",
-            "--policy=mixed_float16",
-            "--policy-map=head=float32,norm=float32",
-            "--loss-scale-period=5",
-            f"--plot={plot}",
-        ],
+        [sys.executable, str(SCRIPT), *flags],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_short_float16_run_prints_the_table_and_writes_the_plot(tmp_path):
+    plot = tmp_path / "loss.png"
+    result = _train(
+        tmp_path,
+        "--steps=20",
+        "--policy=mixed_float16",
+        "--policy-map=head=float32,norm=float32",
+        "--loss-scale-period=5",
+        f"--plot={plot}",
+    )
     out = result.stdout
     assert "loss scaling: dynamic" in out
     table = out[out.index("20 steps of batch 128") : out.index("parameters stored in")]
@@ -63,22 +67,14 @@ def test_short_float16_run_prints_the_table_and_writes_the_plot(tmp_path):
 
 def test_float8_policy_trains_with_its_state_split_off_the_gradients(tmp_path):
     """A float8 policy on the hidden layers: the script creates and carries the state."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--steps=30",
-            "--policy=mixed_bfloat16",
-            "--policy-map=hidden_.*=float8_from_mixed_bfloat16,head=float32",
-            "--no-progress",
-            f"--plot={tmp_path / 'loss.png'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
+    result = _train(
+        tmp_path,
+        "--steps=30",
+        "--policy=mixed_bfloat16",
+        "--policy-map=hidden_.*=float8_from_mixed_bfloat16,head=float32",
+        "--no-progress",
+        f"--plot={tmp_path / 'loss.png'}",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     table = result.stdout[result.stdout.index("30 steps of batch 128") :]
     accuracy = next(line for line in table.splitlines() if "test accuracy" in line).split()
     assert float(accuracy[2]) > 0.8 and abs(float(accuracy[2]) - float(accuracy[3])) < 0.05
