@@ -108,3 +108,43 @@ def test_no_matmuls_and_bad_input():
     assert jp.dtype_profile(lambda x: x + 1, jnp.ones(3)).summary() == "no matmul FLOPs"
     with pytest.raises(TypeError, match="`fn` must be callable"):
         jp.dtype_profile(3)
+
+
+def test_matmuls_on_float8_dequantized_operands_count_as_float8():
+    """A float8 policy's quantize-dequantize (convert from float8, then scale) feeds a
+    matmul XLA fuses into a native float8 one: the profile counts it as float8."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="head")(nn.relu(nn.Dense(32, name="body")(x)))
+
+    x = jnp.ones((8, 16))
+    policy_map = jp.DTypePolicyMap("mixed_bfloat16", {"body": "float8_from_mixed_bfloat16"})
+    variables = jp.linen.init(Net(), policy_map)(jax.random.key(0), x)
+    fn = jp.linen.apply(Net(), policy_map)
+
+    def step(v):
+        return jax.grad(lambda v: fn(v, x).astype(jnp.float32).sum())(v)
+
+    profile = jp.dtype_profile(step, variables)
+    body, head = 2 * 8 * 32 * 16, 2 * 8 * 4 * 32
+    # body: forward e4m3 x e4m3; backward: its kernel and input gradients, each on an
+    # e4m3 operand and the e5m2 output gradient (the jaxpr keeps the input gradient; XLA
+    # drops it later). head: bfloat16 forward and backward.
+    assert profile.matmul_flops == {
+        "float8_e4m3fn": body,
+        "float8_e4m3fn+float8_e5m2": 2 * body,
+        "bfloat16": 3 * head,
+    }
+    assert profile.summary() == (
+        "53% of matmul FLOPs in float8_e4m3fn+float8_e5m2, 27% in float8_e4m3fn (body), "
+        "20% in bfloat16 (head)"
+    )
+    plain = jp.dtype_profile(
+        lambda a, b: a.astype(jnp.float8_e4m3fn).astype(jnp.bfloat16) * 2 @ b,
+        jnp.ones((4, 4), jnp.bfloat16),
+        jnp.ones((4, 4), jnp.bfloat16),
+    )
+    assert plain.matmul_flops == {"bfloat16+float8_e4m3fn": 2 * 4 * 4 * 4}

@@ -51,9 +51,10 @@ class DTypeProfile:
         return ", ".join(parts)
 
     def __str__(self) -> str:
+        w = max([16, *(len(d) for d in (*self.matmul_flops, *self.bytes))])
         lines = [
             self.summary(),
-            f"{'dtype':<16} {'matmul FLOPs':>14} {'share':>7} {'bytes produced':>15} {'share':>7}",
+            f"{'dtype':<{w}} {'matmul FLOPs':>14} {'share':>7} {'bytes produced':>15} {'share':>7}",
         ]
         flops_total = sum(self.matmul_flops.values())
         bytes_total = sum(self.bytes.values())
@@ -64,7 +65,7 @@ class DTypeProfile:
         for d in dtypes:
             f, b = self.matmul_flops.get(d, 0), self.bytes.get(d, 0)
             lines.append(
-                f"{d:<16} {_si(f):>14} {_percent(f / flops_total if flops_total else 0):>7} "
+                f"{d:<{w}} {_si(f):>14} {_percent(f / flops_total if flops_total else 0):>7} "
                 f"{_si(b, 'B'):>15} {_percent(b / bytes_total if bytes_total else 0):>7}"
             )
         return "\n".join(lines)
@@ -104,9 +105,19 @@ def _matmul_flops(eqn: Any) -> int:
     return 2 * int(np.prod(out.shape, dtype=np.int64)) * k
 
 
-def _operand_dtype(eqn: Any) -> str:
-    names = sorted({np.dtype(v.aval.dtype).name for v in eqn.invars[:2]})
+def _operand_dtype(eqn: Any, origin: Mapping[Any, str]) -> str:
+    names = sorted({_name(v, origin) for v in eqn.invars[:2]})
     return "+".join(names)
+
+
+def _name(var: Any, origin: Mapping[Any, str]) -> str:
+    """A value's dtype name, or the float8 dtype it was dequantized from."""
+    found = origin.get(var) if isinstance(var, jax.extend.core.Var) else None
+    return found if found is not None else np.dtype(var.aval.dtype).name
+
+
+def _is_float8(dtype: Any) -> bool:
+    return np.dtype(dtype).name.startswith("float8")
 
 
 def _sub_jaxprs(value: Any) -> list[Any]:
@@ -119,13 +130,30 @@ def _sub_jaxprs(value: Any) -> list[Any]:
     return found
 
 
+def _track_float8(eqn: Any, origin: dict[Any, str]) -> None:
+    """Marks a dequantized float8 value (``convert(float8)``, then scaled by ``mul``): a
+    matmul on it is a float8 matmul (XLA fuses the pattern into one on GPUs with fp8)."""
+    name = eqn.primitive.name
+    if name == "convert_element_type" and _is_float8(eqn.invars[0].aval.dtype):
+        origin[eqn.outvars[0]] = np.dtype(eqn.invars[0].aval.dtype).name
+    elif name in ("mul", "div"):
+        marked = [
+            origin[v] for v in eqn.invars if isinstance(v, jax.extend.core.Var) and v in origin
+        ]
+        if marked:
+            origin[eqn.outvars[0]] = marked[0]
+
+
 def _walk(
     jaxpr: Any,
     times: int,
     flops: dict[str, int],
     nbytes: dict[str, int],
     sources: dict[str, list[str]],
-) -> None:
+    origin_in: Mapping[Any, str] | None = None,
+) -> list[str | None]:
+    """Counts ``jaxpr`` into the tallies; returns the float8 origin of each output."""
+    origin: dict[Any, str] = dict(origin_in or {})
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         for var in eqn.outvars:
@@ -134,8 +162,9 @@ def _walk(
                 dtype = np.dtype(aval.dtype)
                 size = int(np.prod(aval.shape, dtype=np.int64)) * dtype.itemsize
                 nbytes[dtype.name] = nbytes.get(dtype.name, 0) + times * size
+        _track_float8(eqn, origin)
         if name in _MATMULS:
-            key = _operand_dtype(eqn)
+            key = _operand_dtype(eqn, origin)
             flops[key] = flops.get(key, 0) + times * _matmul_flops(eqn)
             scope = _scope(eqn)
             if scope and scope not in sources.setdefault(key, []):
@@ -155,7 +184,20 @@ def _walk(
             if name == "while" and key == "cond_jaxpr":
                 continue
             for sub in _sub_jaxprs(value):
-                _walk(sub, inner, flops, nbytes, sources)
+                # jit, custom_vjp and scan bodies take the equation's inputs in order.
+                same = len(sub.invars) == len(eqn.invars)
+                inner_origin = (
+                    {s: origin[v] for s, v in zip(sub.invars, eqn.invars, strict=True)
+                     if isinstance(v, jax.extend.core.Var) and v in origin}
+                    if same
+                    else None
+                )  # fmt: skip
+                outs = _walk(sub, inner, flops, nbytes, sources, inner_origin)
+                if len(outs) == len(eqn.outvars):
+                    for var, found in zip(eqn.outvars, outs, strict=True):
+                        if found is not None:
+                            origin[var] = found
+    return [origin.get(v) if isinstance(v, jax.extend.core.Var) else None for v in jaxpr.outvars]
 
 
 def dtype_profile(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DTypeProfile:
@@ -164,8 +206,11 @@ def dtype_profile(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DTypePro
 
     Answers "why is my step no faster?": how much of it really runs in bfloat16 (or
     float8). A matmul's FLOPs are 2·M·N·K (a convolution's: 2 * output size * the
-    kernel's input features and window), keyed by the dtype of its operands; the bytes
-    are those of every array an op produces. Sub-programs count: ``jit``, ``remat``,
+    kernel's input features and window), keyed by the dtype of its operands; an operand
+    dequantized from float8 (converted from a float8 dtype, then scaled: what a float8
+    policy's quantize-dequantize gives, and what XLA fuses into a native float8 matmul on
+    GPUs that have one) counts as that float8 dtype. The bytes are those of every array
+    an op produces. Sub-programs count: ``jit``, ``remat``,
     ``custom_vjp`` and each iteration of a ``scan`` (times its length); a ``while`` loop's
     body is counted once (its trip count is unknown), a ``cond`` as its costliest branch.
     Profile the training step itself (``jax.value_and_grad(loss)``) to count the
