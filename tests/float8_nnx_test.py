@@ -237,10 +237,11 @@ def test_steps_match_the_linen_route():
                 rtol=1e-5,
                 atol=1e-7,
             )
-    # The histories hold the three steps, newest first.
+    # The histories hold the three steps as the peers' ring: newest at 0, then the
+    # oldest (each step rolls by -1 and writes index 0).
     history = state_of(model.hidden1)["input_amax_history"]
-    amaxes = [float(jnp.abs(x.astype(jnp.bfloat16)).max()) for x in reversed(xs)]
-    assert history.tolist() == amaxes
+    a0, a1, a2 = (float(jnp.abs(x.astype(jnp.bfloat16)).max()) for x in xs)
+    assert history.tolist() == [a2, a0, a1]
 
 
 class Block(nnx.Module):
