@@ -508,3 +508,48 @@ def test_nnx_gemma_with_float8_blocks_trains_like_bfloat16():
         value = s.float8.get_value()
         assert all(bool(jnp.isfinite(v).all()) for v in value.values())
         assert int(jnp.count_nonzero(value["output_grad_amax_history"])) == 40
+
+
+# -- the matmuls are float8 GEMMs (issue #18) -----------------------------------------------
+
+
+class Layers(nnx.Module):
+    """Linear, LinearGeneral over two input axes, Einsum, then a float32 head."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(8, 32, rngs=rngs)
+        self.general = nnx.LinearGeneral(32, (2, 16), rngs=rngs)
+        self.merge = nnx.LinearGeneral((2, 16), 32, axis=(-2, -1), rngs=rngs)
+        self.einsum = nnx.Einsum("bi,io->bo", (32, 16), (16,), rngs=rngs)
+        self.head = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.merge(nnx.relu(self.general(nnx.relu(self.linear(x)))))
+        return self.head(nnx.relu(self.einsum(h)))
+
+
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_every_float8_matmul_is_a_dot_general_of_two_float8_operands(scaling):
+    """Forward e4m3 x e4m3, gradients e5m2 with the saved e4m3 operand (the first layer
+    has no input gradient), nothing on bf16 operands; the float32 head in float32."""
+    policy = jp.QuantizedFloat8DTypePolicy("float8", "mixed_bfloat16", 4, scaling=scaling)
+    policy_map = jp.DTypePolicyMap(policy, {"head": "float32"})
+    model = jp.nnx.init_float8(Layers(nnx.Rngs(0)), policy_map)
+    assert hasattr(model.linear, "float8") == (scaling == "delayed")
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+
+    def grads(model, x):
+        loss = lambda m: jp.nnx.apply(m, policy_map)(x).astype(jnp.float32).sum()  # noqa: E731
+        return nnx.grad(loss, argnums=WRT)(model)
+
+    dots = measure.count(measure.dot_dtypes(grads, model, x))
+    assert dots == {
+        "float8_e4m3fn": 4,
+        "float8_e5m2/float8_e4m3fn": 3,
+        "float8_e4m3fn/float8_e5m2": 4,
+        "float32": 3,
+    }
+    for fn in (grads, nnx.jit(grads)):
+        g = fn(model, x)
+        assert g["linear"]["kernel"].get_value().dtype == jnp.float32
+        assert bool(jnp.all(jnp.isfinite(g["merge"]["kernel"].get_value())))

@@ -130,20 +130,6 @@ def _sub_jaxprs(value: Any) -> list[Any]:
     return found
 
 
-def _track_float8(eqn: Any, origin: dict[Any, str]) -> None:
-    """Marks a dequantized float8 value (``convert(float8)``, then scaled by ``mul``): a
-    matmul on it is a float8 matmul (XLA fuses the pattern into one on GPUs with fp8)."""
-    name = eqn.primitive.name
-    if name == "convert_element_type" and _is_float8(eqn.invars[0].aval.dtype):
-        origin[eqn.outvars[0]] = np.dtype(eqn.invars[0].aval.dtype).name
-    elif name in ("mul", "div"):
-        marked = [
-            origin[v] for v in eqn.invars if isinstance(v, jax.extend.core.Var) and v in origin
-        ]
-        if marked:
-            origin[eqn.outvars[0]] = marked[0]
-
-
 def _walk(
     jaxpr: Any,
     times: int,
@@ -162,7 +148,6 @@ def _walk(
                 dtype = np.dtype(aval.dtype)
                 size = int(np.prod(aval.shape, dtype=np.int64)) * dtype.itemsize
                 nbytes[dtype.name] = nbytes.get(dtype.name, 0) + times * size
-        _track_float8(eqn, origin)
         if name in _MATMULS:
             key = _operand_dtype(eqn, origin)
             flops[key] = flops.get(key, 0) + times * _matmul_flops(eqn)
@@ -206,10 +191,10 @@ def dtype_profile(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DTypePro
 
     Answers "why is my step no faster?": how much of it really runs in bfloat16 (or
     float8). A matmul's FLOPs are 2·M·N·K (a convolution's: 2 * output size * the
-    kernel's input features and window), keyed by the dtype of its operands; an operand
-    dequantized from float8 (converted from a float8 dtype, then scaled: what a float8
-    policy's quantize-dequantize gives, and what XLA fuses into a native float8 matmul on
-    GPUs that have one) counts as that float8 dtype. The bytes are those of every array
+    kernel's input features and window), keyed by the dtypes its operands really have
+    (``"float8_e4m3fn"``, ``"float8_e4m3fn+float8_e5m2"`` for a float8 gradient matmul):
+    an operand converted from float8 before the matmul counts as what it was converted
+    to, since that is what the matmul reads. The bytes are those of every array
     an op produces. Sub-programs count: ``jit``, ``remat``,
     ``custom_vjp`` and each iteration of a ``scan`` (times its length); a ``while`` loop's
     body is counted once (its trip count is unknown), a ``cond`` as its costliest branch.

@@ -202,14 +202,14 @@ def split_quantized_name(name: str) -> tuple[str, str] | None:
     """
     mode, sep, source = name.strip().partition("_from_")
     if not sep:
-        if re.match(r"(int8|int4|float8)(/-?\d+)?_", mode):
+        if re.match(r"(int8|int4|float8)(/-?\d+)?_", mode) and mode != "float8_current":
             raise ValueError(
                 "Cannot convert `policy` into a valid pair (`mode`, `source_name`): a quantized "
                 "policy name is '<mode>_from_<source name>', such as "
                 f"'int8_from_mixed_bfloat16'. Received: policy={name!r}"
             )
         return None
-    if mode.split("/")[0] not in QUANTIZATION_MODES:
+    if mode.split("/")[0] not in (*QUANTIZATION_MODES, "float8_current"):
         return None
     return mode, source
 

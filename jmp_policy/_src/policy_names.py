@@ -16,7 +16,8 @@ def policy_from_name(name: str) -> DTypePolicy:
     """Any accepted name to the right policy class, as Keras picks it.
 
     ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"int4_from_…"`` and
-    ``"int8_from_…"`` a :class:`QuantizedDTypePolicy`, ``"float8_from_…"`` a
+    ``"int8_from_…"`` a :class:`QuantizedDTypePolicy`, ``"float8_from_…"`` (delayed
+    scaling) and ``"float8_current_from_…"`` (current scaling) a
     :class:`QuantizedFloat8DTypePolicy`, every other name a :class:`DTypePolicy`.
     """
     dt.check_name_type(name)
@@ -24,7 +25,7 @@ def policy_from_name(name: str) -> DTypePolicy:
     if split is None:
         return DTypePolicy(name)
     mode, source = split
-    if mode == "float8":
+    if mode in ("float8", "float8_current"):
         return QuantizedFloat8DTypePolicy(mode, source)
     if mode.startswith("int4/"):
         return Int4DTypePolicy(mode, source)

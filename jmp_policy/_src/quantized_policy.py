@@ -12,6 +12,7 @@ from jmp_policy._src import quantization
 from jmp_policy._src.policy import DTypePolicy, T, global_name
 
 _DEFAULT_INT4_BLOCK = 128
+SCALINGS = ("delayed", "current")
 
 
 def _mode_text(base: str, block: int | None) -> str:
@@ -252,43 +253,70 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
 
 
 class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
-    """A float8 policy with delayed scaling (e4m3 forward, e5m2 for gradients).
+    """A float8 policy (e4m3 forward, e5m2 for gradients), with delayed or current scaling.
+
+    **Delayed scaling** (``scaling="delayed"``, the default, as in Keras, Flax and
+    Transformer Engine's ``DelayedScaling``): each tensor is scaled by ``fp8_max`` over the
+    largest amax of the last ``amax_history_length`` steps, kept as state (created by
+    ``jmp_policy.linen.init`` / ``jmp_policy.nnx.init_float8``; its gradient is its new
+    value). **Current scaling** (``scaling="current"``, torchao's default dynamic recipe,
+    Transformer Engine's ``Float8CurrentScaling``; the name ``"float8_current_from_…"``):
+    each tensor is scaled by its own amax in the same step, and there is no state. Both
+    cost the same passes over a tensor (its amax, then its quantization); current scaling
+    follows a tensor whose range jumps (large learning rates, the first steps) where a
+    delayed scale lags behind and saturates.
 
     Args:
-        mode: ``"float8"``.
+        mode: ``"float8"`` (or ``"float8_current"``, the same as ``scaling="current"``).
         source_name: the float policy the dtypes come from; ``None`` takes the global one.
-        amax_history_length: length of the amax history window, a positive ``int``.
+        amax_history_length: length of the amax history window, a positive ``int``
+            (delayed scaling only).
+        scaling: ``"delayed"`` or ``"current"``.
 
     Raises:
         TypeError: ``amax_history_length`` is not an ``int`` (bools included).
-        ValueError: another mode, a bad source name, or ``amax_history_length < 1``.
+        ValueError: another mode or scaling, a bad source name, or
+            ``amax_history_length < 1``.
 
     Examples:
         >>> import jmp_policy as jp
         >>> policy = jp.QuantizedFloat8DTypePolicy("float8", "mixed_bfloat16", 16)
-        >>> policy.amax_history_length
-        16
+        >>> policy.amax_history_length, policy.scaling
+        (16, 'delayed')
         >>> jp.get("float8_from_mixed_bfloat16").amax_history_length
         1024
+        >>> current = jp.get("float8_current_from_mixed_bfloat16")
+        >>> current.scaling, current.quantization_mode
+        ('current', 'float8')
+        >>> current == jp.QuantizedFloat8DTypePolicy(
+        ...     "float8", "mixed_bfloat16", scaling="current")
+        True
     """
 
-    __slots__ = ("_amax_history_length",)
+    __slots__ = ("_amax_history_length", "_scaling")
     _kind: ClassVar[str] = "float8"
     default_amax_history_length: ClassVar[int] = 1024
 
     _amax_history_length: int
+    _scaling: str
 
     def __init__(
         self,
         mode: str = "float8",
         source_name: str | None = None,
         amax_history_length: int = 1024,
+        scaling: str = "delayed",
     ):
-        if mode != "float8":
+        if mode not in ("float8", "float8_current"):
             raise ValueError(
-                f"Invalid quantization mode. Expected 'float8' for QuantizedFloat8DTypePolicy "
-                f"(use QuantizedDTypePolicy for 'int8' and 'int4'). Received: mode={mode!r}"
+                "Invalid quantization mode. Expected 'float8' (or 'float8_current') for "
+                "QuantizedFloat8DTypePolicy (use QuantizedDTypePolicy for 'int8' and "
+                f"'int4'). Received: mode={mode!r}"
             )
+        if not isinstance(scaling, str) or scaling not in SCALINGS:
+            raise ValueError(f"`scaling` must be one of {SCALINGS}. Received: scaling={scaling!r}")
+        if mode == "float8_current":
+            scaling = "current"
         if isinstance(amax_history_length, bool) or not isinstance(amax_history_length, int):
             raise TypeError(
                 "`amax_history_length` must be an integer. "
@@ -300,19 +328,36 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
                 "`amax_history_length` must be at least 1. "
                 f"Received: amax_history_length={amax_history_length!r}"
             )
-        self._init_quantized(mode, "float8", None, source_name)
+        text = "float8_current" if scaling == "current" else "float8"
+        self._init_quantized(text, "float8", None, source_name)
         object.__setattr__(self, "_amax_history_length", amax_history_length)
+        object.__setattr__(self, "_scaling", scaling)
 
     def _key(self) -> tuple[Any, ...]:
-        return (*super()._key(), self._amax_history_length)
+        return (*super()._key(), self._amax_history_length, self._scaling)
 
     @property
     def amax_history_length(self) -> int:
-        """The length of the amax history window used to compute scales."""
+        """The length of the amax history window used to compute scales (delayed scaling)."""
         return self._amax_history_length
 
+    @property
+    def scaling(self) -> str:
+        """``"delayed"`` (scales from an amax history, kept as state) or ``"current"``
+        (each tensor by its own amax, in the same step; no state)."""
+        return self._scaling
+
     def _rebuild_from(self, source: DTypePolicy) -> QuantizedFloat8DTypePolicy:
-        return QuantizedFloat8DTypePolicy(self._mode, source.name, self._amax_history_length)
+        return QuantizedFloat8DTypePolicy(
+            "float8", source.name, self._amax_history_length, self._scaling
+        )
 
     def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "amax_history_length": self._amax_history_length}
+        config = {
+            "mode": "float8",
+            "source_name": self._source_name,
+            "amax_history_length": self._amax_history_length,
+        }
+        if self._scaling != "delayed":  # Keras's own configs stay as Keras writes them
+            config["scaling"] = self._scaling
+        return config

@@ -131,9 +131,11 @@ def quantized_matmuls() -> Callable[..., Any]:
             )
         if not float8.is_float8(policy):
             return next_fn(*args, **kwargs)
-        index = calls.get(id(module), (module, 0))[1]
-        calls[id(module)] = (module, index + 1)
-        state = float8_state(module, policy, index)
+        state = None  # current scaling keeps no state
+        if float8.is_delayed(policy):
+            index = calls.get(id(module), (module, 0))[1]
+            calls[id(module)] = (module, index + 1)
+            state = float8_state(module, policy, index)
         return _run_with(
             module,
             float8.dot_general(state),

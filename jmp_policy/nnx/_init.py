@@ -109,6 +109,9 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
         policy: Any = resolver.module(path).policy
         if not (float8.is_float8(policy) and routable(module)):
             continue
+        found += 1
+        if not float8.is_delayed(policy):
+            continue  # current scaling keeps no state
         current = getattr(module, ATTR, None)
         if current is not None and not isinstance(current, Float8State):
             raise ValueError(
@@ -117,7 +120,6 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
                 f"goes, already holds {current!r}. Rename that attribute."
             )
         setattr(module, ATTR, _state(policy, module))
-        found += 1
     if not found:
         raise ValueError(
             "No layer of the model runs under a float8 policy: `init_float8` creates float8 "

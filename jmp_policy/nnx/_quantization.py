@@ -145,7 +145,7 @@ def quantized_matmuls(
     if quantization.is_int8(policy):
         value = quantization.int8_einsum if name == "einsum_op" else quantization.int8_dot_general
     elif float8.is_float8(policy):
-        state = _float8_state(call)
+        state = _float8_state(call) if float8.is_delayed(policy) else None
         if name == "einsum_op":
             value = float8.einsum(state, quantization.JNP_EINSUM)
         else:
