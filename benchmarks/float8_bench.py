@@ -51,31 +51,47 @@ VARIANTS = {
     "float8": jp.DTypePolicyMap(
         "mixed_bfloat16", {r"block_\d+/(up|down)": "float8_from_mixed_bfloat16"}
     ),
+    "float8_current": jp.DTypePolicyMap(
+        "mixed_bfloat16", {r"block_\d+/(up|down)": "float8_current_from_mixed_bfloat16"}
+    ),
+    # The peer a user would pick: Flax's own explicit float8 op on every Dense.
+    "flax_fp8": "mixed_bfloat16",
     "bf16": "mixed_bfloat16",
     "float32": "float32",
+}
+SINGLE = {
+    "float8": "float8_from_mixed_bfloat16",
+    "float8_current": "float8_current_from_mixed_bfloat16",
 }
 
 
 class Block(nn.Module):
     width: int
     hidden: int
+    op: Any = None  # a Dense's dot_general_cls (Flax's float8 op), or None
 
     @nn.compact
     def __call__(self, x):
-        h = nn.Dense(self.hidden, name="up")(nn.LayerNorm(name="norm")(x))
-        return x + nn.Dense(self.width, name="down")(nn.gelu(h))
+        h = nn.Dense(self.hidden, name="up", dot_general_cls=self.op)(nn.LayerNorm(name="norm")(x))
+        return x + nn.Dense(self.width, name="down", dot_general_cls=self.op)(nn.gelu(h))
 
 
 class MLPStack(nn.Module):
     width: int
     hidden: int
     layers: int
+    op: Any = None
 
     @nn.compact
     def __call__(self, x):
         for i in range(self.layers):
-            x = Block(self.width, self.hidden, name=f"block_{i}")(x)
+            x = Block(self.width, self.hidden, self.op, name=f"block_{i}")(x)
         return x
+
+
+def model_for(name: str, args: argparse.Namespace) -> nn.Module:
+    op = nn.Fp8DirectDotGeneralOp if name == "flax_fp8" else None
+    return MLPStack(args.width, args.hidden, args.layers, op)
 
 
 def make_data(args: argparse.Namespace) -> tuple[jax.Array, jax.Array]:
@@ -201,12 +217,12 @@ def _time(fns: dict[str, Any], repeats: int) -> dict[str, list[float]]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    model = MLPStack(args.width, args.hidden, args.layers)
     x, y = make_data(args)
     tx = optax.adam(args.lr)
     results: dict[str, dict[str, Any]] = {}
     steps, states = {}, {}
     for name, policy in VARIANTS.items():
+        model = model_for(name, args)
         variables = jax.jit(jp.linen.init(model, policy))(jax.random.key(1), x[:8])
         opt_state = tx.init(variables["params"])
         step = jax.jit(make_step(model, policy, tx))
@@ -236,10 +252,10 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     for name in VARIANTS:
         results[name]["times"] = times[name]
     # The forward matmul of one Dense (tokens x width -> width) alone.
-    dense = nn.Dense(args.width)
     forwards = {}
     for name, policy in VARIANTS.items():
-        single = policy if isinstance(policy, str) else "float8_from_mixed_bfloat16"
+        dense = nn.Dense(args.width, dot_general_cls=model_for(name, args).op)
+        single = SINGLE.get(name, policy)
         variables = jax.jit(jp.linen.init(dense, single))(jax.random.key(2), x[:8])
         fwd = jax.jit(jp.linen.apply(dense, single)).lower(variables, x).compile()
         forwards[name] = lambda fwd=fwd, variables=variables: fwd(variables, x)
@@ -313,6 +329,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="training steps for the loss")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--sweep",
+        type=str,
+        default="",
+        help="comma-separated widths: step time per width (hidden 4x) against bf16, to find "
+        "where float8 starts to pay (the crossover)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens, args.width, args.hidden, args.layers = 64, 32, 64, 2
@@ -320,8 +343,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def sweep(args: argparse.Namespace) -> None:
+    """One row per width: each variant's step time over bf16's, and its float8 GEMMs."""
+    names = [n for n in VARIANTS if n != "float32"]
+    print(f"crossover: {args.layers} blocks, hidden 4x width, {args.tokens} tokens, adam")
+    print("width  " + "  ".join(f"{n:>14s}" for n in names) + "   f8 GEMMs (float8)")
+    for width in (int(w) for w in args.sweep.split(",")):
+        sub = argparse.Namespace(**{**vars(args), "width": width, "hidden": 4 * width})
+        sub.steps = 1
+        results = measure(sub)
+        base = statistics.median(results["bf16"]["times"])
+        cells = [f"{statistics.median(results[n]['times']) / base:14.3f}" for n in names]
+        r = results["float8"]
+        print(f"{width:5d}  " + "  ".join(cells) + f"   {r['fp8_gemms']}/{r['gemms']}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.sweep:
+        sweep(args)
+        return
     print(
         f"MLP stack: {args.layers} blocks, width {args.width}, hidden {args.hidden}, "
         f"{args.tokens} tokens, adam; median of {args.repeats} interleaved runs"
@@ -331,7 +372,8 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(results, args.steps))
     print(
         f"-bf16: the loss minus bf16's, over the first loss ({results['bf16']['losses'][0]:.4f}); "
-        f"float8 state finite: {results['float8']['state_finite']}"
+        f"float8 state finite: {results['float8']['state_finite']}; flax_fp8: Flax's "
+        "nn.Fp8DirectDotGeneralOp on every Dense"
     )
 
 

@@ -239,3 +239,63 @@ def test_a_zeroed_state_reads_as_fresh_never_as_a_division_by_zero(maybe_jit):
     np.testing.assert_allclose(y, x @ w)  # its own amax: 0.5, -2 and 1 are exact in e4m3
     y0 = maybe_jit(lambda x: float8.dot_general(zero)(x, w, dn))(jnp.zeros((1, 3)))
     np.testing.assert_array_equal(y0, np.zeros((1, 2), np.float32))  # not nan
+
+
+# -- current scaling and the explicit matmul (issue #18) ------------------------------------
+
+
+def test_current_scaling_scales_each_step_by_its_own_amax(maybe_jit):
+    """Current scaling: a step's scale is fp8_max / amax of that step's tensor, whatever
+    came before (no state); by hand for the sequence of amaxes 2, 0.5, 1000, 0."""
+    scale = maybe_jit(lambda x: float8._scales(None, "input", x, E4M3)[0])
+    for amax, want in ((2.0, 224.0), (0.5, 896.0), (1000.0, 0.448), (0.0, 1.0)):
+        x = jnp.array([amax, -amax / 4, 0.0], jnp.float32)
+        assert float(scale(x)) == pytest.approx(want, rel=1e-6)
+    e5m2 = maybe_jit(lambda g: float8._scales(None, "output_grad", g, E5M2)[0])
+    assert float(e5m2(jnp.array([4.0, -1.0]))) == 57344.0 / 4
+
+
+def test_current_scaling_matmul_equals_the_hand_computed_float8_product(maybe_jit):
+    """Forward: x and w to e4m3 with their own scales, the product divided by both."""
+    x = jnp.array([[1.0, -2.0, 0.3], [0.7, 0.1, -0.05]], jnp.float32)
+    w = jnp.array([[0.5, -0.25], [0.125, 1.0], [-0.75, 0.2]], jnp.float32)
+    sx, sw = 448.0 / 2.0, 448.0 / 1.0
+    xq = np.asarray(jnp.asarray(x * sx).astype(E4M3).astype(jnp.float32))
+    wq = np.asarray(jnp.asarray(w * sw).astype(E4M3).astype(jnp.float32))
+    want = (xq @ wq) / (sx * sw)
+    got = maybe_jit(lambda x, w: float8.matmul(x, w, (((1,), (0,)), ((), ())), None))(x, w)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+
+
+def test_the_matmul_gradients_are_float8_products_with_the_saved_operands(maybe_jit):
+    """Backward, by hand: dx = q5(g) @ q4(w).T / (sg * sw), dw = q4(x).T @ q5(g) / (sx * sg)."""
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 3))
+    g = jax.random.normal(jax.random.key(2), (4, 3))
+    dims = (((1,), (0,)), ((), ()))
+    _, vjp = jax.vjp(lambda x, w: float8.matmul(x, w, dims, None), x, w)
+    dx, dw = maybe_jit(vjp)(g)
+
+    def q(a, dtype):
+        s = float8.max_value(dtype) / float(jnp.abs(a).max())
+        return np.asarray((a * s).astype(dtype).astype(jnp.float32)), s
+
+    (xq, sx), (wq, sw), (gq, sg) = q(x, E4M3), q(w, E4M3), q(g, E5M2)
+    np.testing.assert_allclose(np.asarray(dx), gq @ wq.T / (sg * sw), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), xq.T @ gq / (sx * sg), rtol=1e-5)
+
+
+def test_a_kernel_on_the_left_of_einsum_keeps_its_role_and_layout():
+    """jnp.einsum may hand the kernel to dot_general as the left operand: the kernel's
+    state still records the kernel, and the result is in einsum's layout."""
+    x = jax.random.normal(jax.random.key(0), (2, 5, 3, 4))
+    w = jax.random.normal(jax.random.key(1), (3, 4, 7)) * 10.0
+    state = float8.init_state(2)
+    fp8 = float8.einsum(state, jnp.einsum)
+    y = fp8("nhd,btnh->btd", w, x)
+    want = jnp.einsum("nhd,btnh->btd", w, x)
+    assert y.shape == want.shape == (2, 5, 7)
+    assert float(jnp.abs(y - want).max() / jnp.abs(want).max()) < 0.1
+    new = jax.grad(lambda s: float8.einsum(s, jnp.einsum)("nhd,btnh->btd", w, x).sum())(state)
+    assert float(new["kernel_amax_history"][0]) == float(jnp.abs(w).max())
+    assert float(new["input_amax_history"][0]) == float(jnp.abs(x).max())
