@@ -12,16 +12,20 @@ from jmp_policy._src.quantized_policy import (
 )
 
 
-def policy_from_name(name: str) -> DTypePolicy:
+def policy_from_name(name: str, argument: str = "name") -> DTypePolicy:
     """Any accepted name to the right policy class, as Keras picks it.
 
     ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"int4_from_…"`` and
     ``"int8_from_…"`` a :class:`QuantizedDTypePolicy`, ``"float8_from_…"`` a
     :class:`QuantizedFloat8DTypePolicy`, every other name a :class:`DTypePolicy`.
+    ``argument`` names the caller's argument in error messages.
     """
-    dt.check_name_type(name)
+    dt.check_name_type(name, argument)
     split = dt.split_quantized_name(name)
     if split is None:
+        if name.strip() == dt.INFER:
+            return DTypePolicy(name)
+        dt.parse_float_name(name, argument)  # errors that name the caller's argument
         return DTypePolicy(name)
     mode, source = split
     if mode == "float8":

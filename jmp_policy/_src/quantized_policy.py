@@ -84,7 +84,7 @@ class QuantizedDTypePolicy(DTypePolicy):
                 "A quantized policy needs a floating compute dtype; tf.keras's '_infer' has "
                 f"none. Received: source_name={source_name!r}"
             )
-        parsed = dt.parse_float_name(source_name)
+        parsed = dt.parse_float_name(source_name, "source_name")
         if base == "int8" and parsed.compute == np.float16:
             raise ValueError(
                 f"Quantization mode='{mode}' doesn't work well with compute_dtype='float16'. "
