@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.quantized_policy import (
@@ -13,6 +15,14 @@ from jmp_policy._src.quantized_policy import (
 
 
 def policy_from_name(name: str, argument: str = "name") -> DTypePolicy:
+    """Any accepted name to the right policy class (see :func:`_policy_from_name`)."""
+    dt.check_name_type(name, argument)
+    # Policies are immutable values: a large map names a few policies many times.
+    return _policy_from_name(name, argument)
+
+
+@functools.lru_cache(maxsize=1024)
+def _policy_from_name(name: str, argument: str) -> DTypePolicy:
     """Any accepted name to the right policy class, as Keras picks it.
 
     ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"int4_from_…"`` and
