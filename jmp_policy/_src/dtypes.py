@@ -278,7 +278,7 @@ def float_policy_name(params: np.dtype, compute: np.dtype, output: np.dtype) -> 
     return f"p={short_name(params)},c={short_name(compute)},o={short_name(output)}"
 
 
-def split_quantized_name(name: str) -> tuple[str, str] | None:
+def split_quantized_name(name: str, argument: str = "policy") -> tuple[str, str] | None:
     """``"int8_from_mixed_bfloat16"`` -> ``("int8", "mixed_bfloat16")``; None if not quantized.
 
     Raises:
@@ -292,7 +292,7 @@ def split_quantized_name(name: str) -> tuple[str, str] | None:
             raise ValueError(
                 "Cannot convert `policy` into a valid pair (`mode`, `source_name`): a quantized "
                 "policy name is '<mode>_from_<source name>', such as "
-                f"'int8_from_mixed_bfloat16'. Received: policy={name!r}"
+                f"'int8_from_mixed_bfloat16'. Received: {argument}={name!r}"
             )
         return None
     if mode.split("/")[0] not in QUANTIZATION_MODES:

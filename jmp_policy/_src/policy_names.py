@@ -31,18 +31,21 @@ def _policy_from_name(name: str, argument: str) -> DTypePolicy:
     ``argument`` names the caller's argument in error messages.
     """
     dt.check_name_type(name, argument)
-    split = dt.split_quantized_name(name)
+    split = dt.split_quantized_name(name, argument)
     if split is None:
         if name.strip() == dt.INFER:
             return DTypePolicy(name)
         dt.parse_float_name(name, argument)  # errors that name the caller's argument
         return DTypePolicy(name)
     mode, source = split
-    if mode == "float8":
-        return QuantizedFloat8DTypePolicy(mode, source)
-    if mode.startswith("int4/"):
-        return Int4DTypePolicy(mode, source)
-    return QuantizedDTypePolicy(mode, source)
+    try:
+        if mode == "float8":
+            return QuantizedFloat8DTypePolicy(mode, source)
+        if mode.startswith("int4/"):
+            return Int4DTypePolicy(mode, source)
+        return QuantizedDTypePolicy(mode, source)
+    except ValueError as e:  # about the source or the mode: say which name held it
+        raise ValueError(f"{e} Received: {argument}={name!r}") from e
 
 
 def get_policy(name: str) -> DTypePolicy:

@@ -73,7 +73,7 @@ class QuantizedDTypePolicy(DTypePolicy):
         if source_name is None:
             source_name = global_name()
         dt.check_name_type(source_name, "source_name")
-        if dt.split_quantized_name(source_name) is not None:
+        if dt.split_quantized_name(source_name, "source_name") is not None:
             raise ValueError(
                 f"Cannot convert {source_name!r} to a float source policy: `source_name` "
                 f"must be a float policy name, not a quantized one. "
