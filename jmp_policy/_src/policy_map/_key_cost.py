@@ -203,7 +203,9 @@ class _Checker:
         elif op is _c.BRANCH:
             seen = 0
             for alternative in av[1]:
-                alt_first, _ = self.first(alternative, ignore)
+                alt_first, alt_nullable = self.first(alternative, ignore)
+                if alt_nullable:  # an empty alternative leaves the choice to what follows
+                    alt_first |= follow
                 if iterated and seen & alt_first:
                     self.unsafe("alternatives inside a repetition can start alike")
                 seen |= alt_first
