@@ -6,12 +6,18 @@ one variable pattern added, and answers ``match_variable`` for every variable pa
 resolves the 1,000 module paths. Keras is optional (`pip install keras`); without it only
 our figures print.
 
+Then how a map grows (issue 20): building a map of 1,000 / 5,000 / 20,000 keys (half exact
+paths, half regular expressions), reading it back from its config (``deserialize``) and
+resolving one path per key on a cold map, with each time's ratio to the 1,000-key one: a
+linear cost gives ratios of 5 and 20 (building was quadratic: 20,000 keys took 209 s).
+
 Run: python benchmarks/policy_map_bench.py
 """
 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import time
 
@@ -128,5 +134,53 @@ def main(reps: int = 7) -> None:
         print(f"{name:52s} {t:9.4f} {ratio}")
 
 
+SIZES = (1_000, 5_000, 20_000)
+
+
+def make_many_keys(n: int) -> dict[str, str]:
+    names = ["bfloat16", "mixed_bfloat16", "float32", "int8_from_mixed_bfloat16"]
+    return {
+        (f"blocks_{i}/mlp" if i % 2 else f"blocks_{i}/attention/.*"): names[i % len(names)]
+        for i in range(n)
+    }
+
+
+def time_growth(n: int) -> tuple[float, float, float]:
+    """Seconds to build a map of ``n`` keys, to deserialize its config, and to resolve one
+    path per key on the deserialized (cold) map."""
+    keys = make_many_keys(n)
+    re.purge()  # `re` caches 512 compiled patterns: every size starts cold
+    start = time.perf_counter()
+    m = jp.DTypePolicyMap("float32", keys)
+    built = time.perf_counter()
+    config = jp.serialize(m)
+    start_read = time.perf_counter()
+    restored = jp.deserialize(config)
+    read = time.perf_counter()
+    for i in range(n):
+        restored[f"blocks_{i}/attention/query" if i % 2 == 0 else f"blocks_{i}/mlp/dense"]
+    looked_up = time.perf_counter()
+    return built - start, read - start_read, looked_up - read
+
+
+def main_growth(reps: int = 3) -> None:
+    rows = {n: [time_growth(n) for _ in range(reps)] for n in SIZES}
+    medians = {
+        n: [statistics.median(r[i] for r in runs) for i in range(3)] for n, runs in rows.items()
+    }
+    base = medians[SIZES[0]]
+    print(f"\nmap size growth, median of {reps} (ratio to {SIZES[0]:,} keys; linear = size ratio)")
+    print(
+        f"{'keys':>7s} {'build s':>9s} {'ratio':>6s} {'deserialize s':>14s} {'ratio':>6s} "
+        f"{'lookups s':>10s} {'ratio':>6s}"
+    )
+    for n, (build, read, lookup) in medians.items():
+        print(
+            f"{n:7,d} {build:9.4f} {build / base[0]:6.1f} {read:14.4f} {read / base[1]:6.1f} "
+            f"{lookup:10.4f} {lookup / base[2]:6.1f}"
+        )
+
+
 if __name__ == "__main__":
     main()
+    main_growth()

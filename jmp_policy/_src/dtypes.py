@@ -11,6 +11,7 @@ Policy names come from three families, all read here:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from typing import Any
 
@@ -64,6 +65,19 @@ VALID_FORMS = (
 )
 
 
+# Every dtype a policy may be named by, under its canonical name: the names are looked up
+# here, so that no text a user wrote ever reaches NumPy's dtype parser (which reads "f4",
+# "(2,)f4," or "," as dtypes, or fails with a SyntaxError).
+_DTYPE_CANDIDATES = (
+    "bool",
+    *(f"{k}{b}" for k in ("int", "uint") for b in (2, 4, 8, 16, 32, 64)),
+    *("float16", "bfloat16", "float32", "float64", "complex64", "complex128"),
+    *("float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn", "float8_e4m3fnuz"),
+    *("float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn"),
+    *("float6_e2m3fn", "float6_e3m2fn"),
+)
+
+
 def canonicalize_dtype(dtype: Any) -> np.dtype:
     """Returns ``dtype`` as a ``numpy.dtype`` (bfloat16 and float8 via ml_dtypes)."""
     return np.dtype(jnp.dtype(dtype))
@@ -96,6 +110,63 @@ def floating_or_none(value: Any) -> np.dtype | None:
     return dtype if is_floating(dtype) else None
 
 
+def _known_dtypes() -> dict[str, np.dtype]:
+    known = {}
+    for name in _DTYPE_CANDIDATES:
+        try:
+            dtype = canonicalize_dtype(name)
+        except TypeError:  # not in this version of ml_dtypes
+            continue
+        if dtype.name == name and is_numeric(dtype):
+            known[name] = dtype
+    return known
+
+
+#: The dtype names a policy name may use, to their dtypes (canonical names only: not
+#: NumPy's codes such as ``"f4"``).
+DTYPE_NAMES: dict[str, np.dtype] = _known_dtypes()
+
+
+def dtype_from_name(name: str) -> np.dtype | None:
+    """A canonical dtype name or a jmp value (``"bf16"``) to its dtype, else None.
+
+    Never hands ``name`` to NumPy's parser.
+    """
+    if name in _JMP_VALUES:
+        return DTYPE_NAMES[_JMP_VALUES[name]]
+    return DTYPE_NAMES.get(name)
+
+
+def did_you_mean(value: str, candidates: Any) -> str:
+    """`` Did you mean 'x'?`` for a near miss among ``candidates`` (argparse's and Keras's
+    hint), else ``""``."""
+    if len(value) > 100:  # nothing to suggest for a long text (and keep errors cheap)
+        return ""
+    matches = difflib.get_close_matches(value, list(candidates), n=1, cutoff=0.75)
+    return f" Did you mean {matches[0]!r}?" if matches else ""
+
+
+def dtype_or_none(value: Any) -> np.dtype | None:
+    """``value`` as a numeric dtype when it *is* a dtype, else None.
+
+    A dtype is a ``numpy.dtype``, a scalar type (``jnp.bfloat16``, ``np.float32``,
+    ``float``) or a canonical dtype name (``"bfloat16"``, jmp's ``"bf16"``). Values are not
+    dtypes, even where NumPy reads them as one: arrays, NumPy scalars (``np.True_``), bytes
+    (``b"h"`` is int16 to NumPy) and numbers.
+    """
+    if isinstance(value, str):
+        return dtype_from_name(value)
+    if isinstance(value, np.dtype) or (
+        isinstance(value, type) and not issubclass(value, (str, bytes))
+    ):
+        try:
+            dtype = canonicalize_dtype(value)
+        except (TypeError, ValueError):
+            return None
+        return dtype if is_numeric(dtype) else None
+    return None
+
+
 def short_name(dtype: np.dtype) -> str:
     """jmp's short spelling of a dtype (``bf16``), or its numpy name."""
     return _SHORT_NAMES.get(dtype.name, dtype.name)
@@ -103,14 +174,12 @@ def short_name(dtype: np.dtype) -> str:
 
 def _dtype_from_value(value: str) -> np.dtype | None:
     """A jmp value or a canonical numpy dtype name, else None."""
-    if value in _JMP_VALUES:
-        return canonicalize_dtype(_JMP_VALUES[value])
-    try:
-        dtype = canonicalize_dtype(value)
-    except TypeError:
-        return None
-    # Only canonical names ("int32", "bool", "float8_e4m3fn"); not numpy's codes ("f4").
-    return dtype if dtype.name == value and is_numeric(dtype) else None
+    return dtype_from_name(value)
+
+
+def _policy_names() -> list[str]:
+    """The single-word names a policy may have (for "did you mean")."""
+    return [*_MIXED, *DTYPE_NAMES, *_JMP_VALUES, INFER]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +191,12 @@ class ParsedName:
     output: np.dtype
 
 
-def _unknown(name: str, detail: str = "") -> ValueError:
+def _unknown(name: str, detail: str = "", argument: str = "name") -> ValueError:
     detail = f" {detail}" if detail else ""
-    return ValueError(f"Cannot convert {name!r} to a dtype policy.{detail} Expected {VALID_FORMS}.")
+    return ValueError(
+        f"Cannot convert {name!r} to a dtype policy.{detail} Expected {VALID_FORMS}. "
+        f"Received: {argument}={name!r}"
+    )
 
 
 class TypeAndValueError(TypeError, ValueError):
@@ -141,44 +213,57 @@ def check_name_type(name: Any, argument: str = "name") -> str:
     return name
 
 
-def parse_float_name(name: str) -> ParsedName:
+def parse_float_name(name: str, argument: str = "name") -> ParsedName:
     """Parses a Keras name, a jmp string or a dtype name into three dtypes.
+
+    ``argument`` is the name of the caller's argument, for the error messages.
 
     Raises:
         TypeError: ``name`` is not a string.
         ValueError: ``name`` is not a float policy name (quantized names included).
     """
-    check_name_type(name)
+    check_name_type(name, argument)
     text = name.strip()
     if text in _MIXED:
-        compute = canonicalize_dtype(_MIXED[text])
-        return ParsedName(canonicalize_dtype("float32"), compute, compute)
+        compute = DTYPE_NAMES[_MIXED[text]]
+        return ParsedName(DTYPE_NAMES["float32"], compute, compute)
     if "=" not in text:
         dtype = _dtype_from_value(text)
         if dtype is None:
             if "_from_" in text:
-                raise _unknown(name, "A quantized name is not a float policy name.")
+                hint = did_you_mean(text.partition("_from_")[0], QUANTIZATION_MODES)
+                raise _unknown(
+                    name, f"A quantized name is not a float policy name.{hint}", argument
+                )
             # jmp's users expect jmp's phrase ("Unknown dtype") for a bad single value.
-            raise _unknown(name, f"Unknown dtype or policy name {text!r}.")
+            hint = did_you_mean(text, _policy_names())
+            raise _unknown(name, f"Unknown dtype or policy name {text!r}.{hint}", argument)
         return ParsedName(dtype, dtype, dtype)
     values: dict[str, np.dtype] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or key not in _JMP_KEYS:
-            raise _unknown(name, f"Unknown key {key!r}; expected p/params, c/compute, o/output.")
+            hint = did_you_mean(key, _JMP_KEYS)
+            raise _unknown(
+                name,
+                f"Unknown key {key!r}; expected p/params, c/compute, o/output.{hint}",
+                argument,
+            )
         canonical_key = _JMP_KEYS[key]
         if canonical_key in values:
-            raise _unknown(name, f"Key {canonical_key!r} is given twice.")
+            raise _unknown(name, f"Key {canonical_key!r} is given twice.", argument)
         dtype = _dtype_from_value(value)
         if dtype is None:
+            hint = did_you_mean(value, [*_JMP_VALUES, *DTYPE_NAMES])
             raise _unknown(
                 name,
                 f"Unknown dtype {value!r}; expected one of {', '.join(_JMP_VALUES)} "
-                "or a numpy dtype name.",
+                f"or a numpy dtype name.{hint}",
+                argument,
             )
         values[canonical_key] = dtype
-    params = values.get("params", canonicalize_dtype("float32"))
+    params = values.get("params", DTYPE_NAMES["float32"])
     compute = values.get("compute", params)
     output = values.get("output", compute)
     return ParsedName(params, compute, output)
@@ -193,7 +278,7 @@ def float_policy_name(params: np.dtype, compute: np.dtype, output: np.dtype) -> 
     return f"p={short_name(params)},c={short_name(compute)},o={short_name(output)}"
 
 
-def split_quantized_name(name: str) -> tuple[str, str] | None:
+def split_quantized_name(name: str, argument: str = "policy") -> tuple[str, str] | None:
     """``"int8_from_mixed_bfloat16"`` -> ``("int8", "mixed_bfloat16")``; None if not quantized.
 
     Raises:
@@ -202,11 +287,14 @@ def split_quantized_name(name: str) -> tuple[str, str] | None:
     """
     mode, sep, source = name.strip().partition("_from_")
     if not sep:
-        if re.match(r"(int8|int4|float8)(/-?\d+)?_", mode) and mode != "float8_current":
+        # "float8_e4m3fn" is a dtype name, not a quantized name without its "_from_".
+        if mode not in (*DTYPE_NAMES, "float8_current") and re.match(
+            r"(int8|int4|float8)(/-?\d+)?_", mode
+        ):
             raise ValueError(
                 "Cannot convert `policy` into a valid pair (`mode`, `source_name`): a quantized "
                 "policy name is '<mode>_from_<source name>', such as "
-                f"'int8_from_mixed_bfloat16'. Received: policy={name!r}"
+                f"'int8_from_mixed_bfloat16'. Received: {argument}={name!r}"
             )
         return None
     if mode.split("/")[0] not in (*QUANTIZATION_MODES, "float8_current"):

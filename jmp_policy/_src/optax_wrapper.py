@@ -78,7 +78,7 @@ def _resolve_loss_scale(loss_scale: Any) -> LossScale:
     if not isinstance(loss_scale, bool) and isinstance(
         loss_scale, (int, float, np.integer, np.floating)
     ):
-        return StaticLossScale(float(loss_scale))
+        return StaticLossScale(loss_scale)  # validated there, quoting the value as given
     if (
         isinstance(loss_scale, (jax.Array, np.ndarray))
         and not isinstance(loss_scale, jax.core.Tracer)
@@ -94,6 +94,37 @@ def _resolve_loss_scale(loss_scale: Any) -> LossScale:
         f"or a loss-scale object (NoOpLossScale, StaticLossScale, DynamicLossScale). Received: "
         f"loss_scale={loss_scale!r} (of type {type(loss_scale).__name__})"
     )
+
+
+def _check_axis_name(axis_name: Any) -> str | tuple[str, ...] | None:
+    """``axis_name`` as ``psum`` takes it: ``None``, a name, or a tuple of names."""
+    if axis_name is None or isinstance(axis_name, str):
+        return axis_name
+    if (
+        isinstance(axis_name, (tuple, list))
+        and axis_name
+        and all(isinstance(name, str) for name in axis_name)
+    ):
+        return tuple(axis_name)
+    raise TypeError(
+        "`axis_name` must be None (plain `jit`), the name of a `shard_map`/`pmap` axis such as "
+        "'batch', or a non-empty tuple of such names. Received: "
+        f"axis_name={axis_name!r} (of type {type(axis_name).__name__})"
+    )
+
+
+def _all_devices_finite(finite: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
+    """Whether every device along ``axis_name`` saw finite gradients."""
+    try:
+        num_bad = lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name)
+    except NameError as e:  # JAX's "unbound axis name"
+        raise ValueError(
+            f"`axis_name`={axis_name!r} of `loss_scaling` names no axis where `update` runs: "
+            "call `update` inside `jax.shard_map`/`jax.pmap` with that axis name, or pass "
+            "axis_name=None under plain `jit` (sharded gradients are reduced globally there). "
+            f"Received: axis_name={axis_name!r}"
+        ) from e
+    return num_bad == 0
 
 
 def _check_inner(inner: Any) -> None:
@@ -203,8 +234,10 @@ def loss_scaling(
 
     Raises:
         ValueError: an unknown ``loss_scale`` string, or a non-positive number.
-        TypeError: ``loss_scale`` of another type, or ``inner`` that is not a transformation
-            (``optax.adam`` uncalled, the string ``"adam"``).
+        TypeError: ``loss_scale`` of another type, ``inner`` that is not a transformation
+            (``optax.adam`` uncalled, the string ``"adam"``), or ``axis_name`` neither a
+            string nor a tuple of strings. (``update`` raises ``ValueError`` when
+            ``axis_name`` is not an axis where it runs, such as under plain ``jit``.)
 
     Examples:
         >>> import jax
@@ -225,6 +258,7 @@ def loss_scaling(
         (Array([0., 0.], dtype=float32), 1, 16384.0)
     """
     _check_inner(inner)
+    axis_name = _check_axis_name(axis_name)
     initial_scale = _resolve_loss_scale(loss_scale)
     warned = False
     if isinstance(inner, optax.MultiSteps):
@@ -258,8 +292,7 @@ def loss_scaling(
         grads = scale.unscale(updates)
         finite = numerics.all_finite(grads)
         if axis_name is not None:
-            num_bad = lax.psum(jnp.logical_not(finite).astype(jnp.int32), axis_name)
-            finite = num_bad == 0
+            finite = _all_devices_finite(finite, axis_name)
         # Selects, not `lax.cond`: XLA fuses them (and the unscaling) into the inner update,
         # while a conditional makes XLA copy the inner state on every step (3x slower for adam
         # on CPU, see benchmarks/loss_scaling_bench.py) and on GPU reads its predicate on the

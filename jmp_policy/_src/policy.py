@@ -100,7 +100,7 @@ class DTypePolicy:
         if isinstance(name, str) and name.strip() == dt.INFER:
             self._init(dt.INFER, None, None, None)
             return
-        parsed = dt.parse_float_name(name)
+        parsed = dt.parse_float_name(name, "name")
         self._init(name.strip(), parsed.params, parsed.compute, parsed.output)
 
     def _init_from_dtypes(
@@ -343,19 +343,16 @@ class Policy(DTypePolicy):
 
 
 def _as_dtype(dtype: Any, argument: str = "dtype") -> np.dtype:
-    # `None` would silently become float64 (numpy's default); object/str dtypes are no policy.
-    try:
-        canonical = None if dtype is None else dt.canonicalize_dtype(dtype)
-    except TypeError as e:
-        canonical = None
-        cause: Exception | None = e
-    else:
-        cause = None
-    if canonical is None or not dt.is_numeric(canonical):
+    # `None` would silently become float64 (numpy's default); object/str dtypes are no
+    # policy; arrays, NumPy scalars and bytes are values, not dtypes (NumPy reads them as one).
+    canonical = dt.dtype_or_none(dtype)
+    if canonical is None:
+        hint = dt.did_you_mean(dtype, dt.DTYPE_NAMES) if isinstance(dtype, str) else ""
         raise TypeError(
-            f"`{argument}` must be a numeric dtype, such as 'bfloat16' or jnp.float16. "
-            f"Received: {argument}={dtype!r}"
-        ) from cause
+            f"`{argument}` must be a numeric dtype, such as 'bfloat16' or jnp.float16 (a dtype, "
+            f"a scalar type or a dtype name; not an array or a value).{hint} Received: "
+            f"{argument}={dtype!r} (of type {type(dtype).__name__})"
+        )
     return canonical
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.quantized_policy import (
@@ -12,24 +14,39 @@ from jmp_policy._src.quantized_policy import (
 )
 
 
-def policy_from_name(name: str) -> DTypePolicy:
+def policy_from_name(name: str, argument: str = "name") -> DTypePolicy:
+    """Any accepted name to the right policy class (see :func:`_policy_from_name`)."""
+    dt.check_name_type(name, argument)
+    # Policies are immutable values: a large map names a few policies many times.
+    return _policy_from_name(name, argument)
+
+
+@functools.lru_cache(maxsize=1024)
+def _policy_from_name(name: str, argument: str) -> DTypePolicy:
     """Any accepted name to the right policy class, as Keras picks it.
 
     ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"int4_from_…"`` and
     ``"int8_from_…"`` a :class:`QuantizedDTypePolicy`, ``"float8_from_…"`` (delayed
     scaling) and ``"float8_current_from_…"`` (current scaling) a
     :class:`QuantizedFloat8DTypePolicy`, every other name a :class:`DTypePolicy`.
+    ``argument`` names the caller's argument in error messages.
     """
-    dt.check_name_type(name)
-    split = dt.split_quantized_name(name)
+    dt.check_name_type(name, argument)
+    split = dt.split_quantized_name(name, argument)
     if split is None:
+        if name.strip() == dt.INFER:
+            return DTypePolicy(name)
+        dt.parse_float_name(name, argument)  # errors that name the caller's argument
         return DTypePolicy(name)
     mode, source = split
-    if mode in ("float8", "float8_current"):
-        return QuantizedFloat8DTypePolicy(mode, source)
-    if mode.startswith("int4/"):
-        return Int4DTypePolicy(mode, source)
-    return QuantizedDTypePolicy(mode, source)
+    try:
+        if mode in ("float8", "float8_current"):
+            return QuantizedFloat8DTypePolicy(mode, source)
+        if mode.startswith("int4/"):
+            return Int4DTypePolicy(mode, source)
+        return QuantizedDTypePolicy(mode, source)
+    except ValueError as e:  # about the source or the mode: say which name held it
+        raise ValueError(f"{e} Received: {argument}={name!r}") from e
 
 
 def get_policy(name: str) -> DTypePolicy:

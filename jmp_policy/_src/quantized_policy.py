@@ -74,7 +74,7 @@ class QuantizedDTypePolicy(DTypePolicy):
         if source_name is None:
             source_name = global_name()
         dt.check_name_type(source_name, "source_name")
-        if dt.split_quantized_name(source_name) is not None:
+        if dt.split_quantized_name(source_name, "source_name") is not None:
             raise ValueError(
                 f"Cannot convert {source_name!r} to a float source policy: `source_name` "
                 f"must be a float policy name, not a quantized one. "
@@ -85,7 +85,7 @@ class QuantizedDTypePolicy(DTypePolicy):
                 "A quantized policy needs a floating compute dtype; tf.keras's '_infer' has "
                 f"none. Received: source_name={source_name!r}"
             )
-        parsed = dt.parse_float_name(source_name)
+        parsed = dt.parse_float_name(source_name, "source_name")
         if base == "int8" and parsed.compute == np.float16:
             raise ValueError(
                 f"Quantization mode='{mode}' doesn't work well with compute_dtype='float16'. "

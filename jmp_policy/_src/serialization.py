@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jmp_policy._src import global_state
-from jmp_policy._src.dtypes import INFER, TypeAndValueError, canonicalize_dtype, is_numeric
+from jmp_policy._src.dtypes import INFER, TypeAndValueError, dtype_or_none
 from jmp_policy._src.policy import DTypePolicy, FloatDTypePolicy, Policy
 from jmp_policy._src.policy_names import policy_from_name
 from jmp_policy._src.quantized_policy import (
@@ -314,18 +314,15 @@ def get(identifier: Any = None) -> Any:
     if isinstance(identifier, DTypePolicy):
         return identifier
     if isinstance(identifier, str):
-        return policy_from_name(identifier)
+        return policy_from_name(identifier, "identifier")
     if isinstance(identifier, dict):
         return deserialize(identifier)
-    if type(identifier).__name__ in _CLASSES:  # a DTypePolicyMap
+    if _is_serializable(identifier):  # a DTypePolicyMap (not a class merely named like one)
         return identifier
-    try:
-        dtype = (
-            None if isinstance(identifier, (bool, int, float)) else canonicalize_dtype(identifier)
-        )
-    except TypeError:
-        dtype = None
-    if dtype is None or not is_numeric(dtype):
+    # Only dtypes (np.dtype, scalar types): never arrays, NumPy scalars or bytes, which
+    # NumPy would read as their dtypes (`np.True_` as bool, `b"h"` as int16).
+    dtype = None if isinstance(identifier, str) else dtype_or_none(identifier)
+    if dtype is None:
         raise TypeAndValueError(
             "Cannot interpret `dtype` argument (`identifier`) as a dtype policy. Expected None, "
             "a policy name "

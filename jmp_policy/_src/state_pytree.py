@@ -127,6 +127,21 @@ def _from_state_dict(target: Any, state: dict[str, Any]) -> Any:
     values = {
         name: serialization.from_state_dict(getattr(target, name), state[name]) for name in names
     }
+    shapes = {name: np.shape(getattr(target, name)) for name in names}
+    for name, value in values.items():
+        if np.shape(value) != shapes[name]:
+            raise ValueError(
+                f"Cannot restore a {type(target).__name__}: its field `{name}` has shape "
+                f"{shapes[name]}, the checkpoint's {np.shape(value)}. Received: "
+                f"{name}={value!r}"
+            )
+    if any(shape != () for shape in shapes.values()):
+        # A state stacked per device (replicated for `pmap`): same shapes as the target,
+        # cast to its dtypes; `__init__` takes scalars only.
+        return replace_leaves(
+            target,
+            **{n: np.asarray(v, np.asarray(getattr(target, n)).dtype) for n, v in values.items()},
+        )
     # Through `__init__`: what a checkpoint holds is validated and canonicalised like user input.
     return dataclasses.replace(target, **values) if values else target
 

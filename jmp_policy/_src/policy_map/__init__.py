@@ -5,6 +5,7 @@ A private package, one module per concept:
 * ``_mapping``: the map itself (stored keys and policies, path resolution, config);
 * ``_values``: the values it holds (policies from names or configs, validated);
 * ``_index``: the key index and matching (which stored key names a module or a variable);
+* ``_key_cost``: the bound on what a regular-expression key may cost to match;
 * ``_trees``: the tree walks (``policy_tree``, ``cast_to_*``, ``unused_keys``, ``explain``).
 
 Explain rows and their formatting are ``jmp_policy._src.explain``; the wrappers' resolution

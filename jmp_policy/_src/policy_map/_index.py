@@ -22,9 +22,15 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Collection
+from typing import Any
+
+import jmp_policy._src.policy_map._key_cost as _key_cost
+from jmp_policy._src import dtypes as _dt
 
 _META = frozenset(".^$*+?{}[]\\|()")
 _QUANTIFIERS = frozenset("*?{")
+_META_SEARCH = re.compile(r"[.^$*+?{}\[\]\\|()]").search
 
 
 def literal_prefix(pattern: str) -> str:
@@ -38,9 +44,28 @@ def literal_prefix(pattern: str) -> str:
     return pattern
 
 
+def check_key_type(key: Any) -> None:
+    """A ``TypeError`` naming ``key`` and what is accepted, for a key that is not a string."""
+    if not isinstance(key, str):
+        raise TypeError(
+            f"Keys of a DTypePolicyMap are module paths (strings) such as "
+            f"'encoder/layers_0', or regular expressions such as 'encoder/.*'. "
+            f"Received: key={key!r} (of type {type(key).__name__})"
+        )
+
+
+def absent_key(key: str, keys: Collection[str]) -> KeyError:
+    """The ``KeyError`` for a key that is not stored, with the closest stored key."""
+    hint = _dt.did_you_mean(key, keys) if len(keys) <= 10_000 else ""
+    return KeyError(
+        f"{key!r} is not a key of the DTypePolicyMap (it has {len(keys)} keys; `map[path]` "
+        f"resolves any path, while `del`, `pop` and `get` take stored keys only).{hint}"
+    )
+
+
 def is_literal(pattern: str) -> bool:
     """Whether ``pattern`` matches only itself (no regular-expression syntax)."""
-    return not any(char in _META for char in pattern)
+    return _META_SEARCH(pattern) is None
 
 
 class KeyIndex:
@@ -53,44 +78,68 @@ class KeyIndex:
     def __init__(self) -> None:
         self._order: dict[str, int] = {}  # every key, to its insertion rank
         self._next = 0
-        self._regex: dict[str, re.Pattern[str]] = {}
+        # Regular-expression keys, to their compiled pattern (None until first matched:
+        # checking a key on insertion needs only its parse, and compiling is most of the
+        # cost of building a large map).
+        self._regex: dict[str, re.Pattern[str] | None] = {}
         self._by_prefix: dict[str, list[str]] = {}
         self._prefix_lengths: list[int] = []
         self._sorted_prefixes: list[str] = []
         self._sorted_keys: list[str] = []
+        self._stale = False  # the sorted views wait for the next lookup
         self._match_cache: dict[str, str | None] = {}
         self._variable_cache: dict[str, str | None] = {}
         self._module_cache: dict[str, tuple[tuple[str, ...], bool]] = {}
 
     def add(self, key: str) -> None:
-        """Adds ``key``; a bad regular expression is a ``ValueError`` naming the key."""
+        """Adds ``key``; a bad or unbounded regular expression is a ``ValueError`` naming
+        the key (see ``_key_cost``).
+
+        Constant time (amortised): the sorted views are rebuilt once, at the next lookup,
+        so building a map of n keys is linear in n (it was quadratic).
+        """
         if not is_literal(key):
-            try:
-                self._regex[key] = re.compile(key)
-            except re.error as e:
-                raise ValueError(
-                    f"Key {key!r} of the DTypePolicyMap is not a valid regular expression: {e}"
-                ) from e
+            _key_cost.check_key(key)
+            self._regex[key] = None
+            self._by_prefix.setdefault(literal_prefix(key), []).append(key)
         self._order[key] = self._next
         self._next += 1
-        self._reindex()
+        self._changed()
 
     def remove(self, key: str) -> None:
         """Removes ``key`` (which must be there)."""
         del self._order[key]
-        self._regex.pop(key, None)
-        self._reindex()
+        if key in self._regex:
+            del self._regex[key]
+            prefix = literal_prefix(key)
+            bucket = self._by_prefix[prefix]
+            bucket.remove(key)
+            if not bucket:
+                del self._by_prefix[prefix]
+        self._changed()
 
-    def _reindex(self) -> None:
-        self._match_cache.clear()
-        self._variable_cache.clear()
-        self._module_cache.clear()
-        self._by_prefix = {}
-        for key in self._regex:
-            self._by_prefix.setdefault(literal_prefix(key), []).append(key)
+    def _pattern(self, key: str) -> re.Pattern[str]:
+        pattern = self._regex[key]
+        if pattern is None:
+            pattern = self._regex[key] = _key_cost.compile_key(key)
+        return pattern
+
+    def _changed(self) -> None:
+        if self._match_cache:
+            self._match_cache.clear()
+        if self._variable_cache:
+            self._variable_cache.clear()
+        if self._module_cache:
+            self._module_cache.clear()
+        self._stale = True
+
+    def _refresh(self) -> None:
+        if not self._stale:
+            return
         self._prefix_lengths = sorted({len(p) for p in self._by_prefix})
         self._sorted_prefixes = sorted(self._by_prefix)
         self._sorted_keys = sorted(self._order)
+        self._stale = False
 
     def _raise_ambiguous(self, path: str, matches: list[str]) -> None:
         matches = sorted(matches, key=self._order.__getitem__)
@@ -113,12 +162,13 @@ class KeyIndex:
         """:meth:`match` without its cache (for callers that cache their own answers)."""
         if path in self._order:
             return path
+        self._refresh()
         matches = []
         for length in self._prefix_lengths:
             if length > len(path):
                 break
             for candidate in self._by_prefix.get(path[:length], ()):
-                if self._regex[candidate].fullmatch(path):
+                if self._pattern(candidate).fullmatch(path):
                     matches.append(candidate)
         if len(matches) > 1:
             self._raise_ambiguous(path, matches)
@@ -133,6 +183,7 @@ class KeyIndex:
             return self._module_cache[module]
         except KeyError:
             pass
+        self._refresh()
         stem = f"{module}/" if module else ""
         candidates: list[str] = []
         for length in self._prefix_lengths:  # prefixes of the stem
@@ -143,7 +194,7 @@ class KeyIndex:
         while i < len(self._sorted_prefixes) and self._sorted_prefixes[i].startswith(stem):
             candidates.extend(self._by_prefix[self._sorted_prefixes[i]])
             i += 1
-        by_name = tuple(k for k in candidates if not self._regex[k].fullmatch(module))
+        by_name = tuple(k for k in candidates if not self._pattern(k).fullmatch(module))
         j = bisect.bisect_left(self._sorted_keys, stem)
         has_exact = j < len(self._sorted_keys) and self._sorted_keys[j].startswith(stem)
         info = (by_name, has_exact)
@@ -168,7 +219,7 @@ class KeyIndex:
             return path
         if not by_name:
             return None
-        matches = [k for k in by_name if self._regex[k].fullmatch(path)]
+        matches = [k for k in by_name if self._pattern(k).fullmatch(path)]
         if len(matches) > 1:
             self._raise_ambiguous(path, matches)
         return matches[0] if matches else None

@@ -112,31 +112,33 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
     # -- the mapping: stored keys ---------------------------------------------------------
 
     def __setitem__(self, key: str, policy: DTypePolicy | str | dict[str, Any]) -> None:
-        if not isinstance(key, str):
-            raise TypeError(
-                f"Keys of a DTypePolicyMap are module paths (strings). "
-                f"Received: key={key!r} (of type {type(key).__name__})"
-            )
+        _index.check_key_type(key)
         if key in self._policies:
             raise ValueError(
-                f"{key} already exist in the DTypePolicyMap with value "
+                f"{key!r} already exist in the DTypePolicyMap with value "
                 f"{self._policies[key]!r}. Please make sure to not use duplicated keys "
-                "(delete the key first to replace its policy)."
+                f"(delete the key first to replace its policy). Received: key={key!r}"
             )
         resolved = _values.as_policy(policy, key)
         self._index.add(key)
         self._policies[key] = resolved
-        self._cache.clear()
-        self._modules.clear()
+        if self._cache:
+            self._cache.clear()
+        if self._modules:
+            self._modules.clear()
 
     def __delitem__(self, key: str) -> None:
+        _index.check_key_type(key)
+        if key not in self._policies:
+            raise _index.absent_key(key, self._policies)
         del self._policies[key]
         self._index.remove(key)
         self._cache.clear()
         self._modules.clear()
 
     def __contains__(self, key: object) -> bool:
-        return key in self._policies
+        # A dict raises TypeError for an unhashable key; no such key is stored here.
+        return isinstance(key, str) and key in self._policies
 
     def __len__(self) -> int:
         return len(self._policies)
@@ -165,6 +167,7 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
             >>> m.get("encoder/mlp", "not stored"), m["encoder/mlp"]
             ('not stored', <DTypePolicy "bfloat16">)
         """
+        _index.check_key_type(key)
         return self._policies.get(key, default)
 
     def pop(self, key: str, default: Any = _MISSING) -> Any:
@@ -177,9 +180,10 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
             >>> m.pop("head"), m.pop("head", None), len(m)
             (<DTypePolicy "bfloat16">, None, 0)
         """
+        _index.check_key_type(key)
         if key not in self._policies:
             if default is _MISSING:
-                raise KeyError(key)
+                raise _index.absent_key(key, self._policies)
             return default
         policy = self._policies[key]
         del self[key]
@@ -195,6 +199,7 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
             >>> m.setdefault("head", "bfloat16"), m.setdefault("head", "float16")
             (<DTypePolicy "bfloat16">, <DTypePolicy "bfloat16">)
         """
+        _index.check_key_type(key)
         if key not in self._policies:
             self[key] = default
         return self._policies[key]
@@ -306,12 +311,12 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
 
     def _resolve_key(self, path: str) -> str | None:
         """The key that chooses ``path``'s policy (None: the default policy)."""
+        if type(path) is not str:  # before the cache: `map[[]]` is no bare "unhashable"
+            self._check_path(path)
         try:
             return self._cache[path]
         except KeyError:
             pass
-        if type(path) is not str:
-            self._check_path(path)
         key = self._index.match_uncached(path)
         if key is None:
             parent = _trees.parent_path(path)
@@ -355,11 +360,15 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
     # -- config ---------------------------------------------------------------------------
 
     def get_config(self) -> dict[str, Any]:
-        """A JSON-ready dict: the default policy and every key's serialized policy."""
+        """A JSON-ready dict: the default policy and every key's serialized policy.
+
+        tf.keras's ``"_infer"`` policy, which :func:`~jmp_policy.serialize` writes as
+        ``None``, is written in full here: a ``None`` default means the global policy.
+        """
         default = self._default_policy
         return {
-            "default_policy": None if default is None else serialization.serialize(default),
-            "policy_map": {k: serialization.serialize(v) for k, v in self._policies.items()},
+            "default_policy": None if default is None else _values.serialize_value(default),
+            "policy_map": {k: _values.serialize_value(v) for k, v in self._policies.items()},
         }
 
     @classmethod
@@ -373,8 +382,8 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
                 f"Unknown fields {sorted(unknown)} in a DTypePolicyMap `config`; expected "
                 "'default_policy' and 'policy_map'."
             )
-        policy_map = config.get("policy_map")
-        if isinstance(policy_map, dict) and "class_name" in policy_map and "config" in policy_map:
+        policy_map: Any = config.get("policy_map")
+        if _values.is_wrapped_dict(policy_map):
             policy_map = policy_map["config"]  # Keras serializes the dict itself.
         return cls(config.get("default_policy"), policy_map)
 

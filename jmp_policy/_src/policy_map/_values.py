@@ -50,3 +50,31 @@ def as_policy(value: Any, key: str) -> DTypePolicy:
         return serialization.get(value)  # type: ignore[no-any-return]
     except (TypeError, ValueError) as e:
         raise ValueError(f"{argument}: {e}") from e
+
+
+def serialize_value(policy: DTypePolicy) -> dict[str, Any]:
+    """A map value's (or default's) config; tf.keras's ``"_infer"`` written in full."""
+    config = serialization.serialize(policy)
+    if config is None:  # "_infer": a value is never None, and a None default is the global
+        config = {"module": "jmp_policy", "class_name": "Policy", "config": policy.get_config()}
+    return config
+
+
+_WRAPPER_FIELDS = frozenset({"module", "class_name", "config", "registered_name"})
+
+
+def is_wrapped_dict(policy_map: Any) -> bool:
+    """Whether ``policy_map`` is a dict serialized as ``{"class_name": ..., "config": {...}}``
+    rather than a map whose keys happen to be ``"class_name"`` and ``"config"`` (whose
+    values are policies: names or config dicts, never a class name beside a plain dict of
+    keys)."""
+    if not isinstance(policy_map, dict) or not {"class_name", "config"} <= set(policy_map):
+        return False
+    if not set(policy_map) <= _WRAPPER_FIELDS:
+        return False
+    class_name, inner = policy_map["class_name"], policy_map["config"]
+    if not (isinstance(class_name, str) and isinstance(inner, dict)):
+        return False
+    # A map {"class_name": "float32", "config": {"class_name": ..., "config": ...}} keeps
+    # its keys: the inner dict is then a policy's config, not a dict of paths.
+    return not {"class_name", "config"} <= set(inner) and "name" not in inner
