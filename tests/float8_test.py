@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 from flax_examples import measure
 
+import jmp_policy as jp
 from jmp_policy._src import float8
 
 E4M3, E5M2 = float8.E4M3, float8.E5M2
@@ -290,12 +291,16 @@ def test_a_kernel_on_the_left_of_einsum_keeps_its_role_and_layout():
     state still records the kernel, and the result is in einsum's layout."""
     x = jax.random.normal(jax.random.key(0), (2, 5, 3, 4))
     w = jax.random.normal(jax.random.key(1), (3, 4, 7)) * 10.0
+    from jmp_policy._src import matmuls
+
+    policy = jp.get("float8_from_mixed_bfloat16")
     state = float8.init_state(2)
-    fp8 = float8.einsum(state, jnp.einsum)
-    y = fp8("nhd,btnh->btd", w, x)
+    y = matmuls.pick(policy, "einsum", state=state)("nhd,btnh->btd", w, x)
     want = jnp.einsum("nhd,btnh->btd", w, x)
     assert y.shape == want.shape == (2, 5, 7)
     assert float(jnp.abs(y - want).max() / jnp.abs(want).max()) < 0.1
-    new = jax.grad(lambda s: float8.einsum(s, jnp.einsum)("nhd,btnh->btd", w, x).sum())(state)
+    new = jax.grad(lambda s: matmuls.pick(policy, "einsum", state=s)("nhd,btnh->btd", w, x).sum())(
+        state
+    )
     assert float(new["kernel_amax_history"][0]) == float(jnp.abs(w).max())
     assert float(new["input_amax_history"][0]) == float(jnp.abs(x).max())

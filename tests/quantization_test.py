@@ -42,7 +42,7 @@ def test_int4_round_trip_error_is_bounded_per_block(block, maybe_jit):
     policy = jp.Int4DTypePolicy("int4", "float32", block_size=block)
     q = maybe_jit(policy.quantize)(x)
     rows = 256 if block == -1 else block
-    assert q.values.dtype == jnp.uint8 and q.values.shape == (128, 24)  # two per byte
+    assert q.values.dtype == jnp.int4 and q.values.shape == (256, 24)  # XLA packs int4
     assert q.scale.shape == (256 // rows, 24)
     blocks = np.asarray(x).reshape(256 // rows, rows, 24)
     step = np.abs(blocks).max(axis=1) / 7
@@ -52,12 +52,19 @@ def test_int4_round_trip_error_is_bounded_per_block(block, maybe_jit):
     assert rel < 0.15  # abs-max over Gaussian rows: about 0.12 per channel
 
 
-def test_int4_values_survive_packing_exactly():
-    # Every int4 value -7..7 in both nibbles, an odd number of rows.
+def test_int4_values_are_exact_and_the_old_packed_layout_still_loads():
+    # Every int4 value -7..7, an odd number of rows.
     x = jnp.asarray(np.arange(-7, 8, dtype=np.float32).reshape(15, 1) * np.ones((1, 3)))
     q = quantization.quantize(x, "int4", -1)
-    assert q.values.shape == (8, 3)
+    assert q.values.shape == (15, 3) and q.values.dtype == jnp.int4 and not q.packed
     np.testing.assert_array_equal(np.asarray(q.dequantize()), np.asarray(x))
+    # A checkpoint of the earlier layout: two values per uint8 byte along axis 0.
+    old = quantization.QuantizedArray(
+        quantization.pack_int4(q.values), q.scale, "int4", -1, (15, 3), np.dtype("float32")
+    )
+    assert old.values.shape == (8, 3) and old.values.dtype == jnp.uint8 and old.packed
+    np.testing.assert_array_equal(np.asarray(old.dequantize()), np.asarray(x))
+    assert old.nbytes == 8 * 3 + q.scale.nbytes
 
 
 def test_int4_block_that_does_not_divide_the_axis_leaves_a_shorter_last_block():
@@ -78,7 +85,8 @@ def test_int4_block_that_does_not_divide_the_axis_leaves_a_shorter_last_block():
 def test_stored_bytes_of_a_kernel_against_float32(policy, bound):
     x = _kernel((512, 256))
     q = jp.get(policy).quantize(x)
-    assert q.nbytes == q.values.nbytes + q.scale.nbytes
+    values_bytes = q.values.size // 2 if q.values.dtype == jnp.int4 else q.values.nbytes
+    assert q.nbytes == values_bytes + q.scale.nbytes
     assert q.nbytes / x.nbytes <= bound
     assert q.nbytes / x.nbytes > bound - 0.05  # not an accounting trick
 

@@ -39,7 +39,8 @@ variables returns the updated state where the state was, and the optimizer must
 replace, not update, it. Under ``jit`` a forward pass without ``grad`` computes no new
 state.
 
-Nothing here knows Flax: the glue decides which module calls use :func:`dot_general`.
+Nothing here knows Flax: :mod:`jmp_policy._src.matmuls` picks the layers that run
+:func:`dot_general`.
 """
 
 from __future__ import annotations
@@ -439,13 +440,10 @@ def matmul(
     return y.reshape(*batch, *(x.shape[i] for i in lf), *(w.shape[i] for i in rf))
 
 
-def dot_general(state: Any, kernel: Any = None) -> Callable[..., jax.Array]:
+def dot_general(state: Any) -> Callable[..., jax.Array]:
     """A drop-in ``jax.lax.dot_general`` for ``(input, kernel)`` operands, through float8
     with the call's ``state`` (``None``: current scaling) — what a Flax ``Dense`` gets as
     its ``dot_general`` (see :func:`matmul`).
-
-    ``kernel``: when given, the operand that is that array is the kernel, whichever side
-    it is on (``jnp.einsum`` may swap its operands); otherwise the right-hand one.
 
     Examples:
         >>> import jax
@@ -476,35 +474,9 @@ def dot_general(state: Any, kernel: Any = None) -> Callable[..., jax.Array]:
             jnp.float32
         ):
             out = preferred_element_type  # jnp.einsum asks for float32 by default: keep ours
-        if kernel is not None and lhs is kernel and rhs is not kernel:
-            lc, rc, lb, rb = _dims(dimension_numbers)
-            y = matmul(rhs, lhs, ((rc, lc), (rb, lb)), state, out)
-            # dot_general's layout is (batch, lhs free, rhs free): swap the free parts back.
-            n_b = len(lb)
-            n_in = rhs.ndim - len(rc) - n_b
-            n_k = y.ndim - n_b - n_in
-            perm = (
-                *range(n_b),
-                *range(n_b + n_in, n_b + n_in + n_k),
-                *range(n_b, n_b + n_in),
-            )
-            return jnp.transpose(y, perm)
         return matmul(lhs, rhs, dimension_numbers, state, out)
 
     return fp8_dot_general
-
-
-def einsum(state: Any, original: Callable[..., Any]) -> Callable[..., Any]:
-    """``original`` (``jnp.einsum``) for ``(subscripts, input, kernel)``, its contraction
-    through float8 (:func:`dot_general`, the kernel found by identity)."""
-
-    def fp8_einsum(subscripts: str, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("out_sharding", 0) is None:
-            kwargs.pop("out_sharding")
-        kwargs.setdefault("preferred_element_type", jnp.result_type(lhs, rhs))
-        return original(subscripts, lhs, rhs, *args, _dot_general=dot_general(state, rhs), **kwargs)
-
-    return fp8_einsum
 
 
 def is_delayed(policy: Any) -> bool:

@@ -5,8 +5,17 @@ index of the last axis (the output channel of a Flax kernel), abs-max over every
 axis. int4 cuts axis 0 (the input axis of a Flax kernel) into blocks of ``block_size``
 rows (``-1``: one block, per channel), one scale per block and last-axis index; a block
 size that does not divide axis 0 leaves the last block shorter (no padding is stored).
-int4 values are packed two per byte (``uint8``), so the stored bytes are what a
-checkpoint or device holds.
+int4 values are stored as ``jnp.int4`` (XLA packs them two per byte and its GEMM fusions
+read them natively); the packed ``uint8`` layout of earlier versions (row ``2i`` in the
+low nibble) still loads and dequantizes.
+
+Matmuls on quantized kernels (what the Linen and NNX glue run when a ``QuantizedArray``
+kernel reaches a layer): :func:`weight_only_dot_general` reads the integer values
+converted to the compute dtype, exact, and applies the per-channel scales to the result
+(``(x @ convert(w)) * scale``: XLA fuses the convert into the GEMM, so the weight bytes
+are the only weight bytes read); int4 in blocks runs a matmul per block and a scaled sum.
+:func:`int8_weight_dot_general` (an int8 policy with int8 weights) quantizes the
+activations per row and multiplies int8 by int8 with int32 accumulation.
 
 Compute: :func:`int8_dot_general` is a drop-in ``jax.lax.dot_general`` that quantizes
 each operand to int8 by abs-max over its own contracting dimensions (per row for
@@ -57,8 +66,9 @@ class QuantizedArray:
     Made by ``DTypePolicyMap.quantize`` and ``QuantizedDTypePolicy.quantize``.
 
     Attributes:
-        values: ``int8`` values (int8 mode), or ``uint8`` holding two int4 values per byte
-            along axis 0 (int4 mode: row ``2i`` in the low nibble, ``2i + 1`` in the high).
+        values: ``int8`` values (int8 mode) or ``int4`` values (int4 mode), of the
+            kernel's shape (a ``uint8`` array of two int4 values per byte along axis 0,
+            the layout of earlier versions, still loads).
         scale: float32; int8: shape ``(n,)`` for a last axis of ``n``; int4: shape
             ``(blocks, n)``.
         mode: ``"int8"`` or ``"int4"``.
@@ -103,10 +113,19 @@ class QuantizedArray:
 
     @property
     def nbytes(self) -> int:
-        """Bytes stored: the values and the scales."""
-        return int(self.values.size * self.values.dtype.itemsize) + int(
+        """Bytes stored: the values (int4: half a byte each) and the scales."""
+        bits = np.dtype(self.values.dtype).itemsize * 8
+        if np.dtype(self.values.dtype) == np.dtype(jnp.int4):
+            bits = 4
+        return -(-int(self.values.size) * bits // 8) + int(
             self.scale.size * self.scale.dtype.itemsize
         )
+
+    @property
+    def packed(self) -> bool:
+        """Whether the values are int4 packed two per ``uint8`` byte (the earlier layout,
+        which loads and dequantizes but reaches no fast matmul: re-quantize it)."""
+        return self.mode == "int4" and np.dtype(self.values.dtype) == np.dtype(np.uint8)
 
     def dequantize(self, dtype: Any = None) -> jax.Array:
         """The real values (``values * scale``, computed in float32) in ``dtype``.
@@ -205,10 +224,10 @@ def quantize(x: Any, mode: str, block_size: int | None = None) -> QuantizedArray
     blocks = -(-rows // size)
     xb = _blocked(x32, size, blocks)  # (blocks, size, ..., n)
     scale = _abs_max_scale(xb, tuple(range(1, xb.ndim - 1)), _INT4_MAX)
-    q = _round(xb, scale, _INT4_MAX).astype(jnp.int8)
+    q = _round(xb, scale, _INT4_MAX).astype(jnp.int4)
     q = q.reshape(blocks * size, *x.shape[1:])[:rows]
     scale = scale.reshape(blocks, x.shape[-1])
-    return QuantizedArray(_pack(q), scale, "int4", block, tuple(x.shape), np.dtype(x.dtype))
+    return QuantizedArray(q, scale, "int4", block, tuple(x.shape), np.dtype(x.dtype))
 
 
 def _blocked(x: jax.Array, size: int, blocks: int) -> jax.Array:
@@ -219,8 +238,10 @@ def _blocked(x: jax.Array, size: int, blocks: int) -> jax.Array:
     return x.reshape(blocks, size, *x.shape[1:])
 
 
-def _pack(q: jax.Array) -> jax.Array:
-    """int4 values in [-8, 7] (int8 array) to two per byte along axis 0."""
+def pack_int4(q: Any) -> jax.Array:
+    """int4 values in [-8, 7] to two per ``uint8`` byte along axis 0 (the layout of
+    earlier versions; kept to read and write their checkpoints)."""
+    q = jnp.asarray(q).astype(jnp.int8)
     if q.shape[0] % 2:
         q = jnp.pad(q, [(0, 1)] + [(0, 0)] * (q.ndim - 1))
     low = q[0::2].astype(jnp.uint8) & 0xF
@@ -229,7 +250,7 @@ def _pack(q: jax.Array) -> jax.Array:
 
 
 def _unpack(packed: jax.Array, rows: int) -> jax.Array:
-    """The inverse of :func:`_pack`: int32 values of ``rows`` rows."""
+    """The inverse of :func:`pack_int4`: int32 values of ``rows`` rows."""
     v = jnp.asarray(packed).astype(jnp.int32)
     nibbles = jnp.stack([v & 0xF, (v >> 4) & 0xF], axis=1)
     nibbles = jnp.where(nibbles >= 8, nibbles - 16, nibbles)
@@ -240,7 +261,10 @@ def _int4_dequantize(
     values: jax.Array, scale: jax.Array, block_size: int | None, shape: tuple[int, ...]
 ) -> jax.Array:
     rows = shape[0]
-    q = _unpack(values, rows).astype(jnp.float32)
+    if np.dtype(values.dtype) == np.dtype(np.uint8):  # the packed layout of earlier versions
+        q = _unpack(values, rows).astype(jnp.float32)
+    else:
+        q = jnp.asarray(values).astype(jnp.float32)
     size = rows if block_size in (None, -1) else int(block_size)  # type: ignore[arg-type]
     blocks = scale.shape[0]
     qb = _blocked(q, size, blocks)
@@ -385,3 +409,178 @@ def int8_einsum(subscripts: str, /, *operands: Any, **kwargs: Any) -> jax.Array:
 def is_int8(policy: Any) -> bool:
     """Whether ``policy`` asks for int8 compute (an int8 quantized policy)."""
     return getattr(policy, "quantization_mode", None) == "int8"
+
+
+# -- matmuls on quantized kernels -----------------------------------------------------------
+
+# Rows (the product of the input's free dimensions) from which an int8 policy's int8 x int8
+# GEMM replaces the weight-only form: below, a matmul is bound by the weight bytes it reads
+# and the weight-only form reads the same int8 bytes without quantizing the activations.
+INT8_GEMM_MIN_ROWS = 128
+
+
+def _per_channel(q: QuantizedArray) -> bool:
+    return q.mode == "int8" or q.block_size in (None, -1) or q.scale.shape[0] == 1
+
+
+def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> str:
+    """The matmul a ``QuantizedArray`` kernel (the right operand) runs, by its layout and
+    the rows of the input: ``"int8 x int8"``, ``"weight-only, scale after"``,
+    ``"int4 blocks"`` or ``"dequantized"`` (a layout no fast form covers)."""
+    (lc, rc), (lb, rb) = _normalize(dims)
+    last_free = q.ndim - 1 not in rc and q.ndim - 1 not in rb
+    if q.packed or lb or rb or not last_free:
+        return "dequantized"
+    if int8_compute and q.mode == "int8" and rows >= INT8_GEMM_MIN_ROWS:
+        return "int8 x int8"
+    if _per_channel(q):
+        return "weight-only, scale after"
+    if q.ndim == 2 and rc == (0,) and len(lc) == 1:
+        return "int4 blocks"
+    return "dequantized"
+
+
+def _rows(lhs: jax.Array, dims: DimensionNumbers) -> int:
+    (lc, _), (lb, _) = dims
+    return int(np.prod([d for i, d in enumerate(lhs.shape) if i not in lc and i not in lb]))
+
+
+def _scaled(y: jax.Array, scale: jax.Array, out: np.dtype) -> jax.Array:
+    """``y`` times per-channel ``scale`` (its last axis), in float32, then ``out``."""
+    return (y.astype(jnp.float32) * scale.reshape(-1)).astype(out)
+
+
+def quantized_kernel_dot_general(
+    q: QuantizedArray, int8_compute: bool = False, record: Any = None
+) -> Any:
+    """A drop-in ``jax.lax.dot_general`` whose right operand is ``q``'s kernel.
+
+    The operand it is handed (the layer's kernel as Flax saw it: ``q``'s values in the
+    compute dtype, unscaled) only gives the shape; the matmul reads ``q`` itself:
+
+    * ``"weight-only, scale after"`` (int8, int4 per channel): ``(x @ convert(values)) *
+      scale``, the integer values exact in the compute dtype, the scale applied to the
+      float32 result;
+    * ``"int4 blocks"`` (a 2-D kernel): one matmul per block of rows and a scaled sum;
+    * ``"int8 x int8"`` (``int8_compute`` and at least :data:`INT8_GEMM_MIN_ROWS` rows):
+      the input quantized per row, ``dot_general(int8, int8) -> int32`` contracting the
+      last dimension of both (the layout cuBLAS's int8 GEMM takes), both scales applied to
+      the result; its gradient with respect to the input is the float matmul's;
+    * ``"dequantized"``: any other layout, the kernel dequantized to the compute dtype.
+
+    ``record(form)``, when given, is told the form at trace time (for ``explain``).
+    """
+
+    def dot_general(
+        lhs: Any,
+        rhs: Any,
+        dimension_numbers: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        **kwargs: Any,
+    ) -> jax.Array:
+        lhs = jnp.asarray(lhs)
+        dims = _normalize(dimension_numbers)
+        compute = np.dtype(getattr(rhs, "dtype", lhs.dtype))
+        if not dt.is_floating(compute):
+            compute = np.dtype(lhs.dtype)
+        out = np.dtype(preferred_element_type or jnp.result_type(lhs.dtype, compute))
+        kernel = q
+        shape = tuple(getattr(rhs, "shape", q.shape))
+        if shape != q.shape:
+            # A layer that reshapes its kernel before the matmul (Flax's DenseGeneral).
+            if math.prod(shape) != q.size or shape[-1:] != q.shape[-1:]:
+                raise ValueError(
+                    f"A quantized kernel of shape {q.shape} reached a matmul as shape "
+                    f"{shape}: run the model through jmp_policy's apply wrappers, which "
+                    "pass quantized kernels whole."
+                )
+            if not _per_channel(q):
+                if record is not None:
+                    record("dequantized")
+                w = q.dequantize(compute).reshape(shape)
+                return jax.lax.dot_general(
+                    lhs.astype(compute), w, dims, precision=precision, preferred_element_type=out
+                )
+            kernel = dataclasses.replace(q, values=q.values.reshape(shape), shape=shape)
+        form = kernel_form(kernel, dims, _rows(lhs, dims), int8_compute)
+        if record is not None:
+            record(form)
+        if form == "weight-only, scale after":
+            y = jax.lax.dot_general(
+                lhs.astype(compute), kernel.values.astype(compute), dims, precision=precision,
+                preferred_element_type=jnp.float32,
+            )  # fmt: skip
+            return _scaled(y, kernel.scale, out)
+        if form == "int4 blocks":
+            return _int4_blocks(lhs.astype(compute), kernel, out)
+        if form == "int8 x int8":
+            return _int8_weights(lhs, kernel, dims, out)  # type: ignore[no-any-return]
+        w = kernel.dequantize(compute)
+        return jax.lax.dot_general(
+            lhs.astype(compute), w, dims, precision=precision, preferred_element_type=out
+        )
+
+    return dot_general
+
+
+def _int4_blocks(x: jax.Array, q: QuantizedArray, out: np.dtype) -> jax.Array:
+    """``x @ kernel`` for an int4 kernel of blocks of rows: a matmul per block (batched
+    over blocks), then the sum of the blocks' results times their scales."""
+    rows, n = q.shape
+    blocks = q.scale.shape[0]
+    size = -(-rows // blocks)
+    pad = blocks * size - rows
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, rows)
+    values = q.values
+    if pad:
+        x2 = jnp.pad(x2, ((0, 0), (0, pad)))
+        values = jnp.pad(values, ((0, pad), (0, 0)))
+    xb = x2.reshape(x2.shape[0], blocks, size)
+    wb = values.reshape(blocks, size, n).astype(x.dtype)
+    part = jax.lax.dot_general(
+        xb, wb, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32
+    )  # (blocks, m, n)
+    y = JNP_EINSUM("bmn,bn->mn", part, q.scale)  # not the glue's routed jnp.einsum
+    return y.astype(out).reshape(*lead, n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _int8_weights_core(
+    lhs: jax.Array, q: QuantizedArray, dims: DimensionNumbers, out: np.dtype, _: Any
+) -> jax.Array:
+    (lc, rc), _b = dims
+    xq, xs = _quantize_operand(lhs, lc)
+    # The kernel with its contracting axes last: "contract the last dimension of both",
+    # the layout cuBLAS's int8 GEMM takes.
+    free = tuple(i for i in range(q.ndim) if i not in rc)
+    w = jnp.transpose(q.values, free + rc)
+    k = len(rc)
+    dims_t = ((lc, tuple(range(w.ndim - k, w.ndim))), ((), ()))
+    xq = jax.lax.optimization_barrier(xq)
+    acc = jax.lax.optimization_barrier(
+        jax.lax.dot_general(xq, w, dims_t, preferred_element_type=jnp.int32)
+    )
+    x_scale = _output_scale(xs, jnp.ones((1,) * q.ndim, jnp.float32), dims)
+    return (acc.astype(jnp.float32) * x_scale * q.scale.reshape(-1)).astype(out)
+
+
+def _int8_weights_fwd(lhs: Any, q: Any, dims: Any, out: Any, _: Any) -> Any:
+    return _int8_weights_core(lhs, q, dims, out, _), q
+
+
+def _int8_weights_bwd(dims: Any, out: Any, _: Any, q: Any, g: jax.Array) -> Any:
+    w = q.dequantize(g.dtype)
+    zeros = jax.ShapeDtypeStruct(_, g.dtype)
+    (g_lhs,) = jax.linear_transpose(
+        lambda a: jax.lax.dot_general(a, w, dims, preferred_element_type=g.dtype), zeros
+    )(g)
+    return g_lhs, jax.tree.map(jnp.zeros_like, q)
+
+
+_int8_weights_core.defvjp(_int8_weights_fwd, _int8_weights_bwd)
+
+
+def _int8_weights(lhs: jax.Array, q: QuantizedArray, dims: DimensionNumbers, out: Any) -> Any:
+    return _int8_weights_core(lhs, q, dims, np.dtype(out), tuple(lhs.shape))

@@ -158,7 +158,7 @@ class QuantizedDTypePolicy(DTypePolicy):
             >>> q["kernel"]
             QuantizedArray(int4/128, shape=(256, 8), original_dtype=float32)
             >>> q["kernel"].values.dtype, q["kernel"].scale.shape
-            (dtype('uint8'), (2, 8))
+            (dtype(int4), (2, 8))
         """
         if self._quantization_mode not in quantization.MODES:
             raise ValueError(

@@ -8,13 +8,14 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 import jmp_policy.linen._modules as m
-from jmp_policy._src import casting, interception, quantization
+from jmp_policy._src import casting, float8, interception, quantization
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import Options, Resolver
 from jmp_policy._src.run_report import warn_once
-from jmp_policy.linen._quantization import quantized_matmuls
+from jmp_policy.linen._quantization import KernelRun, kernel_run, quantized_matmuls
 
 _MAX_RETRACES = 8
 
@@ -58,13 +59,68 @@ def _flat(params: Any) -> tuple[list[tuple[Any, Any]], Any]:
     return jax.tree_util.tree_flatten_with_path(params, is_leaf=quantization.is_quantized)
 
 
-def _cast_params(params: Any, resolver: Resolver) -> Any:
+def _cast_params(params: Any, resolver: Resolver, whole: Mapping[str, Any] = {}) -> Any:
+    """Parameters in their compute dtypes; the kernels of the module paths in ``whole``
+    as their quantized integer values (the layer's matmul reads them with the scales)."""
     flat, treedef = _flat(params)
-    leaves = [
-        casting.compute_leaf(leaf, resolver.variable(leaf_path(kp))[0].compute_dtype)
-        for kp, leaf in flat
-    ]
+    leaves = []
+    for kp, leaf in flat:
+        path = leaf_path(kp)
+        if isinstance(leaf, quantization.QuantizedArray) and (
+            whole.get(parent_path(path) or "") is leaf
+        ):
+            # int4 has no implicit promotion in JAX: Flax's promote_dtype gets int8. The
+            # layer's matmul reads the QuantizedArray itself, so this copy is dead code.
+            values = leaf.values
+            leaves.append(values.astype(jnp.int8) if values.dtype == jnp.int4 else values)
+        else:
+            leaves.append(casting.compute_leaf(leaf, resolver.variable(path)[0].compute_dtype))
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _quantized_kernels(params: Any) -> dict[str, Any]:
+    """Module path -> its ``QuantizedArray`` parameter named ``kernel``."""
+    found = {}
+    for kp, leaf in _flat(params)[0]:
+        path = leaf_path(kp)
+        if quantization.is_quantized(leaf) and path.rpartition("/")[2] == "kernel":
+            found[parent_path(path) or ""] = leaf
+    return found
+
+
+def _whole_kernels(
+    variables: Mapping[str, Any],
+    resolved: Any,
+    options: Options,
+    known: dict[str, Any],
+    call: Callable[[Any, Resolver], Any],
+    method: Any,
+) -> dict[str, Any]:
+    """The quantized kernels that reach their layers whole: those of modules whose matmul
+    jmp_policy routes, seen at their stored shape (learnt by a shape-only run), under a
+    policy that is not float8 (float8 quantizes float kernels itself)."""
+    quantized = _quantized_kernels(variables.get("params", {}))
+    if not quantized:
+        return {}
+    routes: dict[str, bool] = {}
+    chosen = Resolver(resolved, options, dict(known))
+    with kernel_run(KernelRun({}, quantized, routes)):
+        # The casts happen inside the shape-only run: nothing is added to the caller's trace.
+        _learn_shapes(
+            known,
+            resolved,
+            options,
+            lambda: _with_params(variables, lambda p: _cast_params(p, chosen)),
+            call,
+            method,
+        )
+    chosen = Resolver(resolved, options, dict(known))
+    return {
+        path: q
+        for path, q in quantized.items()
+        if routes.get(path)
+        and not float8.is_float8(chosen.variable(f"{path}/kernel" if path else "kernel")[0])
+    }
 
 
 def _decisions(params: Any, resolver: Resolver) -> dict[str, Any]:
@@ -114,7 +170,8 @@ def _learn_shapes(
     call: Callable[[Any, Resolver], Any],
     method: Any,
 ) -> None:
-    """Records every module of the model into ``known`` by a shape-only run."""
+    """Records every module of the model into ``known`` by a shape-only run
+    (``cast_variables``, or a function that makes them inside that run)."""
     learner = Resolver(resolved, options, dict(known))
 
     def run() -> Any:
@@ -122,7 +179,8 @@ def _learn_shapes(
             nn.intercept_methods(interceptor(learner, root_method(method))),
             interception.model_run(options),
         ):
-            return call(cast_variables, learner)
+            cast = cast_variables() if callable(cast_variables) else cast_variables
+            return call(cast, learner)
 
     # A failure here is left for the real run to report; what was met is kept.
     with contextlib.suppress(Exception):
@@ -191,9 +249,10 @@ def run_traced(
         if hasattr(leaf, "dtype"):
             path = leaf_path(key_path)
             by_module.setdefault(parent_path(path) or "", []).append(path)
+    whole = _whole_kernels(variables, resolved, options, known, call, method)
     for _ in range(_MAX_RETRACES):
         chosen = Resolver(resolved, options, dict(known))
-        cast_variables = _with_params(variables, lambda p: _cast_params(p, chosen))  # noqa: B023
+        cast_variables = _with_params(variables, lambda p: _cast_params(p, chosen, whole))  # noqa: B023
         resolver = Resolver(resolved, options, dict(known))
         on_new = _stale_check(by_module, chosen, resolver)
         error: Exception | None = None
@@ -201,6 +260,7 @@ def run_traced(
             with (
                 nn.intercept_methods(interceptor(resolver, root_method(method), on_new)),
                 interception.model_run(options),
+                kernel_run(KernelRun(whole)),
             ):
                 result = call(cast_variables, resolver)
         except _Stale:

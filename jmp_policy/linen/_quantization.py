@@ -24,12 +24,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jmp_policy._src import float8, interception, quantization
+from jmp_policy._src import float8, interception, matmuls
 
 COLLECTION = float8.COLLECTION
 
@@ -71,17 +71,59 @@ def _routable(module: Any) -> bool:
 
 def _run_with(
     module: Any,
-    dot_general: Callable[..., Any],
-    einsum: Callable[..., Any],
+    matmul: Callable[..., Any],
     next_fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
     if isinstance(module, nn.Einsum):
-        with _einsum_as(einsum):
+        with _einsum_as(matmul):
             return next_fn(*args, **kwargs)
-    with interception.attribute_set(module, "dot_general", dot_general):
+    with interception.attribute_set(module, "dot_general", matmul):
         return next_fn(*args, **kwargs)
+
+
+# -- quantized kernels reaching their layers ----------------------------------------------
+
+
+class KernelRun(NamedTuple):
+    """What one model run knows of the quantized kernels of its parameters.
+
+    ``kernels``: module path -> the ``QuantizedArray`` kernel it receives whole (passed to
+    Flax as its integer values, which the layer's matmul reads with the scales).
+    ``routes``: when not None, a learning run records into it, for every module path in
+    ``learn``, whether the module's matmul is one jmp_policy routes and sees the stored
+    kernel's shape (not a slice, as inside ``nn.scan``).
+    """
+
+    kernels: Mapping[str, Any]
+    learn: Mapping[str, Any] = {}
+    routes: dict[str, bool] | None = None
+
+
+_KERNEL_RUN: contextvars.ContextVar[KernelRun | None] = contextvars.ContextVar(
+    "jmp_policy_linen_kernel_run", default=None
+)
+
+
+@contextlib.contextmanager
+def kernel_run(run: KernelRun) -> Iterator[None]:
+    token = _KERNEL_RUN.set(run)
+    try:
+        yield
+    finally:
+        _KERNEL_RUN.reset(token)
+
+
+def _learn_route(module: Any, path: str, run: KernelRun) -> None:
+    if run.routes is None or path not in run.learn:
+        return
+    seen = (
+        module.get_variable("params", "kernel") if module.has_variable("params", "kernel") else None
+    )
+    run.routes[path] = _routable(module) and tuple(getattr(seen, "shape", ())) == tuple(
+        run.learn[path].shape
+    )
 
 
 def float8_state(module: nn.Module, policy: Any, index: int) -> Any:
@@ -120,30 +162,20 @@ def quantized_matmuls() -> Callable[..., Any]:
         module, policy = call.module, call.resolution.policy
         if module is None or not _routable(module):
             return next_fn(*args, **kwargs)
-        if quantization.is_int8(policy):
-            return _run_with(
-                module,
-                quantization.int8_dot_general,
-                quantization.int8_einsum,
-                next_fn,
-                args,
-                kwargs,
-            )
-        if not float8.is_float8(policy):
-            return next_fn(*args, **kwargs)
-        state = None  # current scaling keeps no state
-        if float8.is_delayed(policy):
+        run = _KERNEL_RUN.get()
+        if run is not None:
+            _learn_route(module, call.path, run)
+        kernel = None if run is None else run.kernels.get(call.path)
+        state = None
+        if float8.is_float8(policy) and float8.is_delayed(policy):
             index = calls.get(id(module), (module, 0))[1]
             calls[id(module)] = (module, index + 1)
             state = float8_state(module, policy, index)
-        return _run_with(
-            module,
-            float8.dot_general(state),
-            float8.einsum(state, quantization.JNP_EINSUM),
-            next_fn,
-            args,
-            kwargs,
-        )
+        kind = "einsum" if isinstance(module, nn.Einsum) else "dot_general"
+        matmul = matmuls.pick(policy, kind, call.path, state, kernel)
+        if matmul is None:
+            return next_fn(*args, **kwargs)
+        return _run_with(module, matmul, next_fn, args, kwargs)
 
     return extension
 

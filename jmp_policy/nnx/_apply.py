@@ -7,12 +7,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 import jmp_policy.nnx._modules as m
 import jmp_policy.nnx._quantization as q
-from jmp_policy._src import casting, interception
+from jmp_policy._src import casting, float8, interception, quantization
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import (
     Resolution,
@@ -213,12 +214,31 @@ def apply_with(
         resolver = resolver_for(model, resolved, opts)
         graphdef, state = nnx.split(model)
         stored: dict[str, np.dtype] = {}
+        routable = {
+            m.path_of(parts) for parts, module in nnx.iter_modules(model) if q.routable(module)
+        }
+        whole: dict[str, Any] = {}  # module path -> its QuantizedArray kernel, passed whole
 
         def cast_variable(key_path: Any, variable: Any) -> Any:
             path = leaf_path(key_path)
             if isinstance(variable, nnx.Param):
                 policy = resolver.variable(path)[0]
-                return variable.replace(policy.cast_to_compute(variable.get_value()))
+                value = variable.get_value()
+                module_path, _, name = path.rpartition("/")
+                if (
+                    quantization.is_quantized(value)
+                    and name == "kernel"
+                    and module_path in routable
+                    and not float8.is_float8(policy)
+                ):
+                    # The layer's matmul reads the QuantizedArray itself (see
+                    # jmp_policy._src.matmuls); NNX's promote_dtype gets its integers.
+                    whole[module_path] = value
+                    ints = value.values
+                    return variable.replace(
+                        ints.astype(jnp.int8) if ints.dtype == jnp.int4 else ints
+                    )
+                return variable.replace(policy.cast_to_compute(value))
             value = variable.get_value()
             if isinstance(value, (jax.Array, np.ndarray)):
                 stored[path] = value.dtype
@@ -243,7 +263,7 @@ def apply_with(
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
         warn_once(resolver, type(model).__name__, warned)
-        with interception.model_run(opts), q.model_run():
+        with interception.model_run(opts), q.model_run(whole):
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
             else:

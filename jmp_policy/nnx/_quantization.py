@@ -20,19 +20,23 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
 from flax import nnx
 
-from jmp_policy._src import float8, interception, quantization
+from jmp_policy._src import float8, interception, matmuls, quantization
 
 ATTR = "float8"  # the attribute of a float8 layer that holds its Float8State
 
 # id(module) -> module, for the float8 layers called so far in the model run in progress.
 _CALLED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
     "jmp_policy_nnx_float8_called", default=None
+)
+# module path -> the QuantizedArray kernel it receives whole, in the model run in progress.
+_WHOLE: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "jmp_policy_nnx_whole_kernels", default=None
 )
 
 
@@ -82,12 +86,15 @@ def routable(module: Any) -> bool:
 
 
 @contextlib.contextmanager
-def model_run() -> Iterator[None]:
-    """One model run: each float8 layer may be called once inside."""
+def model_run(whole: Mapping[str, Any] | None = None) -> Iterator[None]:
+    """One model run: each float8 layer may be called once inside; ``whole`` maps module
+    paths to the ``QuantizedArray`` kernels they receive whole."""
     token = _CALLED.set({})
+    whole_token = _WHOLE.set(whole or {})
     try:
         yield
     finally:
+        _WHOLE.reset(whole_token)
         _CALLED.reset(token)
 
 
@@ -142,15 +149,14 @@ def quantized_matmuls(
     name = None if module is None else _replacement(module)
     if name is None:
         return next_fn(*args, **kwargs)
-    if quantization.is_int8(policy):
-        value = quantization.int8_einsum if name == "einsum_op" else quantization.int8_dot_general
-    elif float8.is_float8(policy):
-        state = _float8_state(call) if float8.is_delayed(policy) else None
-        if name == "einsum_op":
-            value = float8.einsum(state, quantization.JNP_EINSUM)
-        else:
-            value = float8.dot_general(state)
-    else:
+    state = None
+    if float8.is_float8(policy) and float8.is_delayed(policy):
+        state = _float8_state(call)
+    kind = "einsum" if name == "einsum_op" else "dot_general"
+    whole = _WHOLE.get()
+    kernel = None if whole is None else whole.get(call.path)
+    value = matmuls.pick(policy, kind, call.path, state, kernel)
+    if value is None:
         return next_fn(*args, **kwargs)
     with interception.attribute_set(module, name, value):
         return next_fn(*args, **kwargs)
