@@ -116,6 +116,13 @@ def _name(var: Any, origin: Mapping[Any, str]) -> str:
     return found if found is not None else np.dtype(var.aval.dtype).name
 
 
+def _is_number(dtype: Any) -> bool:
+    """Whether ``dtype`` is a number dtype (PRNG key arrays, ``key<fry>``, are not)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return False
+    return bool(jax.dtypes.issubdtype(dtype, np.number) or jax.dtypes.issubdtype(dtype, np.bool_))
+
+
 def _is_float8(dtype: Any) -> bool:
     return np.dtype(dtype).name.startswith("float8")
 
@@ -158,7 +165,7 @@ def _walk(
         name = eqn.primitive.name
         for var in eqn.outvars:
             aval = var.aval
-            if hasattr(aval, "dtype") and hasattr(aval, "shape"):
+            if hasattr(aval, "dtype") and hasattr(aval, "shape") and _is_number(aval.dtype):
                 dtype = np.dtype(aval.dtype)
                 size = int(np.prod(aval.shape, dtype=np.int64)) * dtype.itemsize
                 nbytes[dtype.name] = nbytes.get(dtype.name, 0) + times * size
@@ -210,7 +217,8 @@ def dtype_profile(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DTypePro
     dequantized from float8 (converted from a float8 dtype, then scaled: what a float8
     policy's quantize-dequantize gives, and what XLA fuses into a native float8 matmul on
     GPUs that have one) counts as that float8 dtype. The bytes are those of every array
-    an op produces. Sub-programs count: ``jit``, ``remat``,
+    an op produces; values that are not numbers (PRNG key arrays, ``jax.random.key``
+    and the keys ``jax.random`` makes of a ``PRNGKey`` inside) are skipped. Sub-programs count: ``jit``, ``remat``,
     ``custom_vjp`` and each iteration of a ``scan`` (times its length); a ``while`` loop's
     body is counted once (its trip count is unknown), a ``cond`` as its costliest branch.
     Profile the training step itself (``jax.value_and_grad(loss)``) to count the
