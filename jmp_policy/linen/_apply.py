@@ -141,11 +141,11 @@ def _stale_check(
     own dtype changes the dtype one of the parameters was cast to (its own, or its
     descendants' for a class in ``type_policies``), so a retrace costs no more than the
     modules before it (and an eager first call does not run the model twice)."""
-    types = resolver.options.type_policies
+    options = resolver.options
 
     def check(path: str) -> None:
         info = resolver.infos[path]
-        typed = bool(types) and info.cls is not None and any(c in types for c in info.cls.__mro__)
+        typed = options.type_entry(info.cls) is not None
         if info.own_dtype is None and not typed:
             return
         learnt = Resolver(chosen.policy_or_map, chosen.options, resolver.infos)
@@ -290,7 +290,9 @@ def apply(
 
             * ``type_policies``: ``{ModuleClass: policy or name}``: every instance of a
               class (or a subclass) gets that policy, unless a key of the map matches its
-              own path; it wins over inheritance from an ancestor. See ``NORM_FLOAT32``.
+              own path; it wins over inheritance from an ancestor. A class matches by
+              module and qualified name too, so it follows ``importlib.reload``. See
+              ``NORM_FLOAT32``.
             * ``module_dtype``: ``"respect"`` (the default: a module's own ``dtype=``
               wins, as an explicit layer dtype does in Keras) or ``"override"`` (the
               policy wins everywhere: the module runs with its ``dtype`` set to the

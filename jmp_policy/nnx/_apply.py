@@ -15,6 +15,7 @@ import jmp_policy.nnx._quantization as q
 from jmp_policy._src import casting, interception
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import (
+    ModuleInfo,
     Resolution,
     Resolver,
     as_policy_or_map,
@@ -46,11 +47,15 @@ def _policy_method(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def resolver_for(model: nnx.Module, resolved: Any, options: Any) -> Resolver:
     """A resolver that knows every module of ``model`` (classes and own dtypes)."""
-    resolver = Resolver(resolved, options)
-    modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]) > 0)  # root first
-    for parts, module in modules:
+    # Every module is recorded before any is resolved: NNX lists children before their
+    # parents, and a child inherits its parent's class policy (`type_policies`).
+    infos: dict[str, ModuleInfo] = {}
+    for parts, module in nnx.iter_modules(model):
         cls = getattr(type(module), _ORIGINAL, type(module))
-        resolver.module(m.path_of(parts), cls, m.own_dtype(module))
+        infos.setdefault(m.path_of(parts), ModuleInfo(cls, m.own_dtype(module)))
+    resolver = Resolver(resolved, options, infos)
+    for path in sorted(infos, key=len):  # the root first, parents before children
+        resolver.module(path)
     return resolver
 
 
@@ -154,7 +159,9 @@ def apply(
 
             * ``type_policies``: ``{ModuleClass: policy or name}``: every instance of a
               class (or a subclass) gets that policy, unless a key of the map matches its
-              own path; it wins over inheritance from an ancestor. See ``NORM_FLOAT32``.
+              own path; it wins over inheritance from an ancestor. A class matches by
+              module and qualified name too, so it follows ``importlib.reload``. See
+              ``NORM_FLOAT32``.
             * ``module_dtype``: ``"respect"`` (the default: a module's own ``dtype=``
               wins, as an explicit layer dtype does in Keras) or ``"override"`` (the
               policy wins everywhere: the module runs with its ``dtype`` set to the
