@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ from flax import nnx
 import jmp_policy.nnx._modules as m
 import jmp_policy.nnx._quantization as q
 from jmp_policy._src import casting, interception
-from jmp_policy._src.policy_map import leaf_path
+from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import (
     ModuleInfo,
     Resolution,
@@ -50,7 +51,8 @@ def resolver_for(model: nnx.Module, resolved: Any, options: Any) -> Resolver:
     # Every module is recorded before any is resolved: NNX lists children before their
     # parents, and a child inherits its parent's class policy (`type_policies`).
     infos: dict[str, ModuleInfo] = {}
-    for parts, module in nnx.iter_modules(model):
+    modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]) > 0)  # root first
+    for parts, module in modules:
         cls = getattr(type(module), _ORIGINAL, type(module))
         infos.setdefault(m.path_of(parts), ModuleInfo(cls, m.own_dtype(module)))
     resolver = Resolver(resolved, options, infos)
@@ -146,7 +148,12 @@ def apply(
     NNX's graph traversal finds. Changes to ``nnx.Param`` values made inside the call are
     not written back. Modules created inside the call run unwrapped. Non-``Param``
     variables (batch statistics, caches) are not cast to the compute dtype: create caches
-    in the compute dtype.
+    in the compute dtype. Plain JAX arrays kept as attributes (``self.w =
+    jax.random.normal(...)``, Flax's ``07_array_leaves`` toy example) are not
+    ``nnx.Param``s for Flax either (``nnx.grad`` and ``nnx.Optimizer`` leave them out by
+    default): they are state, left in their stored dtype (changes written back), and a
+    warning names the floating ones the policy would otherwise have cast; wrap them in
+    ``nnx.Param`` to have them cast.
 
     Args:
         model: an ``nnx.Module``; never modified except for its non-``Param`` state.
@@ -208,6 +215,19 @@ def apply(
     return apply_with(model, resolved, m.options(options), method)
 
 
+def _warn_plain_arrays(model: str, paths: list[str]) -> None:
+    shown = ", ".join(paths[:5]) + (f", ... ({len(paths)} in all)" if len(paths) > 5 else "")
+    warnings.warn(
+        f"{model} keeps floating arrays as plain attributes ({shown}). Flax does not count "
+        "plain arrays as `nnx.Param`s (`nnx.grad` and `nnx.Optimizer` leave them out by "
+        "default), so the policy leaves them in their stored dtype, and computations that "
+        "mix them with cast inputs promote to it. Wrap them in `nnx.Param` "
+        "(`self.w = nnx.Param(...)`) to have the policy cast them.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def apply_with(
     model: nnx.Module, resolved: Any, opts: Any, method: str | Callable[..., Any]
 ) -> Callable[..., Any]:
@@ -221,8 +241,20 @@ def apply_with(
         graphdef, state = nnx.split(model)
         stored: dict[str, np.dtype] = {}
 
+        plain: list[str] = []  # floating plain arrays the policy would have cast
+
         def cast_variable(key_path: Any, variable: Any) -> Any:
             path = leaf_path(key_path)
+            if not isinstance(variable, nnx.Variable):
+                # A plain array attribute (Flax's `07_array_leaves` toy example): not an
+                # `nnx.Param` for Flax (`nnx.grad` and `nnx.Optimizer` leave it out by
+                # default), so it is state, kept in its dtype like a `BatchStat`.
+                if isinstance(variable, (jax.Array, np.ndarray)):
+                    stored[path] = variable.dtype
+                    compute = resolver.module(parent_path(path) or "").policy.compute_dtype
+                    if casting.should_cast(variable, compute):
+                        plain.append(path)
+                return variable
             if isinstance(variable, nnx.Param):
                 policy = resolver.variable(path)[0]
                 return variable.replace(policy.cast_to_compute(variable.get_value()))
@@ -250,6 +282,9 @@ def apply_with(
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
         warn_once(resolver, type(model).__name__, warned)
+        if plain and "plain" not in warned:
+            warned.add("plain")
+            _warn_plain_arrays(type(model).__name__, plain)
         with interception.model_run(opts), q.model_run():
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
@@ -268,6 +303,8 @@ def apply_with(
             dtype = stored.get(leaf_path(key_path))
             if dtype is None:  # Created during the call, or not an array: kept as is.
                 return variable
+            if not isinstance(variable, nnx.Variable):  # a plain array attribute
+                return casting.cast_leaf(variable, dtype)
             return variable.replace(casting.cast_leaf(variable.get_value(), dtype))
 
         updates = nnx.state(copy, nnx.Not(nnx.Param))
