@@ -13,7 +13,7 @@ import jmp_policy.linen._modules as m
 from jmp_policy._src import casting, interception, quantization
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import Options, Resolver
-from jmp_policy._src.run_report import warn_once
+from jmp_policy._src.run_report import compute_modules, warn_once
 from jmp_policy.linen._quantization import quantized_matmuls
 
 _MAX_RETRACES = 8
@@ -276,7 +276,8 @@ def apply(
     Works under ``jax.jit``, ``jax.grad`` (gradients come back in the stored dtype,
     float32 for float32 master weights), ``nn.scan``, ``nn.RNN``, ``nn.while_loop``,
     ``nn.fori_loop``, ``nn.remat``, ``nn.vmap``, with ``rngs=`` and ``mutable=``. Warns
-    once when modules' own ``dtype`` overrides the policy for most of the model, and when
+    once when modules' own ``dtype`` overrides the policy for most of the modules that
+    carry the matmuls (those holding kernels, and attention), saying how many, and when
     a key of the map chooses nothing (a typo). See :mod:`jmp_policy.linen`.
 
     Args:
@@ -344,8 +345,11 @@ def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> 
     known: dict[str, Any] = {}
     warned: set[str] = set()  # what this wrapper has warned about
 
+    params: list[Any] = [None]  # the parameters of the call being run
+
     def report(resolver: Resolver) -> None:
-        warn_once(resolver, type(module).__name__, warned)
+        compute = compute_modules(resolver, params[0], m.MATMUL_CLASSES)
+        warn_once(resolver, type(module).__name__, warned, compute)
 
     def apply_fn(
         variables: Mapping[str, Any],
@@ -357,6 +361,7 @@ def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> 
         **kwargs: Any,
     ) -> Any:
         m.check_variables(variables)
+        params[0] = variables.get("params")
         method = default_method if method is None else method
         m.check_method(module, method)
 
@@ -374,7 +379,7 @@ def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> 
         result, resolver, cast_variables = run_traced(
             module, resolved, opts, known, variables, call, method, report
         )
-        warn_once(resolver, type(module).__name__, warned)
+        report(resolver)
         if mutable is not False or capture_intermediates:
             out, state = result
             if isinstance(state, Mapping) and "params" in state and "params" in variables:

@@ -22,7 +22,7 @@ from jmp_policy._src.resolution import (
     as_policy_or_map,
     check_floating,
 )
-from jmp_policy._src.run_report import warn_once
+from jmp_policy._src.run_report import compute_modules, warn_once
 
 # The attributes a policy-running subclass keeps its original class and its call under.
 _ORIGINAL = "_jmp_policy_original_class"
@@ -281,7 +281,8 @@ def apply_with(
 
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
-        warn_once(resolver, type(model).__name__, warned)
+        compute = compute_modules(resolver, state, m.MATMUL_CLASSES)
+        warn_once(resolver, type(model).__name__, warned, compute)
         if plain and "plain" not in warned:
             warned.add("plain")
             _warn_plain_arrays(type(model).__name__, plain)
