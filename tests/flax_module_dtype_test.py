@@ -214,3 +214,62 @@ def test_a_float32_head_alone_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert jp.linen.apply(Net(), "mixed_bfloat16")(variables, x).dtype == F32
+
+
+# --------------------------------------------------------------------------- one trace (#21)
+
+
+def _dots(closed):
+    """Counts the dot_generals of a jaxpr by operand dtypes, sub-jaxprs included."""
+    from flax_examples.measure import dot_equations
+
+    return count(
+        tuple(str(v.aval.dtype) for v in eqn.invars) for eqn in dot_equations(closed.jaxpr)
+    )
+
+
+def test_a_module_with_its_own_dtype_is_traced_once_in_the_callers_jaxpr():
+    """A 3-layer body and a head with its own float32 dtype, on a fresh wrapper (which
+    learns of the head while it traces): the jaxpr has the body's 3 bfloat16 matmuls and
+    the head's float32 one, once, not a cut-short first run beside them; the same with a
+    map and NORM_FLOAT32, and Python side effects of the body run once per trace."""
+    import flax.linen as nn
+
+    calls = []
+
+    class Body(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            calls.append(self.path)
+            return nn.Dense(8, name="dense")(nn.LayerNorm(name="norm")(x))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = Body(name=f"layers_{i}")(x)
+            return nn.Dense(2, dtype=jnp.float32, name="head")(x)
+
+    x = jnp.ones((2, 8))
+    variables = Net().init(jax.random.key(0), x)
+    for policy, options in [
+        ("mixed_bfloat16", {}),
+        (
+            jp.DTypePolicyMap("mixed_bfloat16", {"layers_0": "mixed_bfloat16"}),
+            {"type_policies": jp.linen.NORM_FLOAT32},
+        ),
+    ]:
+        calls.clear()
+        fn = jp.linen.apply(Net(), policy, **options)
+        jaxpr = jax.make_jaxpr(fn)(variables, x)
+        assert _dots(jaxpr) == {"bfloat16": 3, "float32": 1}
+        assert len(calls) == 3
+        grads = jax.make_jaxpr(jax.grad(lambda p, fn=fn: fn({"params": p}, x).sum()))(
+            variables["params"]
+        )
+        # forward 3 + 1, backward: kernel and input gradients of all 4 (the jaxpr keeps
+        # the first layer's input gradient; XLA drops it)
+        assert _dots(grads) == {"bfloat16": 9, "float32": 3}
+        # the float32 head's kernel reaches it unrounded, eagerly and under jit
+        out = fn(variables, x)
+        assert out.dtype == F32
