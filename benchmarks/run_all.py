@@ -98,6 +98,14 @@ def linen_rows(quick: bool) -> list[Row]:
             "by hand",
             med(ours["traces"]) / med(hand["traces"]),
         ),
+        (
+            "linen",
+            "trace time, first",
+            "map+NORM_FLOAT32",
+            "flax dtype=",
+            med(by_name[linen_overhead_bench.MAP_ROW]["traces"])
+            / med(by_name[linen_overhead_bench.FLAX_ROW]["traces"]),
+        ),
         ("linen", "activation bytes", "mixed_bfloat16", "float32", ours["temp"] / f32["temp"]),
         ("linen", "step time", "mixed_bfloat16", "float32", med(ours["times"]) / med(f32["times"])),
     ]

@@ -197,3 +197,71 @@ def test_float8_policies_warn_that_a_plain_function_computes_in_the_source_dtype
     assert out.dtype == jnp.float32  # the root (default) policy: float32 inputs and outputs
     with pytest.warns(UserWarning, match="jmp_policy.linen.apply"):
         jp.cast_apply("float8_from_mixed_bfloat16")
+
+
+def _resnet():
+    from flax_examples import imagenet_models
+
+    # Flax's own ResNet example with `dtype=None` (the layers follow their inputs and
+    # parameters); BatchNorm statistics travel in the "batch_stats" collection.
+    model = imagenet_models.ResNet(
+        stage_sizes=[1],
+        block_cls=imagenet_models.ResNetBlock,
+        num_classes=4,
+        num_filters=4,
+        dtype=None,
+    )
+    x = jnp.ones((2, 8, 8, 3))
+    return model, model.init(jax.random.key(0), x, train=False), x
+
+
+def test_cast_apply_resolves_a_linen_variables_dict_by_module_path(maybe_jit):
+    """`cast_apply(map)(model.apply)` receives `{"params": ..., "batch_stats": ...}`:
+    the map's keys name modules, so the collection level is skipped, and the head's
+    parameters reach it in float32 (its matmul runs in float32), without a warning."""
+    import warnings
+
+    from flax_examples.measure import dot_dtypes
+
+    model, variables, x = _resnet()
+    assert set(variables) == {"params", "batch_stats"}
+    policy_map = jp.DTypePolicyMap("mixed_bfloat16", {"Dense_0": "float32"})
+    seen = {}
+
+    def apply(variables, x):
+        seen.update(jax.tree.map(lambda a: a.dtype, variables))
+        return model.apply(variables, x, train=False)
+
+    fn = jp.cast_apply(policy_map)(apply)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = maybe_jit(fn)(variables, x)
+    assert out.dtype == jnp.float32  # the float32 head's logits, as computed
+    assert seen["params"]["Dense_0"]["kernel"] == jnp.float32
+    assert seen["params"]["conv_init"]["kernel"] == jnp.bfloat16
+    assert seen["batch_stats"]["bn_init"]["mean"] == jnp.bfloat16  # as a single policy does
+    assert dot_dtypes(fn, variables, x) == [("float32", "float32")]
+    # A single policy still casts the whole tree, as before.
+    plain = jp.cast_apply("mixed_bfloat16")(model.apply)
+    assert plain(variables, x, train=False).dtype == jnp.bfloat16
+
+
+def test_cast_apply_warns_once_naming_keys_that_match_nothing_and_linen_apply():
+    model, variables, x = _resnet()
+    policy_map = jp.DTypePolicyMap("mixed_bfloat16", {"Dense_0": "float32", "haed": "float32"})
+    fn = jp.cast_apply(policy_map)(lambda v, x: model.apply(v, x, train=False))
+    with pytest.warns(UserWarning) as record:
+        fn(variables, x)
+        fn(variables, x)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1
+    assert messages[0].startswith(
+        "Keys of the DTypePolicyMap match no module or variable of the tree cast_apply "
+        "received: ['haed']."
+    )
+    assert "`jmp_policy.linen.apply(model, policy_map)`" in messages[0]
+    # Plain parameter trees too.
+    with pytest.warns(UserWarning, match=r"\['nothing'\]"):
+        jp.cast_apply({"nothing": "float32"})(lambda p, x: x @ p["w"])(
+            {"w": jnp.ones((3, 2))}, jnp.ones((1, 3))
+        )

@@ -149,3 +149,44 @@ def test_float8_matmuls_count_by_their_operands_dtypes():
         "36% of matmul FLOPs in float8_e4m3fn, 36% in float8_e4m3fn+float8_e5m2 (body), "
         "27% in bfloat16 (head)"
     )
+
+
+class DropoutNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+        h = nn.Dropout(0.1, deterministic=not train)(nn.relu(nn.Dense(32, name="body")(x)))
+        return nn.Dense(4, name="head")(h)
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
+def test_profile_of_a_dropout_training_step_skips_prng_keys(make_key):
+    """A training step with dropout creates key arrays (``key<fry>``): they are no number
+    dtype, so the profile skips them instead of failing; the matmuls are all counted."""
+    x = jnp.ones((8, 16))
+    variables = DropoutNet().init(jax.random.key(0), x, train=False)
+    fn = jp.linen.apply(DropoutNet(), "mixed_bfloat16")
+
+    def step(params, key):
+        def loss(p):
+            out = fn({"params": p}, x, rngs={"dropout": jax.random.fold_in(key, 1)})
+            return out.astype(jnp.float32).sum()
+
+        return jax.value_and_grad(loss)(params)
+
+    profile = jp.dtype_profile(step, variables["params"], make_key(0))
+    body, head = 2 * 8 * 32 * 16, 2 * 8 * 4 * 32
+    # forward, and the backward's input and kernel gradients (the body's input gradient
+    # is not needed: x is no argument of the loss).
+    assert profile.matmul_flops == {"bfloat16": 2 * body + 3 * head}
+    assert all(not name.startswith("key") for name in profile.bytes)
+    assert "bfloat16" in profile.bytes
+
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey])
+def test_profile_of_the_issues_key_program(make_key):
+    def f(k, x):
+        return x @ jax.random.normal(jax.random.split(k)[0], x.shape)
+
+    profile = jp.dtype_profile(f, make_key(0), jnp.ones((4, 4)))
+    assert profile.matmul_flops == {"float32": 2 * 4 * 4 * 4}
+    assert str(profile).splitlines()[0] == "100% of matmul FLOPs in float32"

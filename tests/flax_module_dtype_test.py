@@ -1,4 +1,4 @@
-"""Modules' own dtypes and `module_dtype` on stock configs; non-float policies (issue #8).
+"""Modules' own dtypes and `module_dtype` on stock configs; non-float policies (#8, #21).
 
 lm1b, ImageNet's ResNet and Gemma set `dtype=float32` on every layer. The module's own dtype
 wins (Keras's rule), so a policy changes nothing: the wrappers warn once, naming how many
@@ -55,8 +55,11 @@ def test_stock_lm1b_config_warns_once_that_modules_own_dtype_override_the_policy
     assert len(found) == 1, [str(w.message) for w in record]
     assert found[0].category is UserWarning
     message = str(found[0].message)
-    # 4 MLP Dense, 2 attention + 8 of their projections, 5 LayerNorm, the logits Dense
-    assert re.search(r"\b20\b", message), message
+    # Counted: the modules that carry the matmuls (4 MLP Dense, 2 attention and their 8
+    # projections, the logits Dense), not the 5 LayerNorms, Dropouts or containers.
+    assert message.startswith(
+        "15 of 15 modules of TransformerLM that carry its matmuls and convolutions"
+    ), message
     assert 'module_dtype="override"' in message
     # respected: every matmul of the model stays float32
     assert count(dot_dtypes(fn, variables, x)) == {"float32": 17}
@@ -150,3 +153,123 @@ def test_non_float_policy_is_rejected(wrapper):
     with pytest.raises(ValueError, match=r"int8") as info:
         make("int8")
     assert re.search(r"float", str(info.value)), str(info.value)
+
+
+# --------------------------------------------------------------------------- big_vision's ViT
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan"])
+def test_big_vision_vit_warns_how_many_compute_modules_the_policy_misses(scan):
+    """big_vision's ViT passes `dtype=dtype_mm` ("float32") to its Conv, attention and
+    Dense layers, while LayerNorm, Dropout and the containers have no dtype: counted over
+    all modules less than half override the policy, yet 8 of the 9 modules that carry the
+    matmuls do (all but the head). The warning counts those, once, and names the way out,
+    which puts every matmul in bfloat16."""
+    from flax_examples import big_vision_vit as vit
+
+    model = vit.Model(10, variant="mu/8", scan=scan)
+    x = jnp.ones((2, 16, 16, 3))
+    variables = model.init(jax.random.key(0), x)
+    fn = jp.linen.apply(model, "mixed_bfloat16")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        fn(variables, x)
+        fn(variables, x)
+    found = override_warnings(record)
+    assert [str(w.message) for w in found] == [
+        "8 of 9 modules of _Model that carry its matmuls and convolutions (they hold "
+        "kernels or run attention) set their own `dtype` (float32), which wins over the "
+        "policy's compute dtype (bfloat16): the policy does not reach them. Pass "
+        '`module_dtype="override"` to let the policy win everywhere, or leave the modules\' '
+        "`dtype` unset."
+    ]
+    # q, k, v, q·kᵀ, p·v, out and the MLP's two Dense stay float32; the head (called twice).
+    assert count(dot_dtypes(fn, variables, x)) == {"float32": 8, "bfloat16": 2}
+
+    over = jp.linen.apply(model, "mixed_bfloat16", module_dtype="override")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        logits, _ = over(variables, x)
+    assert override_warnings(record) == []
+    assert logits.dtype == BF16
+    assert count(dot_dtypes(over, variables, x)) == {"bfloat16": 10}
+    profile = jp.dtype_profile(over, variables, x)
+    assert set(profile.matmul_flops) == {"bfloat16"}  # the patch Conv too
+
+
+def test_a_float32_head_alone_does_not_warn():
+    """One module of its own dtype among several (a float32 head) is a choice, not a
+    policy turned off: no warning."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = nn.Dense(8, name=f"dense_{i}")(x)
+            return nn.Dense(2, dtype=jnp.float32, name="head")(x)
+
+    x = jnp.ones((2, 4))
+    variables = Net().init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jp.linen.apply(Net(), "mixed_bfloat16")(variables, x).dtype == F32
+
+
+# --------------------------------------------------------------------------- one trace (#21)
+
+
+def _dots(closed):
+    """Counts the dot_generals of a jaxpr by operand dtypes, sub-jaxprs included."""
+    from flax_examples.measure import dot_equations
+
+    return count(
+        tuple(str(v.aval.dtype) for v in eqn.invars) for eqn in dot_equations(closed.jaxpr)
+    )
+
+
+def test_a_module_with_its_own_dtype_is_traced_once_in_the_callers_jaxpr():
+    """A 3-layer body and a head with its own float32 dtype, on a fresh wrapper (which
+    learns of the head while it traces): the jaxpr has the body's 3 bfloat16 matmuls and
+    the head's float32 one, once, not a cut-short first run beside them; the same with a
+    map and NORM_FLOAT32, and Python side effects of the body run once per trace."""
+    import flax.linen as nn
+
+    calls = []
+
+    class Body(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            calls.append(self.path)
+            return nn.Dense(8, name="dense")(nn.LayerNorm(name="norm")(x))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = Body(name=f"layers_{i}")(x)
+            return nn.Dense(2, dtype=jnp.float32, name="head")(x)
+
+    x = jnp.ones((2, 8))
+    variables = Net().init(jax.random.key(0), x)
+    for policy, options in [
+        ("mixed_bfloat16", {}),
+        (
+            jp.DTypePolicyMap("mixed_bfloat16", {"layers_0": "mixed_bfloat16"}),
+            {"type_policies": jp.linen.NORM_FLOAT32},
+        ),
+    ]:
+        calls.clear()
+        fn = jp.linen.apply(Net(), policy, **options)
+        jaxpr = jax.make_jaxpr(fn)(variables, x)
+        assert _dots(jaxpr) == {"bfloat16": 3, "float32": 1}
+        assert len(calls) == 3
+        grads = jax.make_jaxpr(jax.grad(lambda p, fn=fn: fn({"params": p}, x).sum()))(
+            variables["params"]
+        )
+        # forward 3 + 1, backward: kernel and input gradients of all 4 (the jaxpr keeps
+        # the first layer's input gradient; XLA drops it)
+        assert _dots(grads) == {"bfloat16": 9, "float32": 3}
+        # the float32 head's kernel reaches it unrounded, eagerly and under jit
+        out = fn(variables, x)
+        assert out.dtype == F32

@@ -1,5 +1,7 @@
 """Tests of `jmp_policy.nnx`: per-submodule policies for Flax NNX models."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -647,3 +649,72 @@ def test_norm_float32_is_read_only():
     }
     with pytest.raises(TypeError):
         jpnnx.NORM_FLOAT32[nnx.Linear] = "float32"
+
+
+def test_plain_array_attributes_stay_state_and_the_toy_example_trains():
+    """Flax's `07_array_leaves` toy example keeps its weights as plain arrays: they are
+    not `nnx.Param`s for Flax (`nnx.grad`/`nnx.Optimizer` take them only by the user's
+    filter), so the policy leaves them in their stored dtype, says so once, and the
+    model runs and trains; the plain `count` it increments is written back."""
+    from flax_examples import nnx_array_leaves as toy
+
+    model = toy.MLP(din=1, dhidden=32, dout=1, rngs=nnx.Rngs(0))
+    run = jp.nnx.apply(model, "mixed_bfloat16")
+    x = jnp.asarray(toy.X[:8], jnp.float32)
+    with pytest.warns(UserWarning) as record:
+        out = run(x)
+        run(x)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 1
+    assert messages[0].startswith(
+        "MLP keeps floating arrays as plain attributes (linear1/b, linear1/w, linear2/b, "
+        "linear2/w)."
+    )
+    assert "Wrap them in `nnx.Param`" in messages[0]
+    # The policy casts the inputs; `x @ w` with a float32 plain `w` promotes to float32.
+    assert out.dtype == jnp.float32 and out.shape == (8, 1)
+    assert int(model.count) == 2
+    assert model.linear1.w.dtype == jnp.float32  # stored arrays untouched
+
+    # The example's own train step, with the model run under the policy.
+    optimizer = nnx.Optimizer(model, optax.sgd(1e-1), wrt=toy.is_param)
+    batch = (x, jnp.asarray(toy.Y[:8], jnp.float32))
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        x, y = batch
+
+        def loss_fn(model):
+            y_pred = jp.nnx.apply(model, "mixed_bfloat16")(x)
+            return jnp.mean((y - y_pred.astype(jnp.float32)) ** 2)
+
+        grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, toy.is_param))(model)
+        optimizer.update(model, grads)
+        return loss_fn(model)
+
+    before = jnp.mean((batch[1] - model(x)) ** 2)
+    with pytest.warns(UserWarning, match="plain attributes"):
+        for _ in range(5):
+            loss = train_step(model, optimizer, batch)
+    assert float(loss) < float(before)
+    assert model.linear1.w.dtype == jnp.float32 and int(model.count) > 2
+    toy.train_step(model, optimizer, batch)  # the example's step still runs unwrapped
+
+
+def test_plain_int_and_matching_float_arrays_do_not_warn():
+    class Counter(nnx.Module):
+        def __init__(self, rngs):
+            self.count = jnp.array(0)
+            self.scale = jnp.ones((3,), jnp.bfloat16)
+            self.linear = nnx.Linear(3, 2, rngs=rngs)
+
+        def __call__(self, x):
+            self.count += 1
+            return self.linear(x * self.scale)
+
+    model = Counter(nnx.Rngs(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = jp.nnx.apply(model, "mixed_bfloat16")(jnp.ones((1, 3)))
+    assert out.dtype == jnp.bfloat16 and int(model.count) == 1
+    assert model.scale.dtype == jnp.bfloat16

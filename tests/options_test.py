@@ -34,7 +34,9 @@ def test_linen_stock_model_warns_and_override_puts_every_matmul_in_bf16():
     model = Stock()
     variables = model.init(jax.random.key(0), X)
     fn = jp.linen.apply(model, "mixed_bfloat16")
-    with pytest.warns(UserWarning, match=r'4 of 5 modules.*module_dtype="override"'):
+    with pytest.warns(
+        UserWarning, match=r'4 of 4 modules of Stock that carry.*module_dtype="override"'
+    ):
         out = fn(variables, X)
     assert out.dtype == F32
     assert dot_dtypes(fn, variables, X) == [("float32", "float32")] * 4
@@ -206,3 +208,93 @@ def test_unknown_option_is_a_type_error_listing_the_options():
         jp.linen.apply(Stock(), "float32", autocast=False)
     with pytest.raises(TypeError, match=r"\['dtype'\]"):
         jp.nnx.apply(StockNnx(nnx.Rngs(0)), "float32", dtype="float32")
+
+
+_RELOADED_SOURCE = """
+import flax.linen as nn
+from flax import nnx
+
+
+class Norm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(x.shape[-1], name="proj")(x)
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return Norm(name="norm")(nn.Dense(4, name="body")(x))
+
+
+class NnxNorm(nnx.Module):
+    def __init__(self, rngs):
+        self.proj = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.proj(x)
+
+
+class NnxNet(nnx.Module):
+    def __init__(self, rngs):
+        self.body = nnx.Linear(4, 4, rngs=rngs)
+        self.norm = NnxNorm(rngs)
+
+    def __call__(self, x):
+        return self.norm(self.body(x))
+"""
+
+
+@pytest.fixture
+def reloadable(tmp_path, monkeypatch):
+    """A module of model classes on disk, imported once (its classes before a reload)."""
+    import importlib
+    import sys
+
+    (tmp_path / "reloaded_models.py").write_text(_RELOADED_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("reloaded_models")
+    yield module
+    sys.modules.pop("reloaded_models", None)
+
+
+def test_type_policies_follow_a_class_after_importlib_reload(reloadable):
+    """Haiku's `test_policy_for_reloaded_class`: notebook autoreload makes new class
+    objects; a policy given for the old class still applies (matched by module and
+    qualified name), for Linen and NNX, and so does `autocast_exclude`."""
+    import importlib
+
+    old_norm, old_nnx_norm = reloadable.Norm, reloadable.NnxNorm
+    types, nnx_types = {old_norm: "float32"}, {old_nnx_norm: "float32"}
+    new = importlib.reload(reloadable)
+    assert new.Norm is not old_norm
+
+    model = new.Net()
+    variables = model.init(jax.random.key(0), X)
+    fn = jp.linen.apply(model, "mixed_bfloat16", type_policies=types)
+    assert fn(variables, X).dtype == F32
+    assert dot_dtypes(fn, variables, X) == [("bfloat16", "bfloat16"), ("float32", "float32")]
+
+    nnx_model = new.NnxNet(nnx.Rngs(0))
+    run = jp.nnx.apply(nnx_model, "mixed_bfloat16", type_policies=nnx_types)
+    assert run(X).dtype == F32
+    assert dot_dtypes(run, X) == [("bfloat16", "bfloat16"), ("float32", "float32")]
+
+    # A subclass of the reloaded class inherits the policy, too.
+    class Sub(new.Norm):
+        pass
+
+    class Parent(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return Sub(name="sub")(x)
+
+    sub_vars = Parent().init(jax.random.key(0), X)
+    sub_fn = jp.linen.apply(Parent(), "mixed_bfloat16", type_policies=types)
+    assert sub_fn(sub_vars, X).dtype == F32
+
+    from jmp_policy._src.resolution import make_options
+
+    assert make_options(autocast_exclude=[old_norm]).excluded("norm", new.Norm)
+    assert make_options(autocast_exclude=[old_norm]).excluded("sub", Sub)
+    assert not make_options(autocast_exclude=[old_norm]).excluded("norm", new.Net)

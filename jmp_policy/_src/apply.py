@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import jax
+
 from jmp_policy._src import float8, global_state, interception
+from jmp_policy._src.policy_map import DTypePolicyMap
 from jmp_policy._src.resolution import Options, Resolver, as_policy_or_map, check_floating
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -17,7 +20,10 @@ def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
     """A decorator that runs ``apply(params, *args, **kwargs)`` under a policy or a map.
 
     ``params`` are cast to their compute dtype (per module path with a map: a variable at
-    the top of ``params`` belongs to the root module ``""``), every floating leaf of every
+    the top of ``params`` belongs to the root module ``""``; a Flax Linen variables dict,
+    ``{"params": ..., "batch_stats": ...}``, is resolved by module path in each
+    collection, so ``cast_apply(map)(model.apply)`` works; a key that matches nothing is
+    warned about once, naming ``jmp_policy.linen.apply``), every floating leaf of every
     positional and keyword argument to the root policy's compute dtype (unlike tf.keras,
     which casts only the first argument). The outputs follow the output rule: they are cast
     to the root policy's output dtype only when it differs from its compute dtype
@@ -71,10 +77,14 @@ def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
         )
 
     def decorator(fn: F) -> F:
+        checked: set[Any] = set()  # tree structures checked for keys that match nothing
+
         @functools.wraps(fn)
         def wrapped(params: Any, *args: Any, **kwargs: Any) -> Any:
             if resolved is None:
                 cast = global_state.dtype_policy().cast_to_compute(params)
+            elif isinstance(resolved, DTypePolicyMap):
+                cast = _map_cast(resolved, params, checked)
             else:
                 cast = resolved.cast_to_compute(params)
             call = interception.Call("", None, Resolver(resolved, Options()).module(""))
@@ -84,3 +94,47 @@ def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
         return wrapped  # type: ignore[return-value]
 
     return decorator
+
+
+def is_variables(tree: Any, policy_map: DTypePolicyMap) -> bool:
+    """Whether ``tree`` is a Flax Linen variables dict (``{"params": ..., "batch_stats":
+    ...}``: collections of module trees) rather than a module tree, for ``policy_map``:
+    a map with a key that starts at ``"params"`` reads the tree as a module tree."""
+    return (
+        isinstance(tree, Mapping)
+        and "params" in tree
+        and all(isinstance(v, Mapping) for v in tree.values())
+        and not any(key.split("/")[0] == "params" for key in policy_map)
+    )
+
+
+def _map_cast(policy_map: DTypePolicyMap, tree: Any, checked: set[Any]) -> Any:
+    """``tree`` cast by ``policy_map``: a Linen variables dict by module path in each
+    collection (the collection level skipped); warns once when a key matches nothing."""
+    variables = is_variables(tree, policy_map)
+    structure = jax.tree.structure(tree)
+    if structure not in checked:
+        checked.add(structure)
+        trees = list(tree.values()) if variables else [tree]
+        unused = [k for k in policy_map if all(k in policy_map.unused_keys(t) for t in trees)]
+        if unused:
+            warnings.warn(
+                f"Keys of the DTypePolicyMap match no module or variable of the tree "
+                f"cast_apply received: {unused}. cast_apply resolves a parameter tree by "
+                "path (a Flax Linen variables dict by module path, its collections "
+                "skipped): check the keys for typos. To run each submodule of a Flax "
+                "model under its own policy (its inputs and compute, not only its "
+                "parameters), use `jmp_policy.linen.apply(model, policy_map)` (NNX: "
+                "`jmp_policy.nnx.apply`).",
+                UserWarning,
+                stacklevel=3,
+            )
+    if not variables:
+        return policy_map.cast_to_compute(tree)
+    cast = {name: policy_map.cast_to_compute(c) for name, c in tree.items()}
+    if isinstance(tree, dict):
+        return cast
+    try:
+        return type(tree)(cast)  # a FrozenDict stays one
+    except TypeError:
+        return cast

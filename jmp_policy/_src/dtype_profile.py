@@ -116,6 +116,13 @@ def _name(var: Any, origin: Mapping[Any, str]) -> str:
     return found if found is not None else np.dtype(var.aval.dtype).name
 
 
+def _is_number(dtype: Any) -> bool:
+    """Whether ``dtype`` is a number dtype (PRNG key arrays, ``key<fry>``, are not)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return False
+    return bool(jax.dtypes.issubdtype(dtype, np.number) or jax.dtypes.issubdtype(dtype, np.bool_))
+
+
 def _is_float8(dtype: Any) -> bool:
     return np.dtype(dtype).name.startswith("float8")
 
@@ -144,7 +151,7 @@ def _walk(
         name = eqn.primitive.name
         for var in eqn.outvars:
             aval = var.aval
-            if hasattr(aval, "dtype") and hasattr(aval, "shape"):
+            if hasattr(aval, "dtype") and hasattr(aval, "shape") and _is_number(aval.dtype):
                 dtype = np.dtype(aval.dtype)
                 size = int(np.prod(aval.shape, dtype=np.int64)) * dtype.itemsize
                 nbytes[dtype.name] = nbytes.get(dtype.name, 0) + times * size
@@ -195,7 +202,9 @@ def dtype_profile(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> DTypePro
     (``"float8_e4m3fn"``, ``"float8_e4m3fn+float8_e5m2"`` for a float8 gradient matmul):
     an operand converted from float8 before the matmul counts as what it was converted
     to, since that is what the matmul reads. The bytes are those of every array
-    an op produces. Sub-programs count: ``jit``, ``remat``,
+    an op produces; values that are not numbers (PRNG key arrays, ``jax.random.key``
+    and the keys ``jax.random`` makes of a ``PRNGKey`` inside) are skipped. Sub-programs
+    count: ``jit``, ``remat``,
     ``custom_vjp`` and each iteration of a ``scan`` (times its length); a ``while`` loop's
     body is counted once (its trip count is unknown), a ``cond`` as its costliest branch.
     Profile the training step itself (``jax.value_and_grad(loss)``) to count the

@@ -3,7 +3,7 @@
 One rule, shared by ``cast_apply`` and the Linen and NNX integrations. For a module path,
 from the path itself up to its top-level ancestor: a key of the map that names the path
 (exact, else a regular expression by ``fullmatch``) wins, then the module's class in
-``type_policies``; otherwise the default policy (the root ``""`` is not an ancestor).
+``type_policies`` (by identity, or by module and qualified name after a reload); otherwise the default policy (the root ``""`` is not an ancestor).
 Then the module's own ``dtype`` attribute (Flax's ``nn.Dense(..., dtype=...)``) wins over
 the compute and output dtypes, unless ``module_dtype="override"``. A variable takes the
 policy of a key that names the variable itself (DESIGN's rule: a key that matches the
@@ -78,9 +78,40 @@ class Options:
 
     def excluded(self, path: str, cls: type | None) -> bool:
         """Whether ``autocast_exclude`` names this module (by class or by path)."""
-        if cls is not None and self.exclude_types and issubclass(cls, self.exclude_types):
-            return True
+        if cls is not None and self.exclude_types:
+            names = {class_name(c) for c in self.exclude_types}
+            if any(base in self.exclude_types or class_name(base) in names for base in cls.__mro__):
+                return True
         return any(p.fullmatch(path) for p in self.exclude_patterns)
+
+    def type_entry(self, cls: type | None) -> tuple[DTypePolicy | Island, type] | None:
+        """The ``type_policies`` entry of a class (its own, else its nearest base's) and
+        the class that matched.
+
+        A class matches by identity, or by its module and qualified name: after
+        ``importlib.reload`` (notebook autoreload) the model's class is a new object, and
+        the policy follows it, as Haiku's per-class policies do.
+        """
+        types = self.type_policies
+        if not types or cls is None:
+            return None
+        by_name = _by_name(types)
+        for base in cls.__mro__:
+            if base in types:
+                return types[base], base
+            entry = by_name.get(class_name(base))
+            if entry is not None:
+                return entry, base
+        return None
+
+
+def class_name(cls: type) -> tuple[str, str]:
+    """A class's module and qualified name: what stays the same across a reload."""
+    return (getattr(cls, "__module__", ""), getattr(cls, "__qualname__", cls.__name__))
+
+
+def _by_name(types: Mapping[type, Any]) -> dict[tuple[str, str], Any]:
+    return {class_name(cls): entry for cls, entry in types.items()}
 
 
 def as_policy_or_map(policy_or_map: Any, argument: str = "policy_or_map") -> Any:
@@ -258,7 +289,6 @@ class Resolver:
 
     def _choose(self, path: str) -> tuple[DTypePolicy | Island, str, str | None]:
         policy_map = self.policy_or_map if isinstance(self.policy_or_map, DTypePolicyMap) else None
-        types = self.options.type_policies
         current: str | None = path
         while current is not None:
             if policy_map is not None:
@@ -266,12 +296,10 @@ class Resolver:
                 if key is not None:
                     self.used_keys.add(key)
                     return policy_map[key], f"key {key!r}", key
-            if types:
-                info = self.infos.get(current)
-                if info is not None and info.cls is not None:
-                    for base in info.cls.__mro__:
-                        if base in types:
-                            return types[base], f"type {info.cls.__name__}", None
+            cls = self.infos.get(current, ModuleInfo(None, None)).cls
+            found = self.options.type_entry(cls)
+            if found is not None and cls is not None:
+                return found[0], f"type {cls.__name__}", None
             current = parent_path(current) or None
         return self._default(), "default", None
 

@@ -13,31 +13,71 @@ from typing import Any
 import jax
 import numpy as np
 
+from jmp_policy._src import numerics, quantization
 from jmp_policy._src.explain import ExplainRow, with_leaf
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import Resolver
 
 
-def warn_once(resolver: Resolver, model: str, warned: set[str]) -> None:
+def compute_modules(
+    resolver: Resolver, params: Any = None, matmul_classes: tuple[type, ...] = ()
+) -> set[str]:
+    """The module paths that carry the model's compute: those that hold a kernel in
+    ``params`` (a floating variable with at least two axes longer than 1 that is not an
+    embedding table, or a quantized kernel), and those of ``matmul_classes`` (attention,
+    whose own call multiplies queries and keys)."""
+    found: set[str] = set()
+    if params is not None:
+        flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=quantization.is_quantized)[0]
+        for key_path, leaf in flat:
+            path = leaf_path(key_path)
+            name = path.rpartition("/")[2].lower()
+            if quantization.is_quantized(leaf) or (
+                numerics.is_float_leaf(leaf)
+                and sum(d > 1 for d in np.shape(leaf)) >= 2
+                and "embed" not in name
+            ):
+                found.add(parent_path(path) or "")
+    if matmul_classes:
+        for path, info in resolver.infos.items():
+            if info.cls is not None and issubclass(info.cls, matmul_classes):
+                found.add(path)
+    return found
+
+
+def warn_once(
+    resolver: Resolver,
+    model: str,
+    warned: set[str],
+    compute: set[str] | None = None,
+) -> None:
     """Warns (once per wrapper: ``warned`` holds what it has said) when a run quietly
     turned the user's request off.
 
     Two cases: modules' own ``dtype`` attributes overriding the policy for most of the
-    model (the way out: ``module_dtype="override"``), and keys of the map that chose no
-    module or variable (typos, most likely; ``unused_keys`` lists them).
+    modules that carry the compute (``compute``, from :func:`compute_modules`; all modules
+    when it is empty or ``None``; the way out: ``module_dtype="override"``), and keys of
+    the map that chose no module or variable (typos, most likely; ``unused_keys`` lists
+    them).
     """
     overridden = resolver.overridden()
-    total = len(resolver.infos)
-    if overridden and 2 * len(overridden) >= total and "dtype" not in warned:
+    carriers = [p for p in resolver.infos if p in compute] if compute else []
+    if carriers:
+        counted = [p for p in overridden if p in compute]  # type: ignore[operator]
+        total = len(carriers)
+        what = " that carry its matmuls and convolutions (they hold kernels or run attention)"
+    else:
+        counted, total, what = overridden, len(resolver.infos), ""
+    if counted and 2 * len(counted) > total and "dtype" not in warned:
         warned.add("dtype")
-        asked = sorted({resolver.module(p).resolved.compute_dtype.name for p in overridden})
-        own = sorted({str(resolver.module(p).own_dtype) for p in overridden})
+        asked = sorted({resolver.module(p).resolved.compute_dtype.name for p in counted})
+        own = sorted({str(resolver.module(p).own_dtype) for p in counted})
         warnings.warn(
-            f"{len(overridden)} of {total} modules of {model} set their own `dtype` "
+            f"{len(counted)} of {total} modules of {model}{what} set their own `dtype` "
             f"({', '.join(own)}), which wins over the policy's compute dtype "
-            f"({', '.join(asked)}), so most of the model does not run in the policy's "
-            'dtype. Pass `module_dtype="override"` to let the policy win everywhere, or '
-            "leave the modules' `dtype` unset.",
+            f"({', '.join(asked)}): the policy does not reach them. Pass "
+            '`module_dtype="override"` to let the policy win everywhere, or leave the '
+            "modules' `dtype` unset.",
             UserWarning,
             stacklevel=4,
         )

@@ -34,8 +34,9 @@ How it works (the glue only finds calls; the rules live in ``jmp_policy._src``):
   first call never runs the model twice. What a wrapper learnt is kept for its next
   calls: a model whose policies depend on paths only is traced once.
 * **A module's own ``dtype``** (``nn.Dense(..., dtype=jnp.float32)``) wins over the
-  policy (Keras's rule); when that turns the policy off for most of the model (stock
-  configs set ``dtype=jnp.float32`` on every layer), the wrappers warn once and
+  policy (Keras's rule); when that turns the policy off for most of the modules that
+  carry the matmuls and convolutions (stock configs set ``dtype=jnp.float32`` on every
+  layer), the wrappers warn once, saying how many, and
   ``module_dtype="override"`` lets the policy win everywhere. A key of the map that
   chooses nothing (a typo) is warned about once too.
 

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.core.scope import Scope
 
 import jmp_policy.linen._modules as m
 from jmp_policy._src import casting, float8, interception, quantization
 from jmp_policy._src.policy_map import leaf_path, parent_path
-from jmp_policy._src.resolution import Options, Resolver
-from jmp_policy._src.run_report import warn_once
+from jmp_policy._src.resolution import ModuleInfo, Options, Resolver
+from jmp_policy._src.run_report import compute_modules, warn_once
 from jmp_policy.linen._quantization import KernelRun, kernel_run, quantized_matmuls
 
 _MAX_RETRACES = 8
@@ -36,6 +39,11 @@ def interceptor(
     def intercept(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
         name = context.method_name
+        if name == "setup":  # known before `setup` reads its parameters
+            path = m.path_of(module)
+            if path not in resolver.infos:
+                resolver.infos[path] = ModuleInfo(type(module), m.own_dtype(module))
+            return next_fun(*args, **kwargs)
         if name != "__call__" and not (name == root_method and not module.path):
             return next_fun(*args, **kwargs)
         path = m.path_of(module)
@@ -71,7 +79,7 @@ def _cast_params(params: Any, resolver: Resolver, whole: Mapping[str, Any] = {})
         ):
             # int4 has no implicit promotion in JAX: Flax's promote_dtype gets int8. The
             # layer's matmul reads the QuantizedArray itself, so this copy is dead code.
-            values = leaf.values
+            values: Any = getattr(leaf, "values")  # noqa: B009
             leaves.append(values.astype(jnp.int8) if values.dtype == jnp.int4 else values)
         else:
             leaves.append(casting.compute_leaf(leaf, resolver.variable(path)[0].compute_dtype))
@@ -121,17 +129,6 @@ def _whole_kernels(
         if routes.get(path)
         and not float8.is_float8(chosen.variable(f"{path}/kernel" if path else "kernel")[0])
     }
-
-
-def _decisions(params: Any, resolver: Resolver) -> dict[str, Any]:
-    """The compute dtype each parameter is read in, by path."""
-    flat = _flat(params)[0]
-    paths = [
-        leaf_path(kp)
-        for kp, leaf in flat
-        if hasattr(leaf, "dtype") or quantization.is_quantized(leaf)
-    ]
-    return {p: resolver.variable(p)[0].compute_dtype for p in paths}
 
 
 def _with_params(variables: Mapping[str, Any], fn: Callable[[Any], Any]) -> Any:
@@ -192,29 +189,75 @@ class _Stale(Exception):
     """A module met during a run changes how its parameters should have been cast."""
 
 
-def _stale_check(
-    by_module: dict[str, list[str]], chosen: Resolver, resolver: Resolver
-) -> Callable[[str], None]:
-    """``on_new`` for the interceptor: stops the run as soon as a new module's class or
-    own dtype changes the dtype one of the parameters was cast to (its own, or its
-    descendants' for a class in ``type_policies``), so a retrace costs no more than the
-    modules before it (and an eager first call does not run the model twice)."""
-    types = resolver.options.type_policies
+# The parameter reads of the run in progress: fix(path, value) -> value.
+_READS: contextvars.ContextVar[Callable[[str, Any], Any] | None] = contextvars.ContextVar(
+    "jmp_policy_linen_reads", default=None
+)
 
-    def check(path: str) -> None:
-        info = resolver.infos[path]
-        typed = bool(types) and info.cls is not None and any(c in types for c in info.cls.__mro__)
-        if info.own_dtype is None and not typed:
-            return
-        learnt = Resolver(chosen.policy_or_map, chosen.options, resolver.infos)
-        stem = f"{path}/" if path else ""
-        modules = [k for k in by_module if k == path or k.startswith(stem)] if typed else [path]
-        for module in modules:
-            for p in by_module.get(module, ()):
-                if chosen.variable(p)[0].compute_dtype != learnt.variable(p)[0].compute_dtype:
-                    raise _Stale(path)
 
-    return check
+def _get_variable(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_variable(scope: Any, col: str, name: str, default: Any = None) -> Any:
+        value = original(scope, col, name, default)
+        fix = _READS.get() if _PARAM_READS.inside() else None
+        if fix is None or col != "params" or value is default:
+            return value
+        return fix("/".join(str(p) for p in (*scope.path, name)), value)
+
+    return get_variable
+
+
+def _variables(original: Any) -> Any:
+    def variables(module: nn.Module) -> Any:
+        value = original.fget(module)
+        fix = _READS.get() if _PARAM_READS.inside() else None
+        scope = module.scope
+        if fix is None or scope is None or not isinstance(value, Mapping):
+            return value
+        if "params" not in value:
+            return value
+        stem = tuple(str(p) for p in scope.path)
+
+        def fixed(key_path: Any, leaf: Any) -> Any:
+            return fix("/".join((*stem, leaf_path(key_path))), leaf)
+
+        result = dict(value)
+        result["params"] = jax.tree_util.tree_map_with_path(
+            fixed, value["params"], is_leaf=quantization.is_quantized
+        )
+        return result
+
+    return property(variables, doc=original.__doc__)
+
+
+_PARAM_READS = interception.ThreadPatch(Scope, {"get_variable": _get_variable})
+_MODULE_READS = interception.ThreadPatch(nn.Module, {"variables": _variables})
+
+
+def _read_fix(
+    chosen: Resolver, resolver: Resolver, stored: dict[str, Any], early: set[str]
+) -> Callable[[str, Any], Any]:
+    """Parameters were cast before the run from what was known of the modules; a module
+    met in the run (its own ``dtype``, its class in ``type_policies``) may want another
+    dtype. Its parameters are then read cast from their stored value, in the same trace
+    (no second run, nothing rounded through the earlier choice). A stored value that is
+    not the one read (a layer of an ``nn.scan`` stack) stops the run instead; ``early``
+    collects the parameters read before their module was met."""
+
+    def fix(path: str, value: Any) -> Any:
+        module = parent_path(path) or ""
+        if module not in resolver.infos:
+            early.add(path)  # not met yet: read as chosen, checked after the run
+            return value
+        want = resolver.variable(path)[0].compute_dtype
+        if chosen.variable(path)[0].compute_dtype == want:
+            return value
+        original = stored.get(path)
+        if original is None or getattr(original, "shape", None) != getattr(value, "shape", ()):
+            raise _Stale(path)
+        return casting.compute_leaf(original, want)
+
+    return fix
 
 
 def root_method(method: Any) -> str:
@@ -235,32 +278,33 @@ def run_traced(
 
     Parameters are cast before the model runs, so their dtypes are chosen from what is
     known of the modules (``known``: classes and own dtypes from earlier runs). The run
-    records every module it calls; when that changes any parameter's dtype (a class in
-    ``type_policies``, a module's own ``dtype``), the model is run again with what it
-    learnt, so a float32 island's weights are never rounded through bfloat16. A model
-    whose modules are known, or whose policies depend on paths only, is traced once.
+    records every module it calls; when one changes the dtype its parameters should be
+    read in (a class in ``type_policies``, a module's own ``dtype``), they are read cast
+    from their stored value in the same trace, so the model body is traced once and a
+    float32 island's weights are never rounded through bfloat16. Only when that cannot
+    be done (a layer of an ``nn.scan`` stack met for the first time) is the model's shape
+    learnt (``jax.eval_shape``, nothing added to the caller's trace) and run again.
 
     Returns:
         ``(result, resolver, cast_variables)`` of the run that counts.
     """
     params = variables.get("params", {})
-    by_module: dict[str, list[str]] = {}
-    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        if hasattr(leaf, "dtype"):
-            path = leaf_path(key_path)
-            by_module.setdefault(parent_path(path) or "", []).append(path)
+    stored = {leaf_path(kp): leaf for kp, leaf in _flat(params)[0]}
     whole = _whole_kernels(variables, resolved, options, known, call, method)
     for _ in range(_MAX_RETRACES):
         chosen = Resolver(resolved, options, dict(known))
         cast_variables = _with_params(variables, lambda p: _cast_params(p, chosen, whole))  # noqa: B023
         resolver = Resolver(resolved, options, dict(known))
-        on_new = _stale_check(by_module, chosen, resolver)
         error: Exception | None = None
+        early: set[str] = set()
+        token = _READS.set(_read_fix(chosen, resolver, stored, early))
         try:
             with (
-                nn.intercept_methods(interceptor(resolver, root_method(method), on_new)),
+                nn.intercept_methods(interceptor(resolver, root_method(method))),
                 interception.model_run(options),
                 kernel_run(KernelRun(whole)),
+                _PARAM_READS.active(),
+                _MODULE_READS.active(),
             ):
                 result = call(cast_variables, resolver)
         except _Stale:
@@ -271,9 +315,16 @@ def run_traced(
             continue
         except Exception as e:
             error = e
+        finally:
+            _READS.reset(token)
         resolver.used_keys |= chosen.used_keys
         learnt = Resolver(resolved, options, dict(resolver.infos))
-        stale = _decisions(params, chosen) != _decisions(params, learnt)
+        # Parameters read after their module was met were read in the right dtype; a
+        # difference left is one read before (a parent reading a child's variables).
+        stale = any(
+            chosen.variable(p)[0].compute_dtype != learnt.variable(p)[0].compute_dtype
+            for p in early
+        )
         known.update(resolver.infos)
         if error is not None:
             if not stale:
@@ -336,7 +387,8 @@ def apply(
     Works under ``jax.jit``, ``jax.grad`` (gradients come back in the stored dtype,
     float32 for float32 master weights), ``nn.scan``, ``nn.RNN``, ``nn.while_loop``,
     ``nn.fori_loop``, ``nn.remat``, ``nn.vmap``, with ``rngs=`` and ``mutable=``. Warns
-    once when modules' own ``dtype`` overrides the policy for most of the model, and when
+    once when modules' own ``dtype`` overrides the policy for most of the modules that
+    carry the matmuls (those holding kernels, and attention), saying how many, and when
     a key of the map chooses nothing (a typo). See :mod:`jmp_policy.linen`.
 
     Args:
@@ -350,7 +402,9 @@ def apply(
 
             * ``type_policies``: ``{ModuleClass: policy or name}``: every instance of a
               class (or a subclass) gets that policy, unless a key of the map matches its
-              own path; it wins over inheritance from an ancestor. See ``NORM_FLOAT32``.
+              own path; it wins over inheritance from an ancestor. A class matches by
+              module and qualified name too, so it follows ``importlib.reload``. See
+              ``NORM_FLOAT32``.
             * ``module_dtype``: ``"respect"`` (the default: a module's own ``dtype=``
               wins, as an explicit layer dtype does in Keras) or ``"override"`` (the
               policy wins everywhere: the module runs with its ``dtype`` set to the
@@ -402,8 +456,11 @@ def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> 
     known: dict[str, Any] = {}
     warned: set[str] = set()  # what this wrapper has warned about
 
+    params: list[Any] = [None]  # the parameters of the call being run
+
     def report(resolver: Resolver) -> None:
-        warn_once(resolver, type(module).__name__, warned)
+        compute = compute_modules(resolver, params[0], m.MATMUL_CLASSES)
+        warn_once(resolver, type(module).__name__, warned, compute)
 
     def apply_fn(
         variables: Mapping[str, Any],
@@ -415,6 +472,7 @@ def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> 
         **kwargs: Any,
     ) -> Any:
         m.check_variables(variables)
+        params[0] = variables.get("params")
         method = default_method if method is None else method
         m.check_method(module, method)
 
@@ -432,7 +490,7 @@ def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> 
         result, resolver, cast_variables = run_traced(
             module, resolved, opts, known, variables, call, method, report
         )
-        warn_once(resolver, type(module).__name__, warned)
+        report(resolver)
         if mutable is not False or capture_intermediates:
             out, state = result
             if isinstance(state, Mapping) and "params" in state and "params" in variables:

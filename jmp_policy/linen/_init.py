@@ -13,7 +13,7 @@ import jmp_policy.linen._modules as m
 from jmp_policy._src import casting, interception
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import Resolver
-from jmp_policy._src.run_report import warn_once
+from jmp_policy._src.run_report import compute_modules, warn_once
 from jmp_policy.linen._apply import interceptor, method_for, root_method, run_traced
 
 _INIT_MUTABLE = nn.DenyList("intermediates")  # `module.init`'s default
@@ -131,7 +131,8 @@ def init(
         for name, collection in state.items():
             if name != "params" and in_filter(mutable, name):
                 variables[name] = collection
-        warn_once(resolver, type(module).__name__, warned)
+        compute = compute_modules(resolver, params, m.MATMUL_CLASSES)
+        warn_once(resolver, type(module).__name__, warned, compute)
         return variables
 
     return init_fn

@@ -35,6 +35,11 @@ Extend it as ``{**NORM_FLOAT32, MyNorm: NORM_FLOAT32[nn.LayerNorm]}``; a plain
 """
 
 
+# Classes whose own call runs matmuls without holding a kernel (attention's logits):
+# compute-carrying modules for the own-dtype warning, with those that hold kernels.
+MATMUL_CLASSES: tuple[type, ...] = (nn.MultiHeadDotProductAttention,)
+
+
 def prepare(
     module: Any, policy_or_map: Any, method: Any, options: dict[str, Any]
 ) -> tuple[Any, Options]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -14,14 +15,15 @@ from flax import nnx
 import jmp_policy.nnx._modules as m
 import jmp_policy.nnx._quantization as q
 from jmp_policy._src import casting, float8, interception, quantization
-from jmp_policy._src.policy_map import leaf_path
+from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import (
+    ModuleInfo,
     Resolution,
     Resolver,
     as_policy_or_map,
     check_floating,
 )
-from jmp_policy._src.run_report import warn_once
+from jmp_policy._src.run_report import compute_modules, warn_once
 
 # The attributes a policy-running subclass keeps its original class and its call under.
 _ORIGINAL = "_jmp_policy_original_class"
@@ -47,11 +49,16 @@ def _policy_method(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def resolver_for(model: nnx.Module, resolved: Any, options: Any) -> Resolver:
     """A resolver that knows every module of ``model`` (classes and own dtypes)."""
-    resolver = Resolver(resolved, options)
+    # Every module is recorded before any is resolved: NNX lists children before their
+    # parents, and a child inherits its parent's class policy (`type_policies`).
+    infos: dict[str, ModuleInfo] = {}
     modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]) > 0)  # root first
     for parts, module in modules:
         cls = getattr(type(module), _ORIGINAL, type(module))
-        resolver.module(m.path_of(parts), cls, m.own_dtype(module))
+        infos.setdefault(m.path_of(parts), ModuleInfo(cls, m.own_dtype(module)))
+    resolver = Resolver(resolved, options, infos)
+    for path in sorted(infos, key=len):  # the root first, parents before children
+        resolver.module(path)
     return resolver
 
 
@@ -142,7 +149,12 @@ def apply(
     NNX's graph traversal finds. Changes to ``nnx.Param`` values made inside the call are
     not written back. Modules created inside the call run unwrapped. Non-``Param``
     variables (batch statistics, caches) are not cast to the compute dtype: create caches
-    in the compute dtype.
+    in the compute dtype. Plain JAX arrays kept as attributes (``self.w =
+    jax.random.normal(...)``, Flax's ``07_array_leaves`` toy example) are not
+    ``nnx.Param``s for Flax either (``nnx.grad`` and ``nnx.Optimizer`` leave them out by
+    default): they are state, left in their stored dtype (changes written back), and a
+    warning names the floating ones the policy would otherwise have cast; wrap them in
+    ``nnx.Param`` to have them cast.
 
     Args:
         model: an ``nnx.Module``; never modified except for its non-``Param`` state.
@@ -155,7 +167,9 @@ def apply(
 
             * ``type_policies``: ``{ModuleClass: policy or name}``: every instance of a
               class (or a subclass) gets that policy, unless a key of the map matches its
-              own path; it wins over inheritance from an ancestor. See ``NORM_FLOAT32``.
+              own path; it wins over inheritance from an ancestor. A class matches by
+              module and qualified name too, so it follows ``importlib.reload``. See
+              ``NORM_FLOAT32``.
             * ``module_dtype``: ``"respect"`` (the default: a module's own ``dtype=``
               wins, as an explicit layer dtype does in Keras) or ``"override"`` (the
               policy wins everywhere: the module runs with its ``dtype`` set to the
@@ -202,6 +216,19 @@ def apply(
     return apply_with(model, resolved, m.options(options), method)
 
 
+def _warn_plain_arrays(model: str, paths: list[str]) -> None:
+    shown = ", ".join(paths[:5]) + (f", ... ({len(paths)} in all)" if len(paths) > 5 else "")
+    warnings.warn(
+        f"{model} keeps floating arrays as plain attributes ({shown}). Flax does not count "
+        "plain arrays as `nnx.Param`s (`nnx.grad` and `nnx.Optimizer` leave them out by "
+        "default), so the policy leaves them in their stored dtype, and computations that "
+        "mix them with cast inputs promote to it. Wrap them in `nnx.Param` "
+        "(`self.w = nnx.Param(...)`) to have the policy cast them.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def apply_with(
     model: nnx.Module, resolved: Any, opts: Any, method: str | Callable[..., Any]
 ) -> Callable[..., Any]:
@@ -219,8 +246,20 @@ def apply_with(
         }
         whole: dict[str, Any] = {}  # module path -> its QuantizedArray kernel, passed whole
 
+        plain: list[str] = []  # floating plain arrays the policy would have cast
+
         def cast_variable(key_path: Any, variable: Any) -> Any:
             path = leaf_path(key_path)
+            if not isinstance(variable, nnx.Variable):
+                # A plain array attribute (Flax's `07_array_leaves` toy example): not an
+                # `nnx.Param` for Flax (`nnx.grad` and `nnx.Optimizer` leave it out by
+                # default), so it is state, kept in its dtype like a `BatchStat`.
+                if isinstance(variable, (jax.Array, np.ndarray)):
+                    stored[path] = variable.dtype
+                    compute = resolver.module(parent_path(path) or "").policy.compute_dtype
+                    if casting.should_cast(variable, compute):
+                        plain.append(path)
+                return variable
             if isinstance(variable, nnx.Param):
                 policy = resolver.variable(path)[0]
                 value = variable.get_value()
@@ -262,7 +301,11 @@ def apply_with(
 
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
-        warn_once(resolver, type(model).__name__, warned)
+        compute = compute_modules(resolver, state, m.MATMUL_CLASSES)
+        warn_once(resolver, type(model).__name__, warned, compute)
+        if plain and "plain" not in warned:
+            warned.add("plain")
+            _warn_plain_arrays(type(model).__name__, plain)
         with interception.model_run(opts), q.model_run(whole):
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
@@ -281,6 +324,8 @@ def apply_with(
             dtype = stored.get(leaf_path(key_path))
             if dtype is None:  # Created during the call, or not an array: kept as is.
                 return variable
+            if not isinstance(variable, nnx.Variable):  # a plain array attribute
+                return casting.cast_leaf(variable, dtype)
             return variable.replace(casting.cast_leaf(variable.get_value(), dtype))
 
         updates = nnx.state(copy, nnx.Not(nnx.Param))

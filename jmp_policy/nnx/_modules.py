@@ -27,6 +27,11 @@ Extend it as ``{**NORM_FLOAT32, MyNorm: NORM_FLOAT32[nnx.LayerNorm]}``.
 """
 
 
+# Classes whose own call runs matmuls without holding a kernel (attention's logits):
+# compute-carrying modules for the own-dtype warning, with those that hold kernels.
+MATMUL_CLASSES: tuple[type, ...] = (nnx.MultiHeadAttention,)
+
+
 def options(options: dict[str, Any]) -> Options:
     """The wrappers' keyword options, validated once."""
     return make_options(nnx.Module, "nnx.Module", "nnx.LayerNorm", **options)
