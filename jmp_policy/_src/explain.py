@@ -265,3 +265,23 @@ def format_rows(rows: Iterable[ExplainRow]) -> str:
     for source, ref in legend.items():
         lines.append(_ellipsize(f"{ref} {source}", WIDTH))
     return "\n".join(lines)
+
+
+def format_matmuls(forms: dict[str, str]) -> str:
+    """The matmul each quantized or float8 layer runs, as lines under an explain table
+    (``""`` when none ran): ``path  form``, one per layer, in the order they ran.
+
+    Examples:
+        >>> from jmp_policy._src.explain import format_matmuls
+        >>> print(format_matmuls({"up": "int8 weights: weight-only, scale after"}))
+        <BLANKLINE>
+        matmuls:
+          up  int8 weights: weight-only, scale after
+    """
+    if not forms:
+        return ""
+    width = max(len(path or "<root>") for path in forms)
+    lines = ["", "matmuls:"]
+    for path, form in forms.items():
+        lines.append(_ellipsize(f"{_INDENT}{(path or '<root>').ljust(width)}  {form}", WIDTH))
+    return "\n".join(lines)

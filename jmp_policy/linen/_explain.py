@@ -11,7 +11,8 @@ import numpy as np
 
 import jmp_policy.linen._apply as _apply
 import jmp_policy.linen._modules as m
-from jmp_policy._src.explain import format_rows
+from jmp_policy._src import matmuls
+from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.resolution import (
     OPTION_DEFAULTS,
     Resolver,
@@ -106,7 +107,9 @@ def explain(
 
         found.append(_apply.run_traced(module, resolved, options, known, v, call, method)[1])
 
-    jax.eval_shape(trace, *[x for x, flag in zip(leaves, traced, strict=True) if flag])
+    with matmuls.recording() as forms:
+        jax.eval_shape(trace, *[x for x, flag in zip(leaves, traced, strict=True) if flag])
     resolver = found[-1]
     resolver.module("", type(module), m.own_dtype(module))
-    return format_rows(resolved_rows(resolver, variables.get("params", {})))
+    table = format_rows(resolved_rows(resolver, variables.get("params", {})))
+    return table + format_matmuls(forms)

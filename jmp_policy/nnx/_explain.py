@@ -8,7 +8,8 @@ from flax import nnx
 
 import jmp_policy.nnx._apply as _apply
 import jmp_policy.nnx._modules as m
-from jmp_policy._src.explain import format_rows
+from jmp_policy._src import matmuls
+from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.resolution import as_policy_or_map, check_floating
 from jmp_policy._src.run_report import resolved_rows
 
@@ -16,6 +17,7 @@ from jmp_policy._src.run_report import resolved_rows
 def explain(
     model: nnx.Module,
     policy_or_map: Any,
+    *args: Any,
     **options: Any,
 ) -> str:
     """A table of the policy every submodule of ``model`` runs under, and why.
@@ -25,11 +27,15 @@ def explain(
     its source (``key '<key>'``, ``type <Class>`` or ``default``), the module's own
     ``dtype`` when set, the stored and compute dtypes of its ``nnx.Param`` values and
     their bytes stored and in compute. Nothing is run (NNX modules exist before they are
-    called); ``jax.eval_shape``-made models (``nnx.eval_shape``) work too.
+    called); ``jax.eval_shape``-made models (``nnx.eval_shape``) work too. Given the
+    model's positional ``args`` (arrays or ``jax.ShapeDtypeStruct``), the model is also
+    traced shape-only and the table is followed by the matmul each quantized or float8
+    layer runs (its form and shape).
 
     Args:
         model: an ``nnx.Module``.
         policy_or_map: as in :func:`apply`.
+        *args: the model's positional arguments, to list the layers' matmuls (optional).
         **options: the options of :func:`apply` (``type_policies``, ``module_dtype``,
             ``autocast_exclude``).
 
@@ -59,4 +65,10 @@ def explain(
     check_floating(resolved)
     opts = m.options(options)
     resolver = _apply.resolver_for(model, resolved, opts)
-    return format_rows(resolved_rows(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    table = format_rows(resolved_rows(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    if not args:
+        return table
+    run = _apply.apply_with(model, resolved, opts, "__call__")
+    with matmuls.recording() as forms:
+        nnx.eval_shape(lambda model, *a: run(*a), model, *args)
+    return table + format_matmuls(forms)

@@ -1,0 +1,164 @@
+"""Quantized kernels reach their layers' matmuls (issue #19): no float copy of a whole
+kernel, int8 x int8 in cuBLAS's layout, outputs as dequantize-then-dot, explain's forms."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax_examples.measure import equations
+
+import jmp_policy as jp
+from jmp_policy._src import quantization
+
+X_SMALL = jax.random.normal(jax.random.key(1), (4, 64))  # 4 rows: weight-only
+X_LARGE = jax.random.normal(jax.random.key(2), (256, 64))  # 256 rows: int8 x int8
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.relu(nn.Dense(128, name="up")(x))
+        h = nn.relu(nn.DenseGeneral((2, 64), name="split")(h))
+        h = nn.Einsum((2, 64, 64), "bhi,hio->bo", name="merge")(h)
+        return nn.Dense(16, name="head")(h)
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(64, 128, rngs=rngs)
+        self.split = nnx.LinearGeneral(128, (2, 64), rngs=rngs)
+        self.merge = nnx.Einsum("bhi,hio->bo", (2, 64, 64), (64,), rngs=rngs)
+        self.head = nnx.Linear(64, 16, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.split(nnx.relu(self.up(x))))
+        return self.head(self.merge(h))
+
+
+MODES = ["int8", "int4", "int4/32"]
+KERNELS = {"up": (64, 128), "split": (128, 2, 64), "merge": (2, 64, 64), "head": (64, 16)}
+
+
+def _dequantized(tree):
+    return jax.tree.map(
+        lambda a: a.dequantize() if quantization.is_quantized(a) else a,
+        tree,
+        is_leaf=quantization.is_quantized,
+    )
+
+
+def _kernel_dequantizations(jaxpr, shapes):
+    """Multiplies on a whole kernel's shape: what dequantizing a kernel takes."""
+    return [
+        e
+        for e in equations(jaxpr, "mul")
+        if any(getattr(v.aval, "shape", None) in shapes for v in e.invars)
+    ]
+
+
+def _linen(mode, policy="mixed_bfloat16"):
+    model = LinenMLP()
+    variables = model.init(jax.random.key(0), X_SMALL)
+    quantized = {"params": jp.get(f"{mode}_from_float32").quantize(variables["params"])}
+    return model, quantized, jp.linen.apply(model, policy)
+
+
+def _nnx(mode):
+    model = NnxMLP(nnx.Rngs(0))
+    reference = NnxMLP(nnx.Rngs(0))
+    state = jp.get(f"{mode}_from_float32").quantize(nnx.state(model, nnx.Param))
+    nnx.update(model, state)
+    nnx.update(reference, _dequantized(state))
+    return model, reference
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_linen_apply_reads_no_float_copy_of_a_quantized_kernel(mode):
+    model, quantized, fn = _linen(mode)
+    jaxpr = jax.make_jaxpr(fn)(quantized, X_SMALL).jaxpr
+    shapes = {s for name, s in KERNELS.items() if not (mode == "int4/32" and name == "split")}
+    assert _kernel_dequantizations(jaxpr, shapes) == []
+    ref = jp.linen.apply(model, "mixed_bfloat16")(
+        {"params": _dequantized(quantized["params"])}, X_SMALL
+    )
+    for run in (fn, jax.jit(fn)):
+        out = run(quantized, X_SMALL)
+        assert out.dtype == jnp.bfloat16
+        err = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32)).max()
+        assert err <= 0.02 * np.abs(np.asarray(ref, np.float32)).max(), err
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nnx_apply_reads_no_float_copy_of_a_quantized_kernel(mode):
+    model, reference = _nnx(mode)
+    fn = lambda m, x: jp.nnx.apply(m, "mixed_bfloat16")(x)  # noqa: E731
+    jaxpr = jax.make_jaxpr(lambda x: fn(model, x))(X_SMALL).jaxpr
+    shapes = {s for name, s in KERNELS.items() if not (mode == "int4/32" and name == "split")}
+    assert _kernel_dequantizations(jaxpr, shapes) == []
+    ref = fn(reference, X_SMALL)
+    for run in (fn, nnx.jit(fn)):
+        out = run(model, X_SMALL)
+        err = np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32)).max()
+        assert err <= 0.02 * np.abs(np.asarray(ref, np.float32)).max(), err
+
+
+def _int8_dots(jaxpr):
+    return [
+        e
+        for e in equations(jaxpr, "dot_general")
+        if [str(v.aval.dtype) for v in e.invars] == ["int8", "int8"]
+    ]
+
+
+def test_int8_policy_with_int8_weights_runs_int8_gemms_in_cublas_layout():
+    """At 256 rows: int8 x int8 -> int32, the last dimension of both contracted."""
+    model, quantized, fn = _linen("int8", "int8_from_mixed_bfloat16")
+    jaxpr = jax.make_jaxpr(fn)(quantized, X_LARGE).jaxpr
+    dots = _int8_dots(jaxpr)
+    assert len(dots) == 4
+    for e in dots:
+        (lc, rc), _ = e.params["dimension_numbers"]
+        lhs, rhs = (v.aval for v in e.invars)
+        assert e.params["preferred_element_type"] == jnp.int32
+        assert tuple(lc) == tuple(range(lhs.ndim - len(lc), lhs.ndim))
+        assert tuple(rc) == tuple(range(rhs.ndim - len(rc), rhs.ndim))
+    ref = jp.linen.apply(model, "mixed_bfloat16")(
+        {"params": _dequantized(quantized["params"])}, X_LARGE
+    )
+    out = jax.jit(fn)(quantized, X_LARGE)
+    rel = np.linalg.norm(np.asarray(out, np.float32) - np.asarray(ref, np.float32))
+    assert rel / np.linalg.norm(np.asarray(ref, np.float32)) < 0.03
+    # At 4 rows the matmuls are bound by weight bytes: weight-only, no int8 GEMM.
+    assert _int8_dots(jax.make_jaxpr(fn)(quantized, X_SMALL).jaxpr) == []
+
+
+def test_explain_shows_each_layers_form():
+    model, quantized, _ = _linen("int8")
+    small = jp.linen.explain(model, "int8_from_mixed_bfloat16", quantized, X_SMALL)
+    large = jp.linen.explain(model, "int8_from_mixed_bfloat16", quantized, X_LARGE)
+    assert "matmuls:\n  up     int8 weights: weight-only, scale after" in small
+    assert "  up     int8 weights: int8 x int8" in large
+    _, blocks, _ = _linen("int4/32")
+    table = jp.linen.explain(model, "mixed_bfloat16", blocks, X_SMALL)
+    assert "  up     int4/32 weights: int4 blocks" in table
+    assert "  split  int4/32 weights: dequantized" in table  # a layout no fast form covers
+    nnx_model, _ = _nnx("int4")
+    assert "  up     int4 weights: weight-only, scale after" in jp.nnx.explain(
+        nnx_model, "mixed_bfloat16", X_SMALL
+    )
+
+
+def test_cast_to_compute_still_dequantizes_a_whole_tree():
+    _, quantized, _ = _linen("int8")
+    cast = jp.get("int8_from_mixed_bfloat16").cast_to_compute(quantized["params"])
+    assert cast["up"]["kernel"].dtype == jnp.bfloat16
+    assert cast["up"]["kernel"].shape == KERNELS["up"]
+
+
+def test_int4_is_stored_as_int4_at_an_eighth_of_float32():
+    _, quantized, _ = _linen("int4")
+    q = quantized["params"]["up"]["kernel"]
+    assert q.values.dtype == jnp.int4 and q.values.shape == KERNELS["up"]
+    assert q.nbytes / (64 * 128 * 4) <= 0.16
