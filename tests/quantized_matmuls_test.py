@@ -50,11 +50,13 @@ def _dequantized(tree):
 
 
 def _kernel_dequantizations(jaxpr, shapes):
-    """Multiplies on a whole kernel's shape: what dequantizing a kernel takes."""
+    """Multiplies on as many elements as a whole kernel (in any layout, blocks too): what
+    dequantizing a kernel takes. No activation here has a kernel's size."""
+    sizes = {int(np.prod(s)) for s in shapes}
     return [
         e
         for e in equations(jaxpr, "mul")
-        if any(getattr(v.aval, "shape", None) in shapes for v in e.invars)
+        if any(int(np.prod(getattr(v.aval, "shape", ()))) in sizes for v in e.invars)
     ]
 
 
