@@ -1,5 +1,6 @@
 """`jmp_policy.linen.diagnose` and `jmp_policy.nnx.diagnose`: the report on real float16 models."""
 
+import re
 import warnings
 
 import flax.linen as nn
@@ -257,3 +258,34 @@ def test_diagnose_under_scan_of_training_steps():
     assert reports.outputs["head"].non_finite.shape == (3,)
     assert int(reports.outputs["head"].non_finite[1]) > 0
     assert jp.format_report(reports).splitlines()[0].startswith("first non-finite: ")
+
+
+def _reductions(fn, *args):
+    """The reduce and reduce-window ops of ``fn``'s compiled (CPU) program."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return len(re.findall(r"\breduce(?:-window)?\(", text))
+
+
+def test_compiled_step_has_at_most_one_reduction_per_tapped_tensor():
+    model = Model()
+    variables = _variables(model)
+    plain = jp.linen.apply(model, "mixed_float16")
+    diag = jp.linen.diagnose(model, "mixed_float16")
+    probe = diag.probe(variables, X)
+
+    def step_apply(params, probe):
+        return jax.grad(lambda p: plain({"params": p}, X).astype(jnp.float32).sum())(params)
+
+    def step_diagnose(params, probe):
+        (_, report), grads = jax.value_and_grad(
+            lambda p, q: _loss(diag, p, q), argnums=(0, 1), has_aux=True
+        )(params, probe)
+        return grads[0], report.with_gradients(grads[1])
+
+    # every submodule here takes one array and returns one: an input, an output and the
+    # cotangent of the output are tapped per path
+    tapped = 3 * len(probe)
+    extra = _reductions(step_diagnose, variables["params"], probe) - _reductions(
+        step_apply, variables["params"], probe
+    )
+    assert 0 < extra <= tapped, (extra, tapped)
