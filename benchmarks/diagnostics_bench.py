@@ -1,18 +1,25 @@
-"""The cost of `jmp_policy.linen.diagnose` against `jmp_policy.linen.apply`.
+"""The cost of `jmp_policy.linen.diagnose` against `jmp_policy.linen.apply`, per training step.
 
-A small Flax transformer under `mixed_float16`, compiled with `jax.jit` four ways: the
-forward pass and the `value_and_grad` training step, each with `jp.linen.apply` and with
-`jp.linen.diagnose` (the step differentiates with respect to the probe too, so it gathers
-the backward statistics). Prints the median step time of runs interleaved in one process
-and the ratio to `apply`, and checks that `apply`'s program holds no statistics op (plain
-`apply` pays nothing). The numbers go into `diagnose`'s docstring.
+A small Flax transformer under `mixed_float16`, its `value_and_grad` training step compiled
+with `jax.jit` three ways: with `jp.linen.apply`; with `jp.linen.diagnose`, every submodule
+tapped (the step differentiates with respect to the probe too, so it gathers the backward
+statistics); and with `diagnose(..., every=10)`, the step counter passed as a traced
+argument (one compiled program; the statistics are computed on one step in 10). Each
+variant runs blocks of 10 consecutive steps (for `every=10`, steps 0..9: one sampled,
+nine not), interleaved in one process so that load changes hit all alike. It prints the
+median over blocks of the mean step time, wall-clock and the process's CPU time (the
+steadier of the two on a shared machine, where other processes stretch the wall time),
+each with its ratio to `apply`. It also checks that `apply`'s program holds no statistics op (plain `apply` pays
+nothing) and counts the reduce ops diagnose adds against the tensors it taps. The
+numbers go into the README's diagnostics part.
 
-Run: `python benchmarks/diagnostics_bench.py [--layers 4 --dim 256 --batch 8 --seq 128]`.
+Run: `python benchmarks/diagnostics_bench.py [--dims 256 1024 --layers 4 --batch 8 --seq 128]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 
@@ -21,6 +28,8 @@ import jax
 import jax.numpy as jnp
 
 import jmp_policy as jp
+
+EVERY = 10
 
 
 class Block(nn.Module):
@@ -53,67 +62,85 @@ def _loss(y: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
 
+def _reductions(compiled: jax.stages.Compiled) -> int:
+    return len(re.findall(r"\breduce(?:-window)?\(", compiled.as_text()))
+
+
+def measure(args: argparse.Namespace, dim: int) -> None:
+    model = Transformer(args.layers, dim, args.heads)
+    x = jax.random.normal(jax.random.key(0), (args.batch, args.seq, dim), jnp.float32)
+    params = jax.jit(model.init)(jax.random.key(1), x)["params"]
+    plain = jp.linen.apply(model, "mixed_float16")
+
+    def step_apply(p, q, x, step):
+        return jax.value_and_grad(lambda p: _loss(plain({"params": p}, x)))(p)
+
+    def diagnosed_step(diag):
+        def step(p, q, x, step):
+            def loss(p, q):
+                out, report = diag({"params": p}, x, probe=q, step=step)
+                return _loss(out), report
+
+            grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+            (value, report), (grads, probe_grad) = grad(p, q)
+            return value, grads, report.with_gradients(probe_grad)
+
+        return step
+
+    diag = jp.linen.diagnose(model, "mixed_float16")
+    probe = diag.probe({"params": params}, x)
+    variants = {
+        "apply": step_apply,
+        "diagnose": diagnosed_step(diag),
+        f"diagnose every={EVERY}": diagnosed_step(
+            jp.linen.diagnose(model, "mixed_float16", every=EVERY)
+        ),
+    }
+    step0 = jnp.zeros((), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(step_apply)(params, probe, x, step0))
+    assert "is_finite" not in jaxpr and "custom_vjp" not in jaxpr, "apply holds taps"
+    compiled = {k: jax.jit(f).lower(params, probe, x, step0).compile() for k, f in variants.items()}
+    steps = [jnp.asarray(i, jnp.int32) for i in range(EVERY)]
+    for c in compiled.values():
+        for s in steps[:2]:
+            jax.block_until_ready(c(params, probe, x, s))
+    wall: dict[str, list[float]] = {k: [] for k in compiled}
+    cpu: dict[str, list[float]] = {k: [] for k in compiled}
+    for _ in range(args.repeats):  # interleaved blocks of EVERY steps
+        for k, c in compiled.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for s in steps:
+                jax.block_until_ready(c(params, probe, x, s))
+            wall[k].append((time.perf_counter() - start) / EVERY)
+            cpu[k].append((time.process_time() - start_cpu) / EVERY)
+    medians = {k: statistics.median(v) for k, v in wall.items()}
+    cpu_medians = {k: statistics.median(v) for k, v in cpu.items()}
+    extra = _reductions(compiled["diagnose"]) - _reductions(compiled["apply"])
+    print(
+        f"{jax.devices()[0].device_kind}; {args.layers} layers, dim {dim}, batch "
+        f"{args.batch}, seq {args.seq}; {len(probe)} submodules tapped; "
+        f"+{extra} reduce ops"
+    )
+    print(f"  {'step':<24} {'wall ms':>10} {'ratio':>7} {'CPU ms':>10} {'ratio':>7}")
+    for k, t in medians.items():
+        c = cpu_medians[k]
+        print(
+            f"  {k:<24} {1e3 * t:>10.2f} {t / medians['apply']:>6.2f}x "
+            f"{1e3 * c:>10.2f} {c / cpu_medians['apply']:>6.2f}x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--dims", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5, help="blocks of 10 steps")
     args = parser.parse_args()
-
-    model = Transformer(args.layers, args.dim, args.heads)
-    x = jax.random.normal(jax.random.key(0), (args.batch, args.seq, args.dim), jnp.float32)
-    params = jax.jit(model.init)(jax.random.key(1), x)["params"]
-    plain = jp.linen.apply(model, "mixed_float16")
-    diag = jp.linen.diagnose(model, "mixed_float16")
-    probe = diag.probe({"params": params}, x)
-
-    def forward_apply(p, q, x):
-        return plain({"params": p}, x)
-
-    def forward_diagnose(p, q, x):
-        return diag({"params": p}, x, probe=q)
-
-    def step_apply(p, q, x):
-        return jax.value_and_grad(lambda p: _loss(plain({"params": p}, x)))(p)
-
-    def step_diagnose(p, q, x):
-        def loss(p, q):
-            out, report = diag({"params": p}, x, probe=q)
-            return _loss(out), report
-
-        grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-        (value, report), (grads, probe_grad) = grad(p, q)
-        return value, grads, report.with_gradients(probe_grad)
-
-    variants = {
-        "forward: apply": forward_apply,
-        "forward: diagnose": forward_diagnose,
-        "step: apply": step_apply,
-        "step: diagnose": step_diagnose,
-    }
-    jaxpr = str(jax.make_jaxpr(step_apply)(params, probe, x))
-    assert "is_finite" not in jaxpr and "custom_vjp" not in jaxpr, "apply holds taps"
-    compiled = {k: jax.jit(f).lower(params, probe, x).compile() for k, f in variants.items()}
-    for c in compiled.values():
-        jax.block_until_ready(c(params, probe, x))
-    times: dict[str, list[float]] = {k: [] for k in compiled}
-    for _ in range(args.repeats):  # interleaved, so load changes hit every variant alike
-        for k, c in compiled.items():
-            start = time.perf_counter()
-            jax.block_until_ready(c(params, probe, x))
-            times[k].append(time.perf_counter() - start)
-    medians = {k: statistics.median(v) for k, v in times.items()}
-    print(
-        f"{jax.devices()[0].device_kind}; {args.layers} layers, dim {args.dim}, batch "
-        f"{args.batch}, seq {args.seq}; {len(probe)} submodules tapped"
-    )
-    print(f"{'variant':<20} {'median ms':>10} {'vs apply':>9}")
-    for k, t in medians.items():
-        base = medians[k.split(":")[0] + ": apply"]
-        print(f"{k:<20} {1e3 * t:>10.2f} {t / base:>8.2f}x")
+    for dim in args.dims:
+        measure(args, dim)
 
 
 if __name__ == "__main__":

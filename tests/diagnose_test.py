@@ -1,5 +1,6 @@
 """`jmp_policy.linen.diagnose` and `jmp_policy.nnx.diagnose`: the report on real float16 models."""
 
+import re
 import warnings
 
 import flax.linen as nn
@@ -257,3 +258,175 @@ def test_diagnose_under_scan_of_training_steps():
     assert reports.outputs["head"].non_finite.shape == (3,)
     assert int(reports.outputs["head"].non_finite[1]) > 0
     assert jp.format_report(reports).splitlines()[0].startswith("first non-finite: ")
+
+
+def _reductions(fn, *args):
+    """The reduce and reduce-window ops of ``fn``'s compiled (CPU) program."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return len(re.findall(r"\breduce(?:-window)?\(", text))
+
+
+def test_compiled_step_has_at_most_one_reduction_per_tapped_tensor():
+    model = Model()
+    variables = _variables(model)
+    plain = jp.linen.apply(model, "mixed_float16")
+    diag = jp.linen.diagnose(model, "mixed_float16")
+    probe = diag.probe(variables, X)
+
+    def step_apply(params, probe):
+        return jax.grad(lambda p: plain({"params": p}, X).astype(jnp.float32).sum())(params)
+
+    def step_diagnose(params, probe):
+        (_, report), grads = jax.value_and_grad(
+            lambda p, q: _loss(diag, p, q), argnums=(0, 1), has_aux=True
+        )(params, probe)
+        return grads[0], report.with_gradients(grads[1])
+
+    # every submodule here takes one array and returns one: an input, an output and the
+    # cotangent of the output are tapped per path
+    tapped = 3 * len(probe)
+    extra = _reductions(step_diagnose, variables["params"], probe) - _reductions(
+        step_apply, variables["params"], probe
+    )
+    assert 0 < extra <= tapped, (extra, tapped)
+
+
+def _stat_values(report):
+    return {
+        (site, path): {k: np.asarray(v).item() for k, v in vars(stats).items()}
+        for site in ("inputs", "outputs", "gradients")
+        for path, stats in getattr(report, site).items()
+    }
+
+
+def test_every_computes_the_statistics_on_one_step_in_n(maybe_jit):
+    model = Model(kernel_scale=3e4)
+    variables = _variables(model)
+    _, full = jp.linen.diagnose(model, "float16")(variables, X)
+    diag = maybe_jit(jp.linen.diagnose(model, "float16", every=3))
+    for step in (0, 3, 6):  # sampled: the same report as without `every`
+        _, report = diag(variables, X, step=step)
+        assert bool(report.sampled)
+        assert _stat_values(report) == _stat_values(full)
+        assert jp.format_report(report).splitlines()[0] == (
+            "first non-finite: encoder/layers_1/mlp (forward output)"
+        )
+    for step in (1, 2, 4):  # not sampled: zeros (size too), and the table says so
+        out, report = diag(variables, X, step=jnp.int32(step))
+        np.testing.assert_array_equal(out, jp.linen.apply(model, "float16")(variables, X))
+        assert not bool(report.sampled)
+        assert all(v == 0 for stats in _stat_values(report).values() for v in stats.values())
+        lines = jp.format_report(report).splitlines()
+        assert lines[0] == "first non-finite: not measured (no step sampled; every=3)"
+        assert "sampled: 0 of 1 step(s) (statistics on one step in 3)" in lines
+
+
+def test_every_in_a_jitted_training_loop_compiles_once_and_samples_gradients():
+    model = Model()
+    variables = _variables(model)
+    diag = jp.linen.diagnose(model, "mixed_float16", every=2)
+    probe = diag.probe(variables, X)
+
+    @jax.jit
+    def step_fn(params, step):
+        def loss(p, q):
+            out, report = diag({"params": p}, X, probe=q, step=step)
+            return out.astype(jnp.float32).sum() * 1e-6, report
+
+        (_, report), (grads, probe_grad) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            params, probe
+        )
+        return grads, report.with_gradients(probe_grad)
+
+    reports = [step_fn(variables["params"], jnp.int32(s))[1] for s in range(4)]
+    assert step_fn._cache_size() == 1  # the step is traced: no recompilation
+    assert [bool(r.sampled) for r in reports] == [True, False, True, False]
+    assert float(reports[2].gradients["head"].underflow_fraction) == 1.0  # 1e-6 in float16
+    assert int(reports[3].gradients["head"].size) == 0
+
+    def body(step, _):
+        _, report = step_fn(variables["params"], step)
+        return step + 1, report
+
+    _, stacked = jax.lax.scan(body, jnp.int32(0), length=5)
+    assert stacked.sampled.tolist() == [True, False, True, False, True]
+    assert stacked.gradients["head"].size.tolist() == [B * D, 0, B * D, 0, B * D]
+    text = jp.format_report(stacked)
+    assert "sampled: 3 of 5 step(s) (statistics on one step in 2)" in text
+    assert "gradient" in text
+
+
+def test_paths_filter_taps_only_the_named_submodules_and_lists_the_others(maybe_jit):
+    model = Model(kernel_scale=3e4)
+    variables = _variables(model)
+    keys = ["head", r"encoder/layers_1(/.*)?"]  # an exact key and a regular expression
+    diag = jp.linen.diagnose(model, "float16", paths=keys)
+    _, report = maybe_jit(diag)(variables, X)
+    tapped = ["encoder/layers_1", "encoder/layers_1/attn", "encoder/layers_1/mlp", "head"]
+    assert [p.path for p in report.paths] == tapped
+    assert set(report.outputs) == set(tapped)
+    assert report.untapped[:4] == ("", "encoder", "encoder/layers_0", "encoder/layers_0/attn")
+    assert "aux" in report.untapped and not set(report.untapped) & set(tapped)
+    assert set(diag.probe(variables, X)) == set(tapped)
+    _, full = jp.linen.diagnose(model, "float16")(variables, X)
+    assert _stat_values(report) == {k: v for k, v in _stat_values(full).items() if k[1] in tapped}
+    lines = jp.format_report(report).splitlines()
+    assert lines[0] == "first non-finite: encoder/layers_1/mlp (forward output)"
+    n = len(report.untapped)
+    assert f"not tapped (left out by `paths`): {n} path(s)" in lines
+    assert lines[-1] == f"  ... {n - 8} more"
+
+
+def test_paths_filter_that_names_nothing_warns():
+    model = Model()
+    with pytest.warns(UserWarning, match=r"`paths=\['encoder/layer_1'\]` named none"):
+        jp.linen.diagnose(model, "float16", paths=["encoder/layer_1"])(_variables(model), X)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"every": 0}, ValueError, r"`every` must be an int >= 1.*every=0"),
+        ({"every": 2.5}, TypeError, r"`every` must be an int >= 1.*every=2\.5 of type float"),
+        ({"every": True}, TypeError, r"every=True of type bool"),
+        ({"paths": 5}, TypeError, r"`paths` must be None.*paths=5"),
+        ({"paths": ["head", 3]}, TypeError, r"paths=\['head', 3\]"),
+        ({"paths": []}, ValueError, r"`paths` is empty.*paths=\[\]"),
+        ({"paths": "enc[oder"}, ValueError, r"`paths` holds 'enc\[oder'.*not a valid regular"),
+    ],
+)
+def test_diagnose_rejects_bad_every_and_paths(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        jp.linen.diagnose(Model(), "float16", **kwargs)
+    with pytest.raises(error, match=match):
+        jp.nnx.diagnose(NnxModel(1.0, nnx.Rngs(0)), "float16", **kwargs)
+
+
+def test_diagnose_with_every_requires_an_integer_step():
+    model = Model()
+    variables = _variables(model)
+    diag = jp.linen.diagnose(model, "float16", every=4)
+    with pytest.raises(ValueError, match=r"`step` is required with `every=4`"):
+        diag(variables, X)
+    with pytest.raises(TypeError, match=r"`step` must be the training step.*step=1\.5"):
+        diag(variables, X, step=1.5)
+    with pytest.raises(TypeError, match=r"`step` must be the training step"):
+        diag(variables, X, step=jnp.zeros(3, jnp.int32))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_nnx_every_and_paths(jit):
+    model = NnxModel(3e4, nnx.Rngs(0))
+
+    def run(model, x, step):
+        return jp.nnx.diagnose(model, "float16", every=2, paths=["mlp", "head"])(x, step=step)
+
+    run = nnx.jit(run) if jit else run
+    _, report = run(model, X, jnp.int32(0))
+    assert [p.path for p in report.paths] == ["mlp", "head"]
+    assert report.untapped == ("", "body")
+    assert jp.format_report(report).splitlines()[0] == "first non-finite: mlp (forward output)"
+    _, report = run(model, X, jnp.int32(1))
+    assert not bool(report.sampled) and int(report.outputs["mlp"].size) == 0
+    probe = jp.nnx.diagnose(model, "float16", every=2, paths=["mlp", "head"]).probe(X)
+    assert set(probe) == {"mlp", "head"}

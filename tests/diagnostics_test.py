@@ -36,6 +36,28 @@ def test_stats_count_each_kind_of_value(maybe_jit):
     assert stats.near_overflow_fraction == pytest.approx(0.2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_stats_of_one_pass_equal_a_numpy_reference(maybe_jit, dtype):
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((3, 5, 7)) * 10.0 ** rng.integers(
+        -30, 38, (3, 5, 7)
+    )  # no float32 subnormals
+    values.flat[:6] = [0.0, np.inf, -np.inf, np.nan, 0.0, 3e38]
+    x = jnp.asarray(values, jnp.float32).astype(dtype)
+    leaves = [x, x[0, 0] * 2]
+    stats = maybe_jit(lambda *a: stats_of(list(a), "float16"))(*leaves)
+    a = np.abs(np.concatenate([np.asarray(x, np.float32).ravel() for x in leaves]))
+    finite = np.isfinite(a)
+    assert _values(stats) == {
+        "max_abs": float(a[finite].max()),
+        "non_finite": int((~finite).sum()),
+        "underflow": int(((a > 0) & (a < F16_TINY)).sum()),
+        "near_overflow": int((finite & (a >= F16_MAX / 2)).sum()),
+        "zeros": int((a == 0).sum()),
+        "size": a.size,
+    }
+
+
 def test_stats_thresholds_follow_the_compute_dtype():
     x = jnp.array([1e-6, 40000.0], jnp.float32)
     assert _values(stats_of([x], "float32"))["underflow"] == 0

@@ -14,6 +14,7 @@ _HEADER = (
     f"{'path':<{_PATH_WIDTH}} {'dtype':<8} {'where':<8} {'max|x|':>10} "
     f"{'non-finite':>10} {'underflow':>9} {'near-max':>9}"
 )
+_UNTAPPED_SHOWN = 8
 _WHERE = {"inputs": "input", "outputs": "output", "gradients": "gradient"}
 _SITE = {"inputs": "forward input", "outputs": "forward output", "gradients": "backward gradient"}
 
@@ -81,7 +82,9 @@ def format_report(report: Report, max_rows: int | None = None) -> str:
     then flushed to zero; gradients without loss scaling), ties in execution order. ``max|x|`` is the largest finite absolute value. Lines are
     at most 100 columns; long paths keep their end. This reads the report's values, so
     it synchronises with the device: call it outside ``jit``. A report stacked over steps
-    (the output of ``scan``) is summarised over them.
+    (the output of ``scan``) is summarised over them. With ``every > 1`` it says on how
+    many steps the statistics were computed, and the paths a ``paths`` filter left out
+    are listed (the first 8) at the end.
 
     Args:
         report: a report from ``jmp_policy.linen.diagnose`` or ``jmp_policy.nnx.diagnose``
@@ -116,8 +119,12 @@ def format_report(report: Report, max_rows: int | None = None) -> str:
         )
     if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
         raise TypeError(f"`max_rows` must be None or an int >= 0. Received: {max_rows!r}")
+    sampled, steps = _sampled_steps(report)
     first = first_non_finite(report)
-    lines = [f"first non-finite: {first or 'none'}"]
+    if sampled == 0:
+        lines = [f"first non-finite: not measured (no step sampled; every={report.every})"]
+    else:
+        lines = [f"first non-finite: {first or 'none'}"]
     rows = []
     last = max((max(p.input_seq, p.output_seq) for p in report.paths), default=0)
     for order, info in enumerate(report.paths):
@@ -135,6 +142,8 @@ def format_report(report: Report, max_rows: int | None = None) -> str:
                 key = (1, -near, -under, order)
             rows.append((key, info, site, v, under, near))
     rows.sort(key=lambda r: r[0])
+    if sampled == 0:
+        rows = []
     lines.append(_HEADER)
     shown = rows if max_rows is None else rows[:max_rows]
     for _, info, site, v, under, near in shown:
@@ -145,9 +154,27 @@ def format_report(report: Report, max_rows: int | None = None) -> str:
         )
     if len(shown) < len(rows):
         lines.append(f"... {len(rows) - len(shown)} more row(s)")
-    if not report.gradients:
+    if report.every > 1:
+        lines.append(
+            f"sampled: {sampled} of {steps} step(s) (statistics on one step in {report.every})"
+        )
+    if not report.gradients and sampled:
         lines.append("gradients: not collected (differentiate with respect to `probe`)")
     if report.skipped:
         lines.append("not collected (called inside a transform of their own):")
         lines += [f"  {_short(p)}" for p in report.skipped]
+    if report.untapped:
+        shown_paths = report.untapped[:_UNTAPPED_SHOWN]
+        lines.append(f"not tapped (left out by `paths`): {len(report.untapped)} path(s)")
+        lines += [f"  {_short(p)}" for p in shown_paths]
+        if len(report.untapped) > len(shown_paths):
+            lines.append(f"  ... {len(report.untapped) - len(shown_paths)} more")
     return "\n".join(lines)
+
+
+def _sampled_steps(report: Report) -> tuple[int, int]:
+    """How many steps the report's statistics were computed on, of how many."""
+    if report.sampled is None:
+        return 1, 1
+    sampled = np.asarray(jax.device_get(report.sampled))
+    return int(sampled.sum()), int(sampled.size)

@@ -18,12 +18,15 @@ def diagnose(
     module: nn.Module,
     policy_or_map: Any,
     method: Any = None,
+    *,
+    every: int = 1,
+    paths: Any = None,
     **options: Any,
 ) -> Callable[..., Any]:
     """Makes ``module.apply`` run as :func:`apply` does and also return a diagnostics report.
 
-    The returned function has ``module.apply``'s signature plus a keyword ``probe`` and
-    returns ``(result, report)``, where ``result`` is what :func:`apply` returns and
+    The returned function has ``module.apply``'s signature plus keywords ``probe`` and
+    ``step`` and returns ``(result, report)``, where ``result`` is what :func:`apply` returns and
     ``report`` a :class:`~jmp_policy._src.diagnostics.Report` pytree: per submodule path
     (``""`` for the root), for the floating leaves of its inputs and outputs, the largest
     finite absolute value, the count of non-finite values, and the fractions of values
@@ -43,27 +46,36 @@ def diagnose(
 
     Submodules called inside a transform of their own (``nn.scan``, ``nn.remat``,
     ``nn.vmap``, ``nn.jit``) are not measured; the report lists them as ``skipped``.
-    :func:`apply` pays nothing for any of this: the taps exist only here. Diagnosing costs
-    a reduction per input and output of each submodule: measured by
-    ``benchmarks/diagnostics_bench.py`` on a (shared, 2-core) CPU for a 4-layer
-    transformer (dim 256, 44 submodules tapped) under ``mixed_float16``, the jitted forward
-    pass took 2.2x as long as with :func:`apply` and the ``value_and_grad`` step with
-    backward statistics 1.7x; use it to debug, not to train.
+    :func:`apply` pays nothing for any of this: the taps exist only here.
+
+    **Cost.** Each tapped tensor is read once (one fused reduction); the README gives the
+    measured cost (``benchmarks/diagnostics_bench.py``). To pay less on a long run, tap
+    fewer submodules (``paths=``) and/or compute the statistics on one step in ``every``:
+    pass ``step=`` (the training step, traced under ``jit``: no recompilation); the other
+    steps skip the reductions (a ``lax.cond``) and report zeros, with
+    ``report.sampled`` false.
 
     Args:
         module: a ``flax.linen`` Module instance.
         policy_or_map: as for :func:`apply`.
         method: as for :func:`apply`.
+        every: compute the statistics on the steps where ``step % every == 0`` (an int
+            >= 1; with ``every > 1`` the function requires ``step=``).
+        paths: ``None`` (tap every submodule), or a module path or regular expression,
+            or a list of them, with the keys' syntax of a ``DTypePolicyMap`` (an exact
+            path, else ``re.fullmatch``; ``""`` is the root): only the submodules they
+            name are tapped. The report lists the others as ``untapped``.
         **options: as for :func:`apply` (``type_policies``, ``module_dtype``,
             ``autocast_exclude``).
 
     Returns:
-        A function ``fn(variables, *args, probe=None, **apply_kwargs)`` returning
+        A function ``fn(variables, *args, probe=None, step=None, **apply_kwargs)`` returning
         ``(result, report)``; ``fn.probe(variables, *args, **apply_kwargs)`` returns a
         zero-valued probe for that call (traced with ``jax.eval_shape``: nothing runs).
 
     Raises:
-        TypeError, ValueError: as :func:`apply`; ``probe`` is not a probe of this model.
+        TypeError, ValueError: as :func:`apply`; ``every`` or ``paths`` is not valid;
+            ``probe`` is not a probe of this model; ``step`` is missing with ``every > 1``.
 
     Examples:
         >>> import jax
@@ -91,21 +103,32 @@ def diagnose(
         >>> report = report.with_gradients(probe_grad)
         >>> int(report.gradients["head"].size)   # the cotangent of head's (8, 2) output
         16
+        >>> sparse = jax.jit(jp.linen.diagnose(model, "mixed_float16", every=10, paths="head"))
+        >>> [bool(sparse(variables, x, step=s)[1].sampled) for s in (0, 1, 10)]
+        [True, False, True]
+        >>> sparse(variables, x, step=0)[1].untapped
+        ('', 'body')
     """
+    select = diagnostics.selection(every, paths)
     resolved, opts = m.prepare(module, policy_or_map, method, options)
     opts = dataclasses.replace(opts, extensions=(diagnostics.Taps(), *opts.extensions))
     run = apply_with(module, resolved, opts, method)
 
     def diagnose_fn(
-        variables: Mapping[str, Any], *args: Any, probe: Any = None, **kwargs: Any
+        variables: Mapping[str, Any],
+        *args: Any,
+        probe: Any = None,
+        step: Any = None,
+        **kwargs: Any,
     ) -> tuple[Any, diagnostics.Report]:
-        with diagnostics.collecting(probe) as collector:
+        with diagnostics.collecting(probe, select, step) as collector:
             result = run(variables, *args, **kwargs)
             report = collector.report()
         return result, report
 
     def probe(variables: Mapping[str, Any], *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
-        _, report = jax.eval_shape(lambda: diagnose_fn(variables, *args, **kwargs))
+        step = kwargs.pop("step", 0)
+        _, report = jax.eval_shape(lambda: diagnose_fn(variables, *args, step=step, **kwargs))
         return report.probe()
 
     diagnose_fn.probe = probe  # type: ignore[attr-defined]

@@ -19,34 +19,43 @@ def diagnose(
     model: nnx.Module,
     policy_or_map: Any,
     method: str | Callable[..., Any] = "__call__",
+    *,
+    every: int = 1,
+    paths: Any = None,
     **options: Any,
 ) -> Callable[..., Any]:
     """Makes a function that runs ``model`` as :func:`apply` does and also returns a report.
 
     The NNX counterpart of :func:`jmp_policy.linen.diagnose`: the returned function takes
-    ``method``'s arguments plus a keyword ``probe`` and returns ``(outputs, report)``; the
+    ``method``'s arguments plus keywords ``probe`` and ``step`` and returns ``(outputs, report)``; the
     report holds, per submodule path, the statistics of the floating leaves of its inputs
     and outputs (NNX objects passed as arguments are not data, and not measured), and,
     through the gradient with respect to ``probe``, of the cotangents reaching its outputs
     (``report.with_gradients(probe_gradient)``). It works under ``nnx.jit``/``jax.jit``,
     ``nnx.grad``/``jax.grad``, with no host synchronisation; submodules called inside a
     transform of their own (``nnx.scan``, ``nnx.remat``, ``nnx.vmap``) are listed as
-    ``skipped``. :func:`apply` pays nothing: the taps exist only here; the cost of
-    diagnosing is stated in :func:`jmp_policy.linen.diagnose`.
+    ``skipped``. :func:`apply` pays nothing: the taps exist only here. ``every`` and
+    ``paths`` tap less, as in :func:`jmp_policy.linen.diagnose`.
 
     Args:
         model: an ``nnx.Module``; never modified except for its non-``Param`` state.
         policy_or_map: as for :func:`apply`.
         method: as for :func:`apply`.
+        every: compute the statistics when ``step % every == 0`` (requires ``step=``
+            when > 1; steps not sampled skip the reductions and report zeros).
+        paths: ``None`` (every submodule), or a path or regular expression, or a list of
+            them (``DTypePolicyMap`` key syntax): the submodules to tap; the report lists
+            the others as ``untapped``.
         **options: as for :func:`apply`.
 
     Returns:
-        A function ``fn(*args, probe=None, **kwargs)`` returning ``(outputs, report)``;
+        A function ``fn(*args, probe=None, step=None, **kwargs)`` returning ``(outputs, report)``;
         ``fn.probe(*args, **kwargs)`` returns a zero-valued probe for that call (traced
         with ``jax.eval_shape`` on a copy of the model: nothing runs, nothing changes).
 
     Raises:
-        TypeError, ValueError: as :func:`apply`; ``probe`` is not a probe of this model.
+        TypeError, ValueError: as :func:`apply`; ``every`` or ``paths`` is not valid;
+            ``probe`` is not a probe of this model; ``step`` is missing with ``every > 1``.
 
     Examples:
         >>> import jax
@@ -66,6 +75,7 @@ def diagnose(
         >>> report.paths[1].path, report.paths[1].dtype
         ('body', 'float16')
     """
+    select = diagnostics.selection(every, paths)
     m.check_model(model)
     resolved = as_policy_or_map(policy_or_map)
     check_floating(resolved)
@@ -74,18 +84,20 @@ def diagnose(
     opts = dataclasses.replace(opts, extensions=(taps, *opts.extensions))
     run = apply_with(model, resolved, opts, method)
 
-    def diagnose_fn(*args: Any, probe: Any = None, **kwargs: Any) -> Any:
-        with diagnostics.collecting(probe) as collector:
+    def diagnose_fn(*args: Any, probe: Any = None, step: Any = None, **kwargs: Any) -> Any:
+        with diagnostics.collecting(probe, select, step) as collector:
             out = run(*args, **kwargs)
             report = collector.report()
         return out, report
 
     def make_probe(*args: Any, **kwargs: Any) -> dict[str, jax.Array]:
         graphdef, state = nnx.split(model)
+        step = kwargs.pop("step", 0)
 
         def shapes(state: Any) -> diagnostics.Report:
             copy = nnx.merge(graphdef, state)
-            return diagnose(copy, resolved, method, **options)(*args, **kwargs)[1]
+            fn = diagnose(copy, resolved, method, every=every, paths=paths, **options)
+            return fn(*args, step=step, **kwargs)[1]
 
         return jax.eval_shape(shapes, state).probe()
 
