@@ -50,15 +50,33 @@ def test_run_all_quick_prints_one_table_of_ratios():
 def test_float8_bench_quick_prints_its_table_and_the_loss_gap():
     result = _run("float8_bench.py", "--quick")
     lines = result.stdout.splitlines()
-    table = {line.split()[0]: line.split() for line in lines[2:6]}
-    assert set(table) == {"variant", "float8", "bf16", "float32"}
+    start = next(i for i, line in enumerate(lines) if line.startswith("variant"))
+    table = {line.split()[0]: line.split() for line in lines[start : start + 6]}
+    assert set(table) == {"variant", "float8", "f8_cur", "flax_f8", "bf16", "float32"}
     # columns: variant, step ms, /, fwd ms, /, temp MB, /, f8 cvt, f8 dots, f8 GEMMs, loss, -bf16
-    assert table["float8"][7] == "24" and table["bf16"][7] == table["float32"][7] == "0"
-    # Every dot of the step (4 Dense: forward and two backward) in GemmRewriter's form.
-    assert table["float8"][8] == "12/12" and table["bf16"][8] == "0/12"
+    assert table["bf16"][7] == table["float32"][7] == "0"
+    # Every dot of the step (4 Dense: forward and two backward) on float8 operands.
+    for name in ("float8", "f8_cur", "flax_f8"):
+        assert table[name][8] == "12/12", table[name]
+    assert table["bf16"][8] == "0/12"
     if jax.default_backend() == "cpu":  # no float8 GEMMs there
         assert table["float8"][9] == "0/12"
     assert lines[-1].endswith("float8 state finite: True")
     assert table["bf16"][-1] == "+0.0000"
-    assert abs(float(table["float8"][-1])) < 0.05  # loss - bf16's, over the first loss
+    for name in ("float8", "f8_cur"):  # loss - bf16's, over the first loss
+        assert abs(float(table[name][-1])) < 0.05
     assert all(len(line) <= 100 for line in lines)
+
+
+def test_serving_bench_quick_prints_every_variant_and_form():
+    result = _run("serving_bench.py", "--quick")
+    lines = result.stdout.splitlines()
+    rows = [line for line in lines if line.split()[:1] in (["1"], ["16"], ["256"])]
+    assert len(rows) == 3 * 4
+    assert "int8 weights: weight-only, scale after" in rows[1]
+    assert "int4 weights: weight-only, scale after" in rows[2]
+    assert rows[-1].split()[1:4] == ["int8", "x", "int8"] and rows[-1].endswith("int8 x int8")
+    # weight bytes per token: int8 about half of bf16's, int4 about a quarter
+    numbers = [re.findall(r"\b\d+(?:\.\d+)?(?:e[+-]\d+)?\b", row) for row in rows[:3]]
+    per_token = [float(n[3]) for n in numbers]  # batch, time, ratio, bytes, error
+    assert per_token[1] < 0.55 * per_token[0] and per_token[2] < 0.3 * per_token[0]

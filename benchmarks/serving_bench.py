@@ -1,0 +1,163 @@
+"""Serving with quantized weights: 8 Dense layers, bf16 weights against int8 and int4.
+
+A stack of ``--layers`` Dense layers of ``--dim`` x ``--dim`` (no bias), run forward under
+``jp.linen.apply`` at batch 1, 16 and 256, jitted, four ways, side by side in one run:
+
+* ``bf16``: the weights stored in bfloat16, ``"mixed_bfloat16"`` (the reference);
+* ``int8 w``: ``map.quantize`` int8 weights (per output channel) under
+  ``"mixed_bfloat16"``: the quantized kernel reaches each Dense, which runs
+  ``(x @ convert(w8)) * scale``;
+* ``int4 w``: int4 weights per channel, stored as ``jnp.int4``, the same form;
+* ``int8 x int8``: int8 weights under ``"int8_from_mixed_bfloat16"``: activations
+  quantized per row, ``int8 x int8 -> int32`` GEMMs from 128 rows on (below, the
+  weight-only form).
+
+For each: the median time over ``--repeats`` interleaved runs and its ratio to bf16, the
+weight bytes read per token (all layers' stored weight bytes over the batch), the form
+``explain`` reports for the first layer, and the largest relative error of the output
+against bf16 weights. A CPU has no fast int8/int4 paths and upcasts bf16: there only the
+bytes, the forms and the errors mean something; time it on a GPU:
+``JAX_PLATFORMS=cuda python benchmarks/serving_bench.py --dim 8192``.
+
+Run: ``python benchmarks/serving_bench.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jmp_policy as jp
+from jmp_policy._src import matmuls
+
+
+class Stack(nn.Module):
+    dim: int
+    layers: int
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.layers):
+            x = nn.Dense(self.dim, use_bias=False, name=f"layer_{i}")(x)
+        return x
+
+
+def variants(params: Any) -> dict[str, tuple[Any, str]]:
+    """name -> (params, policy)."""
+    bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    return {
+        "bf16": (bf16, "mixed_bfloat16"),
+        "int8 w": (jp.get("int8_from_float32").quantize(params), "mixed_bfloat16"),
+        "int4 w": (jp.get("int4_from_float32").quantize(params), "mixed_bfloat16"),
+        "int8 x int8": (
+            jp.get("int8_from_float32").quantize(params),
+            "int8_from_mixed_bfloat16",
+        ),
+    }
+
+
+def weight_bytes(params: Any) -> int:
+    leaves = jax.tree.leaves(params, is_leaf=jp.QuantizedArray.__instancecheck__)
+    return sum(int(leaf.nbytes) for leaf in leaves)
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    model = Stack(args.dim, args.layers)
+    x0 = jnp.ones((1, args.dim), jnp.float32)
+    params = model.init(jax.random.key(0), x0)["params"]
+    rows = []
+    for batch in args.batches:
+        x = jax.random.normal(jax.random.key(batch), (batch, args.dim)).astype(jnp.bfloat16)
+        runs, info = {}, {}
+        for name, (p, policy) in variants(params).items():
+            fn = jax.jit(jp.linen.apply(model, policy))
+            with matmuls.recording() as forms:
+                fn.lower({"params": p}, x)
+            compiled = fn.lower({"params": p}, x).compile()
+            runs[name] = (compiled, {"params": p})
+            info[name] = (forms.get("layer_0", "as written"), weight_bytes(p))
+        outs = {n: np.asarray(c(v, x), np.float32) for n, (c, v) in runs.items()}
+        times: dict[str, list[float]] = {n: [] for n in runs}
+        for _ in range(args.repeats):
+            for name, (compiled, v) in runs.items():
+                start = time.perf_counter()
+                jax.block_until_ready(compiled(v, x))
+                times[name].append(time.perf_counter() - start)
+        base = statistics.median(times["bf16"])
+        scale = np.abs(outs["bf16"]).max()
+        for name in runs:
+            t = statistics.median(times[name])
+            rows.append(
+                {
+                    "batch": batch,
+                    "variant": name,
+                    "us": t * 1e6,
+                    "speedup": base / t,
+                    "bytes_per_token": info[name][1] / batch,
+                    "error": float(np.abs(outs[name] - outs["bf16"]).max() / scale),
+                    "form": info[name][0],
+                }
+            )
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    header = ["batch", "variant", "time us", "bf16/this", "weight B/token", "rel err", "form"]
+    table = [header] + [
+        [
+            str(r["batch"]),
+            r["variant"],
+            f"{r['us']:.1f}",
+            f"{r['speedup']:.3f}",
+            f"{r['bytes_per_token']:.3g}",
+            f"{r['error']:.4f}",
+            r["form"],
+        ]
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            c.ljust(w) if i in (1, 6) else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in table
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CI)")
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.dim, args.layers, args.repeats = 128, 2, 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    print(
+        f"{args.layers} Dense layers {args.dim}x{args.dim}, median of {args.repeats} "
+        f"interleaved runs; jax {jax.__version__} on {jax.devices()[0].device_kind}"
+    )
+    if jax.devices()[0].platform == "cpu":
+        print(
+            "CPU timings: XLA's CPU backend has no fast int8/int4 GEMMs and upcasts bf16, "
+            "so only the bytes, forms and errors carry over to a GPU."
+        )
+    print(format_table(measure(args)))
+
+
+if __name__ == "__main__":
+    main()
