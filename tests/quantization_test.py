@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax_examples.measure import dot_kinds as _dots
+from flax_examples.measure import equations
 
 import jmp_policy as jp
 from jmp_policy._src import quantization
@@ -245,12 +246,24 @@ def test_int8_dot_general_handles_batch_and_several_contracting_axes():
     assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02
 
 
-def test_int8_dot_general_runs_on_int8_operands_with_int32_accumulation():
+def test_int8_dot_general_multiplies_the_int8_grid_exactly_in_the_compute_dtype():
+    """The operands on the int8 grid, as integers in bfloat16 (exact), one GEMM with
+    float32 accumulation: equal to the int32 product times the scales."""
     x, w = _kernel((8, 16), dtype=jnp.bfloat16), _kernel((16, 4), dtype=jnp.bfloat16)
     jaxpr = jax.make_jaxpr(lambda x, w: quantization.int8_dot_general(x, w, _DN))(x, w)
-    dots = _dots(jaxpr.jaxpr)
-    assert dots == [(("int8", "int8"), "int32")]
+    (dot,) = list(equations(jaxpr.jaxpr, "dot_general"))
+    assert [str(v.aval.dtype) for v in dot.invars] == ["bfloat16", "bfloat16"]
+    assert dot.params["preferred_element_type"] == jnp.float32
+    assert "int8_matmul" in str(dot.source_info.name_stack)
     assert jaxpr.out_avals[0].dtype == jnp.bfloat16
+    xq, xs = quantization._quantize_operand(x, (1,))
+    wq, ws = quantization._quantize_operand(w, (0,))
+    acc = jax.lax.dot_general(xq, wq, _DN, preferred_element_type=jnp.int32)
+    want = (acc.astype(jnp.float32) * xs * ws).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(
+        np.asarray(quantization.int8_dot_general(x, w, _DN), np.float32),
+        np.asarray(want, np.float32),
+    )
 
 
 def test_int8_dot_general_gradient_is_straight_through(maybe_jit):
@@ -280,4 +293,4 @@ def test_int8_einsum_matches_einsum():
     ref = jnp.einsum("bti,ihd->bthd", x, w)
     assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02
     jaxpr = jax.make_jaxpr(lambda x, w: quantization.int8_einsum("bti,ihd->bthd", x, w))(x, w)
-    assert [d[1] for d in _dots(jaxpr.jaxpr)] == ["int32"]
+    assert [d[1] for d in _dots(jaxpr.jaxpr)] == ["int32"]  # the int8 matmul's scope

@@ -127,13 +127,22 @@ class NNXDepth2(nnx.Module):
         return self.encoder(x)
 
 
+def int8_scoped(eqn):
+    """Whether a dot_general runs inside jmp_policy's int8 matmul (its name scope)."""
+    return "int8_matmul" in str(eqn.source_info.name_stack)
+
+
 def dot_kinds(jaxpr):
     """(operand dtypes, preferred_element_type or None) of every dot_general in a jaxpr
     (a ``jax.extend.core.Jaxpr``), sub-jaxprs included: int8 matmuls read
-    ``(("int8", "int8"), "int32")``."""
+    ``(("int8", "int8"), "int32")``, and so do jmp_policy's int8 matmuls, whose integer
+    operands ride in the compute dtype (found by their name scope)."""
     found = []
     for eqn in dot_equations(jaxpr):
         pref = eqn.params.get("preferred_element_type")
+        if int8_scoped(eqn):  # integers in the compute dtype: an int8 x int8 product
+            found.append((("int8", "int8"), "int32"))
+            continue
         found.append(
             (tuple(str(v.aval.dtype) for v in eqn.invars), None if pref is None else str(pref))
         )
