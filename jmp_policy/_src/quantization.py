@@ -102,6 +102,9 @@ class QuantizedArray:
     shape: tuple[int, ...]
     original_dtype: np.dtype
 
+    def __post_init__(self) -> None:
+        _validate(self)
+
     @property
     def ndim(self) -> int:
         """The rank of the array it stands for."""
@@ -156,6 +159,87 @@ class QuantizedArray:
         )
 
 
+def _concrete(x: Any) -> bool:
+    return isinstance(x, np.ndarray) or (
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    )
+
+
+def _validate(q: QuantizedArray) -> None:
+    """The checks of a QuantizedArray's fields: the static ones always, the arrays when
+    they are concrete (tree operations and transforms rebuild it from tracers and other
+    leaves, which are left alone)."""
+    if q.mode not in MODES:
+        raise ValueError(f"`mode` must be one of {MODES}. Received: mode={q.mode!r}")
+    block = q.block_size
+    if q.mode == "int8" and block is not None:
+        raise ValueError(f"`block_size` must be None for int8. Received: block_size={block!r}")
+    if q.mode == "int4" and (
+        isinstance(block, bool) or not isinstance(block, int) or block == 0 or block < -1
+    ):
+        raise ValueError(
+            "`block_size` must be -1 (per channel) or a positive integer for int4. "
+            f"Received: block_size={block!r}"
+        )
+    if (
+        not isinstance(q.shape, tuple)
+        or len(q.shape) < 2
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in q.shape)
+    ):
+        raise ValueError(
+            "`shape` must be a tuple of two or more non-negative ints (a kernel's shape). "
+            f"Received: shape={q.shape!r}"
+        )
+    original: np.dtype | None = None
+    if not isinstance(q.original_dtype, (jax.Array, np.ndarray, np.generic, bool, int, float)):
+        try:
+            original = np.dtype(q.original_dtype)
+        except (TypeError, ValueError):
+            original = None
+    if original is None or not dt.is_floating(original):
+        raise ValueError(
+            "`original_dtype` must be a floating dtype (the kernel's). "
+            f"Received: original_dtype={q.original_dtype!r}"
+        )
+    values, scale = q.values, q.scale
+    if _concrete(values):
+        allowed = ("int8",) if q.mode == "int8" else ("int4", "uint8")
+        if np.dtype(values.dtype).name not in allowed:
+            raise TypeError(
+                f"`values` of a {q.mode} QuantizedArray must be of dtype {' or '.join(allowed)}. "
+                f"Received: values of dtype {values.dtype}"
+            )
+        packed = np.dtype(values.dtype) == np.dtype(np.uint8)
+        want = ((q.shape[0] + 1) // 2, *q.shape[1:]) if packed else q.shape
+        if tuple(values.shape) != want:
+            raise ValueError(
+                f"`values` must have shape {want} for a kernel of shape {q.shape}. "
+                f"Received: values of shape {tuple(values.shape)}"
+            )
+    elif not hasattr(values, "shape"):
+        if isinstance(values, (str, bytes, int, float, complex, list, tuple, dict)):
+            raise TypeError(f"`values` must be an integer array. Received: values={values!r}")
+    if _concrete(scale):
+        if not dt.is_floating(np.dtype(scale.dtype)):
+            raise TypeError(
+                f"`scale` must be a floating array. Received: scale of dtype {scale.dtype}"
+            )
+        n = q.shape[-1]
+        ok = (
+            tuple(scale.shape) == (n,)
+            if q.mode == "int8"
+            else (scale.ndim == 2 and scale.shape[1] == n)
+        )
+        if not ok:
+            want_text = f"({n},)" if q.mode == "int8" else f"(blocks, {n})"
+            raise ValueError(
+                f"`scale` must have shape {want_text} for a {q.mode} kernel of shape "
+                f"{q.shape}. Received: scale of shape {tuple(scale.shape)}"
+            )
+    elif isinstance(scale, (str, bytes, int, float, complex, list, tuple, dict)):
+        raise TypeError(f"`scale` must be a floating array. Received: scale={scale!r}")
+
+
 _NOT_AN_ARRAY = (
     "A QuantizedArray is not an array: dequantize it first (`q.dequantize(dtype)`, or a "
     "policy's or map's `cast_to_compute`, which the apply wrappers run for you)."
@@ -175,8 +259,12 @@ def is_quantizable(x: Any) -> bool:
 
 
 def _abs_max_scale(x: jax.Array, axes: tuple[int, ...], qmax: float) -> jax.Array:
+    """``amax / qmax`` over ``axes`` (1 where the amax is 0); NaN where the slice holds a
+    non-finite value, so a NaN or inf in a kernel stays non-finite (its whole channel or
+    block dequantizes to NaN) instead of silently becoming a finite number."""
     amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
-    return jnp.where(amax > 0, amax / qmax, jnp.ones_like(amax))
+    scale = jnp.where(amax > 0, amax / qmax, jnp.ones_like(amax))
+    return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
 
 
 def _round(x: jax.Array, scale: jax.Array, qmax: float) -> jax.Array:
@@ -208,6 +296,8 @@ def quantize(x: Any, mode: str, block_size: int | None = None) -> QuantizedArray
             f"float. Received an array of shape {tuple(x.shape)}"
         )
     x32 = jnp.asarray(x).astype(jnp.float32)
+    if x.size == 0:  # nothing to scale: zero-size values, scales of 1
+        return _empty(tuple(x.shape), mode, block_size, np.dtype(x.dtype))
     if mode == "int8":
         scale = _abs_max_scale(x32, tuple(range(x.ndim - 1)), _INT8_MAX)
         values = _round(x32, scale, _INT8_MAX).astype(jnp.int8)
@@ -229,6 +319,22 @@ def quantize(x: Any, mode: str, block_size: int | None = None) -> QuantizedArray
     q = q.reshape(blocks * size, *x.shape[1:])[:rows]
     scale = scale.reshape(blocks, x.shape[-1])
     return QuantizedArray(q, scale, "int4", block, tuple(x.shape), np.dtype(x.dtype))
+
+
+def _empty(
+    shape: tuple[int, ...], mode: str, block_size: int | None, dtype: np.dtype
+) -> QuantizedArray:
+    if mode == "int8":
+        return QuantizedArray(
+            jnp.zeros(shape, jnp.int8), jnp.ones((shape[-1],), jnp.float32), "int8", None,
+            shape, dtype,
+        )  # fmt: skip
+    block = -1 if block_size is None else block_size
+    blocks = 1 if block == -1 or shape[0] == 0 else -(-shape[0] // block)
+    return QuantizedArray(
+        jnp.zeros(shape, jnp.int4), jnp.ones((blocks, shape[-1]), jnp.float32), "int4",
+        block, shape, dtype,
+    )  # fmt: skip
 
 
 def _blocked(x: jax.Array, size: int, blocks: int) -> jax.Array:
