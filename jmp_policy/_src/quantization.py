@@ -216,9 +216,10 @@ def _validate(q: QuantizedArray) -> None:
                 f"`values` must have shape {want} for a kernel of shape {q.shape}. "
                 f"Received: values of shape {tuple(values.shape)}"
             )
-    elif not hasattr(values, "shape"):
-        if isinstance(values, (str, bytes, int, float, complex, list, tuple, dict)):
-            raise TypeError(f"`values` must be an integer array. Received: values={values!r}")
+    elif not hasattr(values, "shape") and isinstance(
+        values, (str, bytes, int, float, complex, list, tuple, dict)
+    ):
+        raise TypeError(f"`values` must be an integer array. Received: values={values!r}")
     if _concrete(scale):
         if not dt.is_floating(np.dtype(scale.dtype)):
             raise TypeError(
