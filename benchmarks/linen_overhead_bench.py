@@ -9,7 +9,9 @@ A small Flax transformer's `value_and_grad`, compiled three ways:
 * `jp.linen.apply` with a map (a float32 head) and `NORM_FLOAT32`, a new wrapper per trace:
   its trace time against Flax's own `dtype=` model (the body is traced once, #21).
 
-For each: the compiled temp bytes (activations kept for the backward pass and scratch),
+For each: the activations kept for the backward pass (the residuals of `jax.vjp` that grow
+with the batch, read from the traced step: the same on any device, where XLA's CPU temp
+bytes keep 16-bit arithmetic in float32), the compiled temp bytes (residuals and scratch),
 output bytes, the number of `convert` ops in the optimized HLO, the step time (median of
 runs interleaved in one process) and the trace time of `value_and_grad` (`jax.make_jaxpr`,
 median of interleaved runs; for `jp.linen.apply` both a fresh wrapper, which learns the
@@ -73,8 +75,25 @@ def _loss(y: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
 
+def saved_bytes(fn: Any, *args: Any) -> int:
+    """Bytes of the residuals ``jax.vjp(fn, *args)`` keeps for the backward pass (the
+    arguments themselves aside), read from the traced function: the same on any device."""
+
+    def residuals(*args: Any) -> list[Any]:
+        _, backward = jax.vjp(fn, *args)  # a pytree whose leaves are the residuals
+        inputs = {id(a) for a in jax.tree.leaves(args)}
+        return [r for r in jax.tree.leaves(backward) if id(r) not in inputs]
+
+    return sum(r.size * r.dtype.itemsize for r in jax.eval_shape(residuals, *args))
+
+
+def activation_bytes(fn: Any, params: Any, x: jax.Array) -> int:
+    """The residuals that grow with the batch (activations, not parameter copies)."""
+    return saved_bytes(fn, params, jnp.concatenate([x, x])) - saved_bytes(fn, params, x)
+
+
 def make_variants(
-    args: argparse.Namespace, fresh: bool = False
+    args: argparse.Namespace, fresh: bool = False, grad: bool = True
 ) -> tuple[dict[str, Any], Any, jax.Array]:
     model = Transformer(args.layers, args.dim, args.heads)
     flax_model = Transformer(args.layers, args.dim, args.heads, dtype=jnp.bfloat16)
@@ -112,11 +131,14 @@ def make_variants(
         "float32 (no policy)": float32,
         MAP_ROW: jmp_policy_map,
     }
+    if not grad:
+        return variants, params, x
     return {k: jax.value_and_grad(f) for k, f in variants.items()}, params, x
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     variants, params, x = make_variants(args)
+    losses = make_variants(args, grad=False)[0]
     rows = []
     compiled = {}
     for name, fn in variants.items():
@@ -127,6 +149,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             {
                 "name": name,
                 "temp": memory.temp_size_in_bytes,
+                "activations": activation_bytes(losses[name], params, x),
                 "output": memory.output_size_in_bytes,
                 "converts": len(re.findall(r"\bconvert\(", c.as_text())),
                 "times": [],

@@ -1,5 +1,6 @@
 """benchmarks/run_all.py --quick runs every benchmark and prints one table (no timing checks)."""
 
+import os
 import pathlib
 import re
 import subprocess
@@ -17,6 +18,7 @@ def _run(script, *flags):
         text=True,
         timeout=300,
         cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's jmp_policy
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -36,6 +38,17 @@ def test_run_all_quick_prints_one_table_of_ratios():
         " 1.000x"
     )
     assert any("apply_if_finite" in line for line in rows)
+    # Against float32: the activations the step keeps, read from its trace (16-bit on any
+    # device, where XLA's CPU temp bytes are not), and timings labelled CPU on a CPU.
+    activations = next(line for line in rows if "activations kept for backward" in line)
+    assert float(activations.split()[-1].rstrip("x")) < 0.8
+    if jax.default_backend() == "cpu":
+        cells = [re.split(r"\s{2,}", line) for line in rows]
+        timed = [c[1] for c in cells if c[1].startswith("step time") and c[3] == "float32"]
+        assert timed and all(what == "step time, CPU" for what in timed), timed
+        assert lines[-1] == (
+            "No speed-up on a CPU: XLA's CPU backend upcasts 16-bit arithmetic to float32."
+        )
     int8 = next(line for line in rows if "parameter bytes, int8" in line)
     assert float(int8.split()[-1].rstrip("x")) <= 0.28  # int8 kernels + float32 biases
     # float8: every float8 convert where expected (6 per Dense: input, kernel and output

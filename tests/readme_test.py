@@ -5,21 +5,32 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
-def test_readme_python_blocks_run():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    assert len(blocks) >= 2
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def test_readme_has_python_blocks():
+    assert len(BLOCKS) >= 7
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_each_readme_python_block_runs_on_its_own(index):
+    """A reader copies one block into a fresh interpreter: its imports come with it."""
     result = subprocess.run(
-        [sys.executable, "-c", "\n".join(blocks)],
+        [sys.executable, "-c", BLOCKS[index]],
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=README.parent,
+        cwd=README.parent,  # imports this checkout's jmp_policy
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "bfloat16" in result.stdout
+    assert result.returncode == 0, BLOCKS[index][:200] + "\n" + result.stderr[-3000:]
+    assert result.stdout.strip()  # every block shows what it did
+    if index == 0:
+        assert "bfloat16" in result.stdout
 
 
 def _section(title):
@@ -62,10 +73,20 @@ def test_newcomer_section_runs_train_and_links_existing_colabs_and_benchmarks():
     links = re.findall(r"\]\(([^)]+)\)", section)
     assert any(link.startswith("colabs/") for link in links)
     assert "benchmarks/run_all.py" in links
-    missing = [link for link in links if not (README.parent / link).is_file()]
+    local = [link for link in links if not link.startswith("https://")]
+    missing = [link for link in local if not (README.parent / link).is_file()]
     assert not missing, missing
     colabs = {p.name for p in (README.parent / "colabs").glob("*.ipynb")}
     assert colabs == {pathlib.PurePath(link).name for link in links if link.startswith("colabs/")}
+    # An "Open in Colab" badge per notebook, opening that notebook from GitHub.
+    badge = "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+    for name in colabs:
+        assert re.search(
+            rf"\({re.escape(f'colabs/{name}')}\)\s+{re.escape(badge)}"
+            rf"\(https://colab\.research\.google\.com/github/[\w.-]+/[\w.-]+/blob/main/"
+            rf"colabs/{re.escape(name)}\)",
+            section,
+        ), name
 
 
 def test_peer_table_has_a_column_per_peer():

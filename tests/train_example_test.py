@@ -1,10 +1,12 @@
 """examples/train.py, the README's main command, runs and reports what it promises."""
 
 import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -19,15 +21,16 @@ def _load_script():
     return module
 
 
-def _train(tmp_path, *flags):
+def _train(tmp_path, *flags, returncode=0):
     result = subprocess.run(
         [sys.executable, str(SCRIPT), *flags],
         capture_output=True,
         text=True,
         timeout=180,
         cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's jmp_policy
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == returncode, result.stderr[-3000:]
     return result
 
 
@@ -47,8 +50,9 @@ def test_short_float16_run_prints_the_table_and_writes_the_plot(tmp_path):
     for row in [
         "final train loss",
         "test accuracy",
-        "step time (median)",
+        "step time (median",
         "activation bytes (backward)",
+        "parameter copies (backward)",
         "parameter bytes",
         "skipped steps",
         "final loss scale",
@@ -63,6 +67,69 @@ def test_short_float16_run_prints_the_table_and_writes_the_plot(tmp_path):
     assert f"written to {plot}" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "it/s" in result.stderr  # the tqdm progress bar
+
+
+def _ratio(table, row):
+    return float(next(line for line in table.splitlines() if row in line).split()[-1][:-1])
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_16_bit_policies_keep_fewer_activation_bytes_even_on_a_cpu(tmp_path, policy):
+    """The bytes are read from the traced step, not from XLA's CPU buffers (which keep
+    16-bit arithmetic in float32): 16-bit activations are smaller on every device."""
+    result = _train(tmp_path, "--steps=3", f"--policy={policy}", "--no-progress")
+    out = result.stdout
+    assert _ratio(out, "activation bytes (backward)") < 0.8
+    assert _ratio(out, "parameter bytes") == 1.0  # float32 master weights
+    if "on CPU" in out:
+        assert "step time (median, CPU)" in out
+        assert "No speed-up on a CPU: XLA's CPU backend upcasts 16-bit arithmetic" in out
+    assert (tmp_path / "train_loss.png").is_file()
+
+
+def test_saved_bytes_counts_the_residuals_not_the_arguments():
+    train = _load_script()
+    x = jnp.ones((8, 4))
+    assert train.saved_bytes(lambda x: jnp.sum(x), x) == 0  # linear: nothing kept
+    assert train.saved_bytes(lambda x: jnp.sum(jnp.sin(x)), x) == 8 * 4 * 4  # cos(x)
+    assert train.saved_bytes(lambda x: jnp.sum(jnp.sin(x.astype(jnp.bfloat16))), x) == 64
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--policy=mixed_bflaot16"],
+            "argument --policy: Cannot convert 'mixed_bflaot16' to a dtype policy. Unknown "
+            "dtype or policy name 'mixed_bflaot16'. Did you mean 'mixed_bfloat16'?",
+        ),
+        (
+            ["--policy-map={head: float32}"],
+            "argument --policy-map: not valid JSON (Expecting property name enclosed in "
+            "double quotes at character 1)",
+        ),
+        (["--policy-map=[1, 2]"], "argument --policy-map: expected a JSON object"),
+        (
+            ["--policy-map=head=float33"],
+            "argument --policy-map: Cannot interpret the assigned value for key 'head'",
+        ),
+    ],
+)
+def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path, flags, message):
+    result = _train(tmp_path, *flags, returncode=2)
+    assert "Traceback" not in result.stderr
+    error = [line for line in result.stderr.splitlines() if not line.startswith(("usage", " "))]
+    assert len(error) == 1, result.stderr
+    assert error[0].startswith(f"train.py: error: {message}"), error[0]
+    assert result.stdout == ""
+
+
+def test_a_typo_in_the_map_warns_once_at_the_scripts_line(tmp_path):
+    result = _train(tmp_path, "--steps=2", "--policy-map=haed=float32", "--no-progress")
+    warnings = [line for line in result.stderr.splitlines() if "UserWarning" in line]
+    assert len(warnings) == 1, result.stderr
+    assert warnings[0].startswith(f"{SCRIPT}:"), warnings[0]
+    assert "['haed']" in warnings[0] and "closest module paths: 'head'" in warnings[0]
 
 
 def test_float8_policy_trains_with_its_state_split_off_the_gradients(tmp_path):
@@ -97,5 +164,5 @@ def test_policy_map_option_takes_json_or_key_value_list(text, expected):
 
 def test_policy_map_option_rejects_an_item_without_a_policy():
     train = _load_script()
-    with pytest.raises(SystemExit, match="--policy-map: expected JSON or 'key=policy"):
+    with pytest.raises(ValueError, match="expected JSON or 'key=policy"):
         train.parse_policy_map("head", "mixed_bfloat16")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import float8, quantization
+from jmp_policy._src import float8, quantization, run_report
 
 JNP_EINSUM = quantization.JNP_EINSUM
 
@@ -74,14 +73,12 @@ def _float8_form(path: str, m: int, k: int, n: int, scaling: str) -> None:
         form += f"; below {FLOAT8_MIN_DIM}: bf16 may be faster"
         if (m, k, n) not in _WARNED:
             _WARNED.add((m, k, n))
-            warnings.warn(
+            run_report.warn(
                 f"The float8 layer {path or '<root>'!r} runs a {m}x{k}x{n} matmul: below "
                 f"{FLOAT8_MIN_DIM} rows or features a float8 GEMM is not expected to be "
                 "faster than bfloat16 once its quantization passes are paid (on an H100, "
                 "float8 lost at width 768 and won at 8192). Give such layers a bfloat16 "
                 "policy in the map unless you measured a gain; `explain` lists them.",
-                UserWarning,
-                stacklevel=2,
             )
     if k % 16 or n % 16:
         form += "; dims not multiples of 16: XLA pads them"

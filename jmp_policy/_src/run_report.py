@@ -7,7 +7,12 @@ warn once; ``explain`` lists what every module and variable resolved to, and why
 
 from __future__ import annotations
 
+import difflib
+import os
+import sys
 import warnings
+import weakref
+from types import FrameType
 from typing import Any
 
 import jax
@@ -15,8 +20,66 @@ import numpy as np
 
 from jmp_policy._src import numerics, quantization
 from jmp_policy._src.explain import ExplainRow, with_leaf
-from jmp_policy._src.policy_map import leaf_path, parent_path
+from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path, parent_path
 from jmp_policy._src.resolution import Resolver
+
+# The packages whose frames stand between the user's line and a warning: a warning is
+# attributed to the first frame outside them (the user's `init(...)` or `step(...)` line,
+# not `jax/_src/pjit.py`).
+_LIBRARIES = ("jmp_policy", "jax", "jaxlib", "flax")
+
+
+def _library_prefixes() -> tuple[str, ...]:
+    prefixes = []
+    for name in _LIBRARIES:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if file:  # only imported packages can have frames on the stack
+            prefixes.append(os.path.dirname(file) + os.sep)
+    return tuple(prefixes)
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the user's line: the first frame outside jmp_policy,
+    JAX and Flax (``skip_file_prefixes`` on Python 3.12+, the same walk by hand before)."""
+    prefixes = _library_prefixes()
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, stacklevel=2, skip_file_prefixes=prefixes)
+        return
+    frame: FrameType | None = sys._getframe(1)
+    level = 2  # the caller of `warn`
+    while frame is not None and frame.f_code.co_filename.startswith(prefixes):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
+
+
+# What has been said about each map: {id(map): {(model, unused keys)}}, so a typo warns once
+# per map and model whatever the number of wrappers (`init`, then a jitted `apply`) that
+# run it. An entry goes when its map does.
+_SAID: dict[int, set[tuple[str, frozenset[str]]]] = {}
+
+
+def _first_time(policy_map: DTypePolicyMap, model: str, keys: list[str]) -> bool:
+    said = _SAID.get(id(policy_map))
+    if said is None:
+        said = _SAID[id(policy_map)] = set()
+        weakref.finalize(policy_map, _SAID.pop, id(policy_map), None)
+    entry = (model, frozenset(keys))
+    if entry in said:
+        return False
+    said.add(entry)
+    return True
+
+
+def _closest(keys: list[str], paths: list[str]) -> str:
+    """``'haed' (closest module paths: 'head')`` for each key that has near paths."""
+    parts = []
+    for key in keys:
+        near = difflib.get_close_matches(key, paths, n=3, cutoff=0.5)
+        if near:
+            parts.append(f"{key!r} (closest module paths: {', '.join(map(repr, near))})")
+        else:
+            parts.append(repr(key))
+    return "; ".join(parts)
 
 
 def compute_modules(
@@ -51,8 +114,8 @@ def warn_once(
     warned: set[str],
     compute: set[str] | None = None,
 ) -> None:
-    """Warns (once per wrapper: ``warned`` holds what it has said) when a run quietly
-    turned the user's request off.
+    """Warns (once per wrapper: ``warned`` holds what it has said; a map's typos once per map
+    and model, whichever wrappers run it) when a run quietly turned the user's request off.
 
     Two cases: modules' own ``dtype`` attributes overriding the policy for most of the
     modules that carry the compute (``compute``, from :func:`compute_modules`; all modules
@@ -72,24 +135,24 @@ def warn_once(
         warned.add("dtype")
         asked = sorted({resolver.module(p).resolved.compute_dtype.name for p in counted})
         own = sorted({str(resolver.module(p).own_dtype) for p in counted})
-        warnings.warn(
+        warn(
             f"{len(counted)} of {total} modules of {model}{what} set their own `dtype` "
             f"({', '.join(own)}), which wins over the policy's compute dtype "
             f"({', '.join(asked)}): the policy does not reach them. Pass "
             '`module_dtype="override"` to let the policy win everywhere, or leave the '
             "modules' `dtype` unset.",
-            UserWarning,
-            stacklevel=4,
         )
     unused = resolver.unused_keys()
     if unused and "keys" not in warned:
         warned.add("keys")
-        warnings.warn(
+        policy_map = resolver.policy_or_map
+        if isinstance(policy_map, DTypePolicyMap) and not _first_time(policy_map, model, unused):
+            return
+        paths = [p for p in resolver.infos if p]
+        warn(
             f"Keys of the DTypePolicyMap resolve no module or variable of {model}: "
-            f"{unused}. Check them for typos; `DTypePolicyMap.unused_keys(params)` lists "
-            "them for a parameter tree.",
-            UserWarning,
-            stacklevel=4,
+            f"{unused}. Check them for typos: {_closest(unused, paths)}. "
+            "`DTypePolicyMap.unused_keys(params)` lists them for a parameter tree.",
         )
 
 
