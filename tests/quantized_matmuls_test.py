@@ -164,3 +164,32 @@ def test_int4_is_stored_as_int4_at_an_eighth_of_float32():
     q = quantized["params"]["up"]["kernel"]
     assert q.values.dtype == jnp.int4 and q.values.shape == KERNELS["up"]
     assert q.nbytes / (64 * 128 * 4) <= 0.16
+
+
+@pytest.mark.parametrize(
+    ("mode", "policy", "bound"),
+    [("int4", "float32", 1e-5), ("int8", "float32", 1e-5), ("int8", "int8_from_float32", 0.2)],
+)
+def test_gradients_flow_past_frozen_quantized_kernels(mode, policy, bound):
+    """Training biases (or adapters) over a frozen quantized base: the input and bias
+    gradients are the float ones (exactly for weight-only; int8 x int8 within what its
+    activation quantization moves them, the bound the QAT tests use); kernels get float0."""
+    model, quantized, fn = _linen(mode, policy)
+    dequantized = {"params": _dequantized(quantized["params"])}
+    reference = jp.linen.apply(model, "float32")
+    c = jax.random.normal(jax.random.key(3), (16,))
+
+    def loss(apply, variables, x):
+        return jnp.sum(apply(variables, x).astype(jnp.float32) * c)
+
+    def rel(a, b):
+        return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+    gx = jax.jit(jax.grad(lambda x: loss(fn, quantized, x)))(X_LARGE)
+    assert rel(gx, jax.grad(lambda x: loss(reference, dequantized, x))(X_LARGE)) < bound
+    grads = jax.grad(lambda v: loss(fn, v, X_LARGE), allow_int=True)(quantized)
+    kernel = grads["params"]["up"]["kernel"]
+    assert isinstance(kernel, jp.QuantizedArray)
+    assert kernel.values.dtype == jax.dtypes.float0
+    ref = jax.grad(lambda v: loss(reference, v, X_LARGE))(dequantized)
+    assert rel(grads["params"]["up"]["bias"], ref["params"]["up"]["bias"]) < bound

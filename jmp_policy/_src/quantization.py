@@ -160,9 +160,12 @@ class QuantizedArray:
 
 
 def _concrete(x: Any) -> bool:
-    return isinstance(x, np.ndarray) or (
+    """A concrete array, not a tracer, and not ``float0`` (the cotangent of integer values
+    that ``jax.grad(..., allow_int=True)`` builds a QuantizedArray of)."""
+    concrete = isinstance(x, np.ndarray) or (
         isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
     )
+    return concrete and np.dtype(x.dtype) != np.dtype(jax.dtypes.float0)
 
 
 def _validate(q: QuantizedArray) -> None:
