@@ -42,7 +42,7 @@ DOCUMENTED = [
 ]
 
 FLAX_MODULES = {
-    "linen": ["apply", "init", "explain", "diagnose", "NORM_FLOAT32"],
+    "linen": ["apply", "init", "explain", "diagnose", "NORM_FLOAT32", "quantize"],
     "nnx": [
         "apply",
         "explain",
@@ -51,6 +51,7 @@ FLAX_MODULES = {
         "init_float8",
         "split_gradients",
         "Float8State",
+        "quantize",
     ],
 }
 

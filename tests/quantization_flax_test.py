@@ -292,3 +292,139 @@ def test_transformer_lm_trained_with_int8_mlps_ends_near_the_bf16_loss():
     np.testing.assert_allclose(np.asarray(losses_int8[::20]), np.asarray(losses_bf16[::20]), 0.05)
     assert trained["block_0"]["up"]["kernel"].dtype == jnp.float32
     assert _rel(trained["block_0"]["up"]["kernel"], params["block_0"]["up"]["kernel"]) > 0.01
+
+
+# -- stacked layers: nn.scan / nnx.scan stacks quantized per layer (issue 21 item 3) -------
+
+DEPTH, WIDTH = 3, 64
+NORMS = 10.0 ** np.arange(DEPTH, dtype=np.float32)  # layers of different norms
+XS = jax.random.normal(jax.random.key(2), (16, WIDTH))
+
+
+class ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.Dense(WIDTH)(x), None  # linear: errors add up, no saturation
+
+
+class ScanStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        layers = nn.scan(
+            ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=DEPTH
+        )
+        x, _ = layers(name="layers")(x, None)
+        return nn.DenseGeneral((4, 2), name="head")(x)  # [in, 4, 2]: not a stack
+
+
+class NnxStack(nnx.Module):
+    def __init__(self, rngs, vmap_call=False):
+        @nnx.split_rngs(splits=DEPTH)
+        @nnx.vmap
+        def make(rngs):
+            return nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+        self.layers = make(rngs)
+        self.head = nnx.LinearGeneral(WIDTH, (4, 2), rngs=rngs)
+        self.vmap_call = vmap_call
+
+    def __call__(self, x):
+        if self.vmap_call:  # every layer on the same input (nnx.vmap over the stack)
+            ys = nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None))(self.layers, x)
+            # Each layer's output normalized (an RMS norm per branch), then summed.
+            ys = ys / jnp.sqrt(jnp.mean(ys**2, axis=-1, keepdims=True) + 1e-6)
+            return self.head(ys.sum(0))
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, layer):
+            return layer(x)
+
+        return self.head(body(x, self.layers))
+
+
+def _linen_stack():
+    model = ScanStack()
+    variables = model.init(jax.random.key(0), XS)
+    kernel = variables["params"]["layers"]["Dense_0"]["kernel"]
+    variables["params"]["layers"]["Dense_0"]["kernel"] = kernel * NORMS[:, None, None]
+    return model, variables
+
+
+def _nnx_stack(vmap_call=False):
+    model = NnxStack(nnx.Rngs(0), vmap_call)
+    model.layers.kernel.set_value(model.layers.kernel.get_value() * NORMS[:, None, None])
+    return model
+
+
+def _assert_per_layer(q, kernel, mode, block):
+    assert isinstance(q, jp.QuantizedArray) and q.stacked == 1
+    for i in range(DEPTH):
+        alone = jp.get(f"{mode}_from_float32").quantize(kernel[i])
+        assert alone.block_size == q.block_size
+        np.testing.assert_array_equal(q.scale[i], alone.scale)
+        np.testing.assert_array_equal(q.values[i], alone.values)
+    if mode.startswith("int4"):  # blocks along each layer's input axis, not the layer axis
+        assert q.scale.shape == (DEPTH, WIDTH // block, WIDTH)
+
+
+@pytest.mark.parametrize(("mode", "block"), [("int8", None), ("int4/16", 16)])
+def test_linen_scan_stack_is_quantized_per_layer_and_runs(mode, block):
+    model, variables = _linen_stack()
+    ref = model.apply(variables, XS)
+    policy = f"{mode}_from_float32"
+    q = jp.linen.quantize(model, policy, variables, XS)
+    kernel = variables["params"]["layers"]["Dense_0"]["kernel"]
+    _assert_per_layer(q["params"]["layers"]["Dense_0"]["kernel"], kernel, mode, block)
+    assert q["params"]["layers"]["Dense_0"]["bias"].dtype == jnp.float32  # stacked bias
+    head = q["params"]["head"]["kernel"]
+    assert head.stacked == 0 and head.shape == (WIDTH, 4, 2)  # DenseGeneral: not a stack
+    # Runs through the wrapper (the stack dequantized ahead of nn.scan), under jit too.
+    out = jax.jit(jp.linen.apply(model, policy))(q, XS)
+    shared = jp.get(policy).quantize(variables["params"])  # one scale across the layers
+    out_shared = jax.jit(jp.linen.apply(model, policy))({"params": shared}, XS)
+    err, err_shared = _rel(out, ref), _rel(out_shared, ref)
+    assert 0 < err * 5 < err_shared, (err, err_shared)
+    # The same with a map, and with stacked_axes given by hand.
+    qmap = jp.DTypePolicyMap("float32", {"layers/.*": policy})
+    by_map = jp.linen.quantize(model, qmap, variables, XS)["params"]
+    assert by_map["layers"]["Dense_0"]["kernel"].stacked == 1
+    assert by_map["head"]["kernel"].dtype == jnp.float32
+    by_hand = qmap.quantize(variables["params"], stacked_axes={"layers/.*": 1})
+    hand, found = by_hand["layers"]["Dense_0"]["kernel"], by_map["layers"]["Dense_0"]["kernel"]
+    assert hand.stacked == found.stacked == 1
+    np.testing.assert_array_equal(hand.scale, found.scale)
+
+
+@pytest.mark.parametrize("vmap_call", [False, True])
+@pytest.mark.parametrize(("mode", "block"), [("int8", None), ("int4/16", 16)])
+def test_nnx_scan_and_vmap_stacks_are_quantized_per_layer_and_run(mode, block, vmap_call):
+    model = _nnx_stack(vmap_call)
+    ref = model(XS)
+    policy = f"{mode}_from_float32"
+    q = jp.nnx.quantize(model, policy)
+    assert not isinstance(model.layers.kernel.get_value(), jp.QuantizedArray)  # a copy
+    _assert_per_layer(q.layers.kernel.get_value(), model.layers.kernel.get_value(), mode, block)
+    assert q.layers.bias.get_value().dtype == jnp.float32
+    assert q.head.kernel.get_value().stacked == 0
+    out = nnx.jit(lambda m, x: jp.nnx.apply(m, policy)(x))(q, XS)
+    # The shared-scale layout, as `map.quantize(nnx.state(...))` makes it without
+    # stacked_axes: it runs too (dequantized ahead of the stack), with a worse error.
+    shared = nnx.clone(model)
+    nnx.update(shared, jp.get(policy).quantize(nnx.state(shared, nnx.Param)))
+    out_shared = jp.nnx.apply(shared, policy)(XS)
+    err, err_shared = _rel(out, ref), _rel(out_shared, ref)
+    assert 0 < err * 5 < err_shared, (err, err_shared)
+
+
+def test_quantize_helpers_reject_bad_arguments():
+    with pytest.raises(TypeError, match=r"`model` must be an `nnx.Module`"):
+        jp.nnx.quantize({"a": 1}, INT8)
+    with pytest.raises(ValueError, match=r"does not quantize"):
+        jp.nnx.quantize(_nnx_stack(), "float32")
+    model, variables = _linen_stack()
+    with pytest.raises(TypeError, match=r"`module` must be a flax.linen Module"):
+        jp.linen.quantize("model", INT8, variables, XS)
+    with pytest.raises(ValueError, match=r"no 'params'.*\['batch_stats'\]"):
+        jp.linen.quantize(model, INT8, {"batch_stats": {}}, XS)
+    with pytest.raises(TypeError, match=r"`variables` must be a mapping"):
+        jp.linen.quantize(model, INT8, [1], XS)

@@ -224,6 +224,112 @@ def test_quantize_rejects_bad_arguments_of_the_core_function():
         quantization.quantize(jnp.ones((2, 2)), "int2")
 
 
+# -- stacked layers (issue 21 item 3) -----------------------------------------------------
+
+
+def _stack(depth=3, shape=(64, 16), seed=0):
+    """A [depth, in, out] stack whose layers' norms differ by 10x each."""
+    norms = 10.0 ** jnp.arange(depth, dtype=jnp.float32)
+    return _kernel((depth, *shape), seed) * norms.reshape(-1, *([1] * len(shape)))
+
+
+@pytest.mark.parametrize(("mode", "block"), [("int8", None), ("int4", 16), ("int4", -1)])
+def test_stacked_kernel_is_quantized_per_layer_as_each_layer_alone(mode, block, maybe_jit):
+    x = _stack()
+    q = maybe_jit(lambda x: quantization.quantize(x, mode, block, 1))(x)
+    assert q.stacked == 1 and q.shape == x.shape
+    blocks = () if mode == "int8" else (1 if block == -1 else 64 // block,)
+    assert q.scale.shape == (3, *blocks, 16)
+    real = maybe_jit(lambda q: q.dequantize())(q)
+    for i in range(3):
+        alone = quantization.quantize(x[i], mode, block)
+        np.testing.assert_array_equal(q.scale[i], alone.scale)
+        np.testing.assert_array_equal(q.values[i], alone.values)
+        np.testing.assert_array_equal(real[i], alone.dequantize())
+
+
+def test_int4_blocks_of_a_stack_are_cut_along_each_layers_input_axis():
+    # Two layers of 8 rows, blocks of 4: each layer has its own 2 blocks. A block cut along
+    # the layer axis (the unstacked layout) would mix layer 0's rows with layer 1's.
+    x = jnp.concatenate([jnp.full((1, 8, 2), 0.01), jnp.full((1, 8, 2), 100.0)])
+    x = x.at[0, :4].set(0.001)
+    q = quantization.quantize(x, "int4", 4, 1)
+    assert q.scale.shape == (2, 2, 2)
+    np.testing.assert_allclose(q.scale[:, :, 0], [[0.001 / 7, 0.01 / 7], [100 / 7, 100 / 7]])
+    np.testing.assert_allclose(q.dequantize(), x, rtol=1e-6)  # every block is constant
+    flat = quantization.quantize(x, "int4", 4)  # the shared layout: blocks of layers
+    assert flat.scale.shape == (1, 2)
+
+
+def test_stacked_layers_of_different_norms_keep_their_precision():
+    x = _stack()
+    for mode, block in (("int8", None), ("int4", 16)):
+        shared = quantization.quantize(x, mode, block).dequantize()
+        per_layer = quantization.quantize(x, mode, block, 1).dequantize()
+        err_shared = float(jnp.linalg.norm(shared[0] - x[0]) / jnp.linalg.norm(x[0]))
+        err_layer = float(jnp.linalg.norm(per_layer[0] - x[0]) / jnp.linalg.norm(x[0]))
+        assert err_layer * 5 < err_shared, (mode, err_layer, err_shared)
+
+
+def test_stacked_axes_of_policy_and_map_quantize():
+    params = {
+        "layers": {"kernel": _stack(), "bias": jnp.ones((3, 16))},
+        "attn": {"kernel": _kernel((32, 4, 8))},  # DenseGeneral [in, heads, dim]: not stacked
+    }
+    policy = jp.get("int4/16_from_float32")
+    q = policy.quantize(params, stacked_axes={"layers/.*": 1})
+    assert q["layers"]["kernel"].stacked == 1 and q["layers"]["kernel"].scale.shape == (3, 4, 16)
+    assert q["layers"]["bias"] is params["layers"]["bias"]  # a stacked bias stays float
+    assert q["attn"]["kernel"].stacked == 0 and q["attn"]["kernel"].scale.shape == (2, 8)
+    assert policy.quantize(params)["layers"]["kernel"].stacked == 0  # the default
+    every = policy.quantize(params, stacked_axes=1)
+    assert every["attn"]["kernel"].stacked == 1 and every["attn"]["kernel"].scale.shape == (
+        32,
+        1,
+        8,
+    )
+    m = jp.DTypePolicyMap("float32", {"layers": "int8_from_float32"})
+    qm = m.quantize(params, stacked_axes={"layers/kernel": 1})
+    assert qm["layers"]["kernel"].scale.shape == (3, 16)
+    # A path the mapping does not name has no stacked axes: the rank-2 bias is quantized.
+    assert isinstance(qm["layers"]["bias"], jp.QuantizedArray)
+    assert m.quantize(params, stacked_axes={"layers/.*": 1})["layers"]["bias"].dtype == jnp.float32
+    np.testing.assert_array_equal(
+        m.cast_to_compute(qm)["layers"]["kernel"][2],
+        quantization.quantize(params["layers"]["kernel"][2], "int8").dequantize(),
+    )
+
+
+def test_stacked_axes_bad_values_are_errors_naming_the_argument():
+    policy = jp.get("int8_from_float32")
+    for bad, error in (
+        (-1, ValueError), (True, TypeError), ("1", TypeError), ({"a": -2}, ValueError),
+        ({"a": 1.5}, ValueError), ({3: 1}, TypeError), ({"(": 1}, ValueError),
+    ):  # fmt: skip
+        with pytest.raises(error, match=r"`stacked_axes`") as info:
+            policy.quantize({"a": jnp.ones((2, 2, 2))}, stacked_axes=bad)
+        assert repr(bad) in str(info.value) or "'('" in str(info.value)
+    with pytest.raises(ValueError, match=r"rank >= 3.*\(2, 2\).*stacked=1"):
+        quantization.quantize(jnp.ones((2, 2)), "int8", None, 1)
+    with pytest.raises(ValueError, match=r"`stacked` must be a non-negative int.*stacked=-1"):
+        quantization.quantize(jnp.ones((2, 2)), "int8", None, -1)
+
+
+def test_stacked_quantized_array_checks_its_scale_and_keeps_old_fields_working():
+    q = quantization.quantize(_stack(), "int8", None, 1)
+    with pytest.raises(ValueError, match=r"`scale` must have shape \(3, 16\)"):
+        jp.QuantizedArray(q.values, q.scale[0], "int8", None, q.shape, np.dtype("float32"), 1)
+    with pytest.raises(ValueError, match=r"`stacked` must be.*stacked='1'"):
+        jp.QuantizedArray(q.values, q.scale, "int8", None, q.shape, np.dtype("float32"), "1")
+    # Six positional fields (the earlier layout) still build an unstacked kernel.
+    flat = jp.QuantizedArray(q.values[0], q.scale[0], "int8", None, (64, 16), np.dtype("float32"))
+    assert flat.stacked == 0
+    again = pickle.loads(pickle.dumps(q))
+    assert again.stacked == 1 and again.scale.shape == (3, 16)
+    assert jax.tree.map(lambda a: a, q).stacked == 1
+    assert "stacked=1" in repr(q) and "stacked" not in repr(flat)
+
+
 # -- the int8 matmul ----------------------------------------------------------------------
 
 _DN = (((1,), (0,)), ((), ()))

@@ -235,7 +235,7 @@ class DTypePolicy:
             return tree
         return casting.cast_tree(tree, self._output_dtype)
 
-    def quantize(self, tree: T) -> T:
+    def quantize(self, tree: T, *, stacked_axes: Any = None) -> T:
         """Quantizes ``tree``'s kernels; only int8 and int4 policies do (see
         :meth:`QuantizedDTypePolicy.quantize <jmp_policy.QuantizedDTypePolicy.quantize>`).
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -52,7 +54,7 @@ MODES = ("int8", "int4")
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["values", "scale"],
-    meta_fields=["mode", "block_size", "shape", "original_dtype"],
+    meta_fields=["mode", "block_size", "shape", "original_dtype", "stacked"],
 )
 @dataclasses.dataclass(frozen=True)
 class QuantizedArray:
@@ -76,6 +78,11 @@ class QuantizedArray:
         block_size: int4's rows per block (``-1``: per channel); ``None`` for int8.
         shape: the shape of the array it stands for.
         original_dtype: the dtype of the array it was quantized from.
+        stacked: how many leading axes of ``shape`` are stacked layers (an ``nn.scan``,
+            ``nnx.scan`` or vmapped layer stack, ``[depth, in, out]``): each layer is
+            quantized on its own, its scales carry the leading axes (int8 ``(*lead,
+            n)``, int4 ``(*lead, blocks, n)``) and int4 blocks are cut along the layer's
+            own input axis. ``0`` (the default): one kernel.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -101,6 +108,7 @@ class QuantizedArray:
     block_size: int | None
     shape: tuple[int, ...]
     original_dtype: np.dtype
+    stacked: int = 0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -139,10 +147,18 @@ class QuantizedArray:
         """
         dtype = self.original_dtype if dtype is None else dtype
         scale = jnp.asarray(self.scale, jnp.float32)
+        lead, layer = self.shape[: self.stacked], self.shape[self.stacked :]
         if self.mode == "int8":
+            scale = scale.reshape(*lead, *([1] * (len(layer) - 1)), layer[-1])
             real = jnp.asarray(self.values).astype(jnp.float32) * scale
         else:
-            real = _int4_dequantize(self.values, scale, self.block_size, self.shape)
+
+            def one(values: jax.Array, s: jax.Array) -> jax.Array:
+                return _int4_dequantize(values, s, self.block_size, layer)
+
+            for _ in range(self.stacked):  # each stacked layer on its own
+                one = jax.vmap(one)
+            real = one(self.values, scale)
         return real.astype(dtype)
 
     def __jax_array__(self) -> jax.Array:
@@ -153,9 +169,10 @@ class QuantizedArray:
 
     def __repr__(self) -> str:
         block = "" if self.block_size is None else f"/{self.block_size}"
+        stacked = f", stacked={self.stacked}" if self.stacked else ""
         return (
             f"QuantizedArray({self.mode}{block}, shape={self.shape}, "
-            f"original_dtype={np.dtype(self.original_dtype).name})"
+            f"original_dtype={np.dtype(self.original_dtype).name}{stacked})"
         )
 
 
@@ -184,14 +201,20 @@ def _validate(q: QuantizedArray) -> None:
             "`block_size` must be -1 (per channel) or a positive integer for int4. "
             f"Received: block_size={block!r}"
         )
+    k = q.stacked
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(
+            "`stacked` must be a non-negative int (the number of leading stacked-layer "
+            f"axes). Received: stacked={k!r}"
+        )
     if (
         not isinstance(q.shape, tuple)
-        or len(q.shape) < 2
+        or len(q.shape) < 2 + k
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in q.shape)
     ):
         raise ValueError(
-            "`shape` must be a tuple of two or more non-negative ints (a kernel's shape). "
-            f"Received: shape={q.shape!r}"
+            f"`shape` must be a tuple of {2 + k} or more non-negative ints (a kernel's shape, "
+            f"after its {k} stacked axes). Received: shape={q.shape!r}, stacked={k!r}"
         )
     original: np.dtype | None = None
     if not isinstance(q.original_dtype, (jax.Array, np.ndarray, np.generic, bool, int, float)):
@@ -213,11 +236,17 @@ def _validate(q: QuantizedArray) -> None:
                 f"Received: values of dtype {values.dtype}"
             )
         packed = np.dtype(values.dtype) == np.dtype(np.uint8)
+        if packed and k:
+            raise TypeError(
+                "`values` of a stacked int4 QuantizedArray must be of dtype int4 (the packed "
+                f"uint8 layout of earlier versions has no stacked form). Received: stacked={k!r} "
+                "and values of dtype uint8"
+            )
         want = ((q.shape[0] + 1) // 2, *q.shape[1:]) if packed else q.shape
         if tuple(values.shape) != want:
             raise ValueError(
-                f"`values` must have shape {want} for a kernel of shape {q.shape}. "
-                f"Received: values of shape {tuple(values.shape)}"
+                f"`values` must have shape {want} for a kernel of `shape` {q.shape}. "
+                f"Received: values of shape {tuple(values.shape)} and shape={q.shape!r}"
             )
     elif not hasattr(values, "shape") and isinstance(
         values, (str, bytes, int, float, complex, list, tuple, dict)
@@ -229,16 +258,19 @@ def _validate(q: QuantizedArray) -> None:
                 f"`scale` must be a floating array. Received: scale of dtype {scale.dtype}"
             )
         n = q.shape[-1]
+        lead = q.shape[:k]
         ok = (
-            tuple(scale.shape) == (n,)
+            tuple(scale.shape) == (*lead, n)
             if q.mode == "int8"
-            else (scale.ndim == 2 and scale.shape[1] == n)
+            else (scale.ndim == k + 2 and tuple(scale.shape[:k]) == lead and scale.shape[-1] == n)
         )
         if not ok:
-            want_text = f"({n},)" if q.mode == "int8" else f"(blocks, {n})"
+            prefix = "".join(f"{d}, " for d in lead)
+            want_text = f"({prefix}{n})" if q.mode == "int8" else f"({prefix}blocks, {n})"
             raise ValueError(
-                f"`scale` must have shape {want_text} for a {q.mode} kernel of shape "
-                f"{q.shape}. Received: scale of shape {tuple(scale.shape)}"
+                f"`scale` must have shape {want_text} for a {q.mode} kernel of `shape` "
+                f"{q.shape}. Received: scale of shape {tuple(scale.shape)} and "
+                f"shape={q.shape!r}"
             )
     elif isinstance(scale, (str, bytes, int, float, complex, list, tuple, dict)):
         raise TypeError(f"`scale` must be a floating array. Received: scale={scale!r}")
@@ -275,16 +307,20 @@ def _round(x: jax.Array, scale: jax.Array, qmax: float) -> jax.Array:
     return jnp.clip(jnp.round(x / scale), -qmax, qmax)
 
 
-def quantize(x: Any, mode: str, block_size: int | None = None) -> QuantizedArray:
+def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0) -> QuantizedArray:
     """Quantizes one floating array of rank >= 2 (see the module docstring).
 
     Args:
-        x: a floating array of rank >= 2.
+        x: a floating array of rank >= 2 (``stacked`` + 2 with stacked axes).
         mode: ``"int8"`` or ``"int4"``.
-        block_size: int4's rows per block along axis 0 (``-1`` or ``None``: per channel).
+        block_size: int4's rows per block along the layer's input axis (axis ``stacked``;
+            ``-1`` or ``None``: per channel).
+        stacked: the number of leading axes that stack layers (``[depth, in, out]``:
+            1); each layer is quantized on its own.
 
     Raises:
-        ValueError: another mode, a bad block size, or an array of rank < 2.
+        ValueError: another mode, a bad block size or ``stacked``, or an array whose
+            layers have rank < 2.
         TypeError: ``x`` is not a floating array.
     """
     if mode not in MODES:
@@ -299,45 +335,65 @@ def quantize(x: Any, mode: str, block_size: int | None = None) -> QuantizedArray
             "Only arrays of rank >= 2 (kernels) are quantized; biases and norm scales stay "
             f"float. Received an array of shape {tuple(x.shape)}"
         )
-    x32 = jnp.asarray(x).astype(jnp.float32)
-    if x.size == 0:  # nothing to scale: zero-size values, scales of 1
-        return _empty(tuple(x.shape), mode, block_size, np.dtype(x.dtype))
-    if mode == "int8":
-        scale = _abs_max_scale(x32, tuple(range(x.ndim - 1)), _INT8_MAX)
-        values = _round(x32, scale, _INT8_MAX).astype(jnp.int8)
-        return QuantizedArray(
-            values, scale.reshape(-1), "int8", None, tuple(x.shape), np.dtype(x.dtype)
-        )
-    block = -1 if block_size is None else block_size
-    if isinstance(block, bool) or not isinstance(block, int) or block == 0 or block < -1:
+    if isinstance(stacked, bool) or not isinstance(stacked, int) or stacked < 0:
         raise ValueError(
-            "`block_size` must be -1 (per channel) or a positive integer. "
-            f"Received: block_size={block_size!r}"
+            "`stacked` must be a non-negative int (the number of leading stacked-layer "
+            f"axes). Received: stacked={stacked!r}"
         )
-    rows = x.shape[0]
-    size = rows if block == -1 else block
+    if x.ndim - stacked < 2:
+        raise ValueError(
+            "Each stacked layer must be of rank >= 2 (a kernel): with `stacked` leading "
+            f"axes the array needs rank >= {stacked + 2}. Received: an array of shape "
+            f"{tuple(x.shape)} and stacked={stacked!r}"
+        )
+    block: int | None = None
+    if mode == "int4":
+        block = -1 if block_size is None else block_size
+        if isinstance(block, bool) or not isinstance(block, int) or block == 0 or block < -1:
+            raise ValueError(
+                "`block_size` must be -1 (per channel) or a positive integer. "
+                f"Received: block_size={block_size!r}"
+            )
+    x32 = jnp.asarray(x).astype(jnp.float32)
+    shape, dtype = tuple(x.shape), np.dtype(x.dtype)
+    if x.size == 0:  # nothing to scale: zero-size values, scales of 1
+        return _empty(shape, mode, block, dtype, stacked)
+    one = functools.partial(_quantize_layer, mode=mode, block=block)
+    for _ in range(stacked):  # each stacked layer on its own
+        one = jax.vmap(one)
+    values, scale = one(x32)
+    return QuantizedArray(values, scale, mode, block, shape, dtype, stacked)
+
+
+def _quantize_layer(x32: jax.Array, mode: str, block: int | None) -> tuple[jax.Array, jax.Array]:
+    """The values and scale of one (unstacked) float32 kernel."""
+    if mode == "int8":
+        scale = _abs_max_scale(x32, tuple(range(x32.ndim - 1)), _INT8_MAX)
+        return _round(x32, scale, _INT8_MAX).astype(jnp.int8), scale.reshape(-1)
+    rows = x32.shape[0]
+    size = rows if block == -1 else int(block)  # type: ignore[arg-type]
     blocks = -(-rows // size)
     xb = _blocked(x32, size, blocks)  # (blocks, size, ..., n)
     scale = _abs_max_scale(xb, tuple(range(1, xb.ndim - 1)), _INT4_MAX)
     q = _round(xb, scale, _INT4_MAX).astype(jnp.int4)
-    q = q.reshape(blocks * size, *x.shape[1:])[:rows]
-    scale = scale.reshape(blocks, x.shape[-1])
-    return QuantizedArray(q, scale, "int4", block, tuple(x.shape), np.dtype(x.dtype))
+    q = q.reshape(blocks * size, *x32.shape[1:])[:rows]
+    return q, scale.reshape(blocks, x32.shape[-1])
 
 
 def _empty(
-    shape: tuple[int, ...], mode: str, block_size: int | None, dtype: np.dtype
+    shape: tuple[int, ...], mode: str, block: int | None, dtype: np.dtype, stacked: int = 0
 ) -> QuantizedArray:
+    lead = shape[:stacked]
     if mode == "int8":
         return QuantizedArray(
-            jnp.zeros(shape, jnp.int8), jnp.ones((shape[-1],), jnp.float32), "int8", None,
-            shape, dtype,
+            jnp.zeros(shape, jnp.int8), jnp.ones((*lead, shape[-1]), jnp.float32), "int8",
+            None, shape, dtype, stacked,
         )  # fmt: skip
-    block = -1 if block_size is None else block_size
-    blocks = 1 if block == -1 or shape[0] == 0 else -(-shape[0] // block)
+    rows = shape[stacked]
+    blocks = 1 if block == -1 or rows == 0 else -(-rows // int(block))  # type: ignore[arg-type]
     return QuantizedArray(
-        jnp.zeros(shape, jnp.int4), jnp.ones((blocks, shape[-1]), jnp.float32), "int4",
-        block, shape, dtype,
+        jnp.zeros(shape, jnp.int4), jnp.ones((*lead, blocks, shape[-1]), jnp.float32), "int4",
+        block, shape, dtype, stacked,
     )  # fmt: skip
 
 
@@ -383,13 +439,75 @@ def _int4_dequantize(
     return (qb * scale).reshape(blocks * size, *shape[1:])[:rows]
 
 
-def quantize_tree(tree: Any, mode: str, block_size: int | None) -> Any:
-    """Every quantizable leaf of ``tree`` quantized; others (and QuantizedArrays) kept."""
+def stacked_axes_of(stacked_axes: Any) -> Callable[[str], int]:
+    """``stacked_axes`` (``None``, an int, or a mapping from path regex to int, the first
+    key that fully matches a leaf's path wins) as a function of a leaf's path.
 
-    def leaf(x: Any) -> Any:
-        return quantize(x, mode, block_size) if is_quantizable(x) else x
+    Raises:
+        TypeError: ``stacked_axes`` is none of those, or a key is not a string.
+        ValueError: a count is not a non-negative int, or a key is not a valid regex.
+    """
 
-    return jax.tree.map(leaf, tree, is_leaf=is_quantized)
+    def count(n: Any, where: str) -> int:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(
+                "`stacked_axes` must give a non-negative int (the number of leading "
+                f"stacked-layer axes of a kernel). Received: {where}"
+            )
+        return int(n)
+
+    if stacked_axes is None:
+        return lambda path: 0
+    if isinstance(stacked_axes, (int, np.integer)) and not isinstance(stacked_axes, bool):
+        n = count(stacked_axes, f"stacked_axes={stacked_axes!r}")
+        return lambda path: n
+    if not isinstance(stacked_axes, Mapping):
+        raise TypeError(
+            "`stacked_axes` must be None, an int, or a mapping from path regular expression "
+            f"to int (such as {{'layers/.*': 1}}). Received: stacked_axes={stacked_axes!r}"
+        )
+    rules = []
+    for key, n in stacked_axes.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                "The keys of `stacked_axes` must be path regular expressions (strings). "
+                f"Received: key {key!r} in stacked_axes={stacked_axes!r}"
+            )
+        try:
+            pattern = re.compile(key)
+        except re.error as e:
+            raise ValueError(
+                f"The key {key!r} of `stacked_axes` is not a valid regular expression ({e})"
+            ) from None
+        rules.append((pattern, count(n, f"{n!r} for {key!r} in stacked_axes={stacked_axes!r}")))
+
+    def of(path: str) -> int:
+        for pattern, n in rules:
+            if pattern.fullmatch(path):
+                return n
+        return 0
+
+    return of
+
+
+def quantizable_layers(x: Any, stacked: int) -> bool:
+    """A quantizable array whose layers (after ``stacked`` leading axes) have rank >= 2:
+    a stacked bias ``[depth, n]`` stays float."""
+    return is_quantizable(x) and x.ndim - stacked >= 2
+
+
+def quantize_tree(tree: Any, mode: str, block_size: int | None, stacked_axes: Any = None) -> Any:
+    """Every quantizable leaf of ``tree`` quantized, with the leading stacked axes that
+    ``stacked_axes`` gives its path; others (and QuantizedArrays) kept."""
+    from jmp_policy._src.policy_map._trees import map_leaves  # a cycle at import time
+
+    stacked_of = stacked_axes_of(stacked_axes)
+
+    def leaf(module: str, name: str, x: Any) -> Any:
+        k = stacked_of(f"{module}/{name}" if module else name)
+        return quantize(x, mode, block_size, k) if quantizable_layers(x, k) else x
+
+    return map_leaves(tree, leaf)
 
 
 def dequantize_leaf(x: Any, dtype: Any) -> Any:
@@ -570,7 +688,7 @@ def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> 
     ``"int4 blocks"`` or ``"dequantized"`` (a layout no fast form covers)."""
     (lc, rc), (lb, rb) = _normalize(dims)
     last_free = q.ndim - 1 not in rc and q.ndim - 1 not in rb
-    if q.packed or lb or rb or not last_free:
+    if q.packed or q.stacked or lb or rb or not last_free:
         return "dequantized"
     if int8_compute and q.mode == "int8" and rows >= INT8_GEMM_MIN_ROWS:
         return "int8 x int8"
@@ -636,7 +754,7 @@ def quantized_kernel_dot_general(
                     f"{shape}: run the model through jmp_policy's apply wrappers, which "
                     "pass quantized kernels whole."
                 )
-            if not _per_channel(q):
+            if q.stacked or not _per_channel(q):
                 if record is not None:
                     record("dequantized")
                 w = q.dequantize(compute).reshape(shape)

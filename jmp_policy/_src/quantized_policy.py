@@ -137,18 +137,36 @@ class QuantizedDTypePolicy(DTypePolicy):
         """The float policy the dtypes come from."""
         return DTypePolicy(self._source_name)
 
-    def quantize(self, tree: T) -> T:
+    def quantize(self, tree: T, *, stacked_axes: Any = None) -> T:
         """Every floating leaf of rank >= 2 of ``tree`` as a :class:`~jmp_policy.QuantizedArray`.
 
         Symmetric abs-max: int8 with one scale per index of the last axis; int4 in blocks
         of :attr:`block_size` rows along axis 0 (``-1``: per channel; a block size that
-        does not divide axis 0 leaves the last block shorter), values packed two per
-        byte. Biases, norm scales and other rank-1 leaves, non-floating leaves and leaves
-        already quantized are returned as they are. Works under ``jit``.
+        does not divide axis 0 leaves the last block shorter), values stored as
+        ``jnp.int4``. Biases, norm scales and other rank-1 leaves, non-floating leaves and
+        leaves already quantized are returned as they are. Works under ``jit``.
+
+        **Stacked layers.** A tree cannot tell a layer stack's kernel (``nn.scan``,
+        ``nnx.scan`` or vmapped layers: ``[depth, in, out]``) from a kernel with several
+        axes (``DenseGeneral``'s ``[in, heads, dim]``): ``stacked_axes`` says how many
+        leading axes stack layers, and each layer is then quantized on its own (its own
+        scales, int4 blocks along its own input axis; see
+        :class:`~jmp_policy.QuantizedArray`'s ``stacked``). A leaf whose layers are of
+        rank < 2 (a stacked bias ``[depth, n]``) stays float. ``jmp_policy.linen.quantize``
+        and ``jmp_policy.nnx.quantize`` find the stacked axes from the model.
+
+        Args:
+            tree: a pytree of parameters.
+            stacked_axes: ``None`` (no stacked axes), an int for every leaf, or a mapping
+                from path regular expression (``"layers/.*"``, matched against the whole
+                ``"/"``-joined path of a leaf; the first key that matches wins, no match
+                is 0) to an int.
 
         Raises:
             ValueError: a float8 policy (float8 scales at compute time and stores no
-                quantized weights).
+                quantized weights), or a ``stacked_axes`` count that is not a
+                non-negative int.
+            TypeError: ``stacked_axes`` is not None, an int or a mapping of strings.
 
         Examples:
             >>> import jax.numpy as jnp
@@ -159,6 +177,10 @@ class QuantizedDTypePolicy(DTypePolicy):
             QuantizedArray(int4/128, shape=(256, 8), original_dtype=float32)
             >>> q["kernel"].values.dtype, q["kernel"].scale.shape
             (dtype(int4), (2, 8))
+            >>> stack = {"layers": {"kernel": jnp.ones((4, 256, 8)), "bias": jnp.ones((4, 8))}}
+            >>> q = jp.get("int4/128_from_float32").quantize(stack, stacked_axes={"layers/.*": 1})
+            >>> q["layers"]["kernel"].scale.shape, q["layers"]["bias"].dtype   # per layer
+            ((4, 2, 8), dtype('float32'))
         """
         if self._quantization_mode not in quantization.MODES:
             raise ValueError(
@@ -166,7 +188,7 @@ class QuantizedDTypePolicy(DTypePolicy):
                 "inputs and kernels at compute time. Only int8 and int4 policies quantize."
             )
         return quantization.quantize_tree(  # type: ignore[no-any-return]
-            tree, self._quantization_mode, self._block_size
+            tree, self._quantization_mode, self._block_size, stacked_axes
         )
 
     def _rebuild_from(self, source: DTypePolicy) -> QuantizedDTypePolicy:

@@ -81,8 +81,17 @@ from jmp_policy.linen._explain import explain as explain
 from jmp_policy.linen._init import init as init
 from jmp_policy.linen._modules import NORM_FLOAT32 as NORM_FLOAT32
 from jmp_policy.linen._quantization import split_gradients as split_gradients
+from jmp_policy.linen._quantize import quantize as quantize
 
-__all__ = ["NORM_FLOAT32", "apply", "diagnose", "explain", "init", "split_gradients"]
+__all__ = [
+    "NORM_FLOAT32",
+    "apply",
+    "diagnose",
+    "explain",
+    "init",
+    "quantize",
+    "split_gradients",
+]
 
 
 def __dir__() -> list[str]:

@@ -16,6 +16,10 @@ float8 training: :func:`init_float8` returns a copy of the model whose float8 la
 :func:`apply` runs their matmuls through float8, and :func:`split_gradients` separates
 the new float8 state from the parameters' gradients.
 
+Quantized weights: :func:`quantize` returns a copy of the model whose int8/int4 kernels
+are :class:`~jmp_policy.QuantizedArray` values, a layer stack (``nnx.vmap``'d layers run
+under ``nnx.scan``) quantized per layer.
+
 Examples:
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -36,6 +40,7 @@ from jmp_policy.nnx._apply import apply as apply
 from jmp_policy.nnx._diagnose import diagnose as diagnose
 from jmp_policy.nnx._explain import explain as explain
 from jmp_policy.nnx._init import init_float8 as init_float8
+from jmp_policy.nnx._init import quantize as quantize
 from jmp_policy.nnx._modules import NORM_FLOAT32 as NORM_FLOAT32
 from jmp_policy.nnx._quantization import Float8State as Float8State
 from jmp_policy.nnx._quantization import split_gradients as split_gradients
@@ -47,6 +52,7 @@ __all__ = [
     "diagnose",
     "explain",
     "init_float8",
+    "quantize",
     "split_gradients",
 ]
 

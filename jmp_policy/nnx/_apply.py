@@ -241,8 +241,12 @@ def apply_with(
         resolver = resolver_for(model, resolved, opts)
         graphdef, state = nnx.split(model)
         stored: dict[str, np.dtype] = {}
+        # A stacked layer (nnx.vmap'd, run under nnx.scan) sees a slice of its kernel:
+        # its QuantizedArray is dequantized ahead of the model, not passed whole.
         routable = {
-            m.path_of(parts) for parts, module in nnx.iter_modules(model) if q.routable(module)
+            m.path_of(parts)
+            for parts, module in nnx.iter_modules(model)
+            if q.routable(module) and not q.stacked(module)
         }
         whole: dict[str, Any] = {}  # module path -> its QuantizedArray kernel, passed whole
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
 
 import jax
@@ -9,25 +10,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jmp_policy.nnx._modules as m
-from jmp_policy._src import float8
+from jmp_policy._src import float8, global_state
 from jmp_policy._src.resolution import as_policy_or_map, check_floating
 from jmp_policy.nnx._apply import resolver_for
 from jmp_policy.nnx._quantization import ATTR, Float8State, routable
+from jmp_policy.nnx._quantization import stacked as _stacked
 
 M = TypeVar("M", bound=nnx.Module)
-
-
-def _stacked(module: Any) -> tuple[int, ...]:
-    """The leading axes of a layer created stacked (``nnx.vmap`` of its constructor, for
-    ``nnx.scan`` over layers): its kernel's axes before the layer's own."""
-    if isinstance(module, nnx.Linear):
-        own = 2
-    elif isinstance(module, nnx.LinearGeneral):
-        own = len(module.batch_axis) + len(module.in_features) + len(module.out_features)
-    else:
-        own = len(module.kernel_shape)
-    shape = tuple(getattr(module.kernel.get_value(), "shape", ()))
-    return shape[: max(len(shape) - own, 0)]
 
 
 def _state(policy: Any, module: Any) -> Float8State:
@@ -127,4 +116,76 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
             "matmul whose policy is float8 (such as 'float8_from_mixed_bfloat16'). Received: "
             f"policy_or_map={policy_or_map!r} for a {type(model).__name__}"
         )
+    return copy
+
+
+def quantize(model: M, policy_or_map: Any) -> M:
+    """A copy of ``model`` whose kernels under int8 or int4 policies are quantized.
+
+    What ``policy_or_map.quantize(nnx.state(model, nnx.Param))`` does (every floating
+    ``nnx.Param`` of rank >= 2 under an int8 or int4 policy becomes a
+    :class:`~jmp_policy.QuantizedArray`; see :meth:`DTypePolicyMap.quantize
+    <jmp_policy.DTypePolicyMap.quantize>`), with the leading stacked axes of each layer
+    found from the model: a layer created stacked (``nnx.vmap`` of its constructor, run
+    under ``nnx.scan`` or ``nnx.vmap`` over layers; an ``nnx.Linear``,
+    ``nnx.LinearGeneral``, ``nnx.Einsum`` or ``nnx.Conv`` whose kernel has more axes than
+    the layer's own) is quantized per layer: each layer its own scales, int4 blocks along
+    its own input axis, its stacked bias left float. Policies are resolved by path, as
+    ``map.quantize`` does (no ``type_policies``). :func:`jmp_policy.nnx.apply` runs the
+    copy; a stacked layer's kernel is dequantized ahead of the model (the layer sees a
+    slice of it).
+
+    Args:
+        model: an ``nnx.Module``; never modified (the copy is made with ``nnx.clone``).
+        policy_or_map: an int8 or int4 policy (or its name), or a
+            :class:`~jmp_policy.DTypePolicyMap` or ``dict`` holding some.
+
+    Returns:
+        The quantized copy of ``model``.
+
+    Raises:
+        TypeError: ``model`` is not an ``nnx.Module``.
+        ValueError: ``policy_or_map`` is invalid or quantizes nothing (a float policy, a
+            map without int8 or int4 policies).
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jmp_policy as jp
+        >>> class Stack(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         @nnx.split_rngs(splits=4)
+        ...         @nnx.vmap
+        ...         def make(rngs):
+        ...             return nnx.Linear(8, 8, rngs=rngs)
+        ...         self.layers = make(rngs)   # kernels [4, 8, 8]
+        ...     def __call__(self, x):
+        ...         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        ...         def body(x, layer):
+        ...             return layer(x)
+        ...         return body(x, self.layers)
+        >>> model = Stack(nnx.Rngs(0))
+        >>> q = jp.nnx.quantize(model, "int8_from_float32")
+        >>> q.layers.kernel.get_value()
+        QuantizedArray(int8, shape=(4, 8, 8), original_dtype=float32, stacked=1)
+        >>> q.layers.kernel.get_value().scale.shape   # a scale per layer and channel
+        (4, 8)
+        >>> q.layers.bias.get_value().dtype   # the stacked bias stays float
+        dtype('float32')
+        >>> jp.nnx.apply(q, "int8_from_float32")(jnp.ones((2, 8))).shape
+        (2, 8)
+    """
+    m.check_model(model)
+    resolved = as_policy_or_map(policy_or_map)
+    if resolved is None:
+        resolved = global_state.dtype_policy()
+    copy = nnx.clone(model)
+    stacked_axes = {}
+    for parts, module in nnx.iter_modules(copy):
+        lead = len(_stacked(module))
+        if lead:
+            path = m.path_of(parts)
+            stacked_axes[re.escape(f"{path}/" if path else "") + "[^/]+"] = lead
+    state = nnx.state(copy, nnx.Param)
+    nnx.update(copy, resolved.quantize(state, stacked_axes=stacked_axes))
     return copy

@@ -80,6 +80,27 @@ def _replacement(module: Any) -> str | None:
     return None
 
 
+def stacked(module: Any) -> tuple[int, ...]:
+    """The leading axes of a layer created stacked (``nnx.vmap`` of its constructor, for
+    ``nnx.scan`` over layers): its kernel's axes before the layer's own. ``()`` for a
+    module that is not an ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum`` or
+    ``nnx.Conv`` (whose own axes are unknown)."""
+    if isinstance(module, nnx.Linear):
+        own = 2
+    elif isinstance(module, nnx.LinearGeneral):
+        own = len(module.batch_axis) + len(module.in_features) + len(module.out_features)
+    elif isinstance(module, nnx.Einsum):
+        own = len(module.kernel_shape)
+    elif isinstance(module, nnx.Conv):
+        own = len(module.kernel_size) + 2
+    else:
+        return ()
+    kernel = getattr(module, "kernel", None)
+    value = kernel.get_value() if isinstance(kernel, nnx.Variable) else kernel
+    shape = tuple(getattr(value, "shape", ()))
+    return shape[: max(len(shape) - own, 0)]
+
+
 def routable(module: Any) -> bool:
     """Whether a quantized policy reaches the module's matmul (see the module docstring)."""
     return _replacement(module) is not None

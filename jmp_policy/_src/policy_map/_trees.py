@@ -211,7 +211,7 @@ class TreeMethods:
         """
         return self._map_policies(tree, lambda p, x: casting.cast_leaf(x, p.output_dtype))
 
-    def quantize(self, tree: T) -> T:
+    def quantize(self, tree: T, *, stacked_axes: Any = None) -> T:
         """Quantizes the kernels of the modules the map puts under int8 or int4 policies.
 
         Every floating leaf of rank >= 2 whose policy (the key naming the variable, else
@@ -222,9 +222,25 @@ class TreeMethods:
         the result runs through ``cast_apply``, ``linen.apply`` and ``nnx.apply``, which
         dequantize each kernel to its compute dtype.
 
+        A layer stack's kernels (``nn.scan``, ``nnx.scan`` or vmapped layers: ``[depth,
+        in, out]``) are quantized per layer when ``stacked_axes`` says how many leading
+        axes stack layers (a tree alone cannot tell them from a ``DenseGeneral`` kernel's
+        ``[in, heads, dim]``); a leaf whose layers are of rank < 2 (a stacked bias) then
+        stays float. ``jmp_policy.linen.quantize`` and ``jmp_policy.nnx.quantize`` find
+        the stacked axes from the model.
+
+        Args:
+            tree: a pytree of parameters (Linen's ``params``, NNX's ``nnx.state``).
+            stacked_axes: ``None`` (no stacked axes), an int for every leaf, or a mapping
+                from path regular expression (matched against a leaf's whole
+                ``"/"``-joined path; the first key that matches wins, no match is 0) to
+                an int.
+
         Raises:
             ValueError: the map holds no int8 or int4 policy (quantizing would do
-                nothing, which is always a mistake).
+                nothing, which is always a mistake), or a ``stacked_axes`` count is not
+                a non-negative int.
+            TypeError: ``stacked_axes`` is not None, an int or a mapping of strings.
 
         Warns:
             UserWarning: the map has such a policy but no kernel of ``tree`` is under
@@ -241,6 +257,9 @@ class TreeMethods:
             (QuantizedArray(int8, shape=(64, 8), original_dtype=float32), dtype('float32'))
             >>> m.cast_to_compute(q)["mlp"]["up"]["kernel"].dtype
             dtype(bfloat16)
+            >>> stack = {"mlp": {"layers": {"kernel": jnp.ones((4, 64, 8))}}}
+            >>> m.quantize(stack, stacked_axes={"mlp/layers/.*": 1})["mlp"]["layers"]["kernel"]
+            QuantizedArray(int8, shape=(4, 64, 8), original_dtype=float32, stacked=1)
         """
         stored = [self._policy_of(k) for k in self._stored_keys()]
         policies = [*stored, self._policy_of(None)]
@@ -252,16 +271,20 @@ class TreeMethods:
                 "such as {'mlp/.*': 'int8_from_mixed_bfloat16'} or "
                 "{'.*': 'int4/128_from_float32'}."
             )
+        stacked_of = quantization.stacked_axes_of(stacked_axes)
         done = []
         policy_of, variable_key = self._policy_of, self._variable_key
 
         def leaf(module: str, name: str, x: Any) -> Any:
             policy = policy_of(variable_key(module, name))
             mode = policy.quantization_mode
-            if mode not in quantization.MODES or not quantization.is_quantizable(x):
+            if mode not in quantization.MODES:
+                return x
+            k = stacked_of(f"{module}/{name}" if module else name)
+            if not quantization.quantizable_layers(x, k):
                 return x
             done.append(True)
-            return quantization.quantize(x, mode, getattr(policy, "block_size", None))
+            return quantization.quantize(x, mode, getattr(policy, "block_size", None), k)
 
         result = map_leaves(tree, leaf)
         if not done:

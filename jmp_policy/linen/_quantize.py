@@ -1,0 +1,150 @@
+"""Quantizing a Linen model's parameters with the stacked axes each layer sees."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+import jmp_policy.linen._modules as m
+from jmp_policy._src import global_state, quantization
+from jmp_policy._src.policy_map import leaf_path
+from jmp_policy._src.resolution import as_policy_or_map
+
+
+def _seen_shapes(
+    module: nn.Module, variables: Mapping[str, Any], args: Any, kwargs: Any, method: Any
+) -> dict[str, tuple[int, ...]]:
+    """Parameter path -> the shape of lowest rank a module of the model saw it at, by a
+    shape-only run (inside ``nn.scan`` a layer sees a slice of its stacked kernel)."""
+    seen: dict[str, tuple[int, ...]] = {}
+
+    def intercept(next_fun: Any, a: Any, k: Any, context: Any) -> Any:
+        if context.method_name != "setup":
+            mod = context.module
+            try:
+                params = mod.variables.get("params", {})
+            except Exception:  # an unbound module: nothing to see
+                params = {}
+            stem = m.path_of(mod)
+            for kp, leaf in jax.tree_util.tree_flatten_with_path(
+                params, is_leaf=quantization.is_quantized
+            )[0]:
+                path = "/".join(p for p in (stem, leaf_path(kp)) if p)
+                shape = tuple(getattr(leaf, "shape", ()))
+                if path not in seen or len(shape) < len(seen[path]):
+                    seen[path] = shape
+        return next_fun(*a, **k)
+
+    def run(v: Any) -> Any:
+        v = dict(v)
+        if "params" in v:  # kernels already quantized: run on their float shapes
+            v["params"] = jax.tree.map(
+                lambda x: x.dequantize() if quantization.is_quantized(x) else x,
+                v["params"],
+                is_leaf=quantization.is_quantized,
+            )
+        with nn.intercept_methods(intercept):
+            return module.apply(v, *args, method=method, mutable=True, **kwargs)
+
+    jax.eval_shape(run, variables)
+    return seen
+
+
+def quantize(
+    module: nn.Module,
+    policy_or_map: Any,
+    variables: Mapping[str, Any],
+    *args: Any,
+    method: Any = None,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """``variables`` with the kernels under int8 or int4 policies quantized, per layer.
+
+    What ``policy_or_map.quantize(variables["params"])`` does (every floating parameter
+    of rank >= 2 under an int8 or int4 policy becomes a
+    :class:`~jmp_policy.QuantizedArray`; see :meth:`DTypePolicyMap.quantize
+    <jmp_policy.DTypePolicyMap.quantize>`), with the leading stacked axes of each
+    parameter learnt from the model: a shape-only run of ``module.apply(variables,
+    *args, method=method, **kwargs)`` (``jax.eval_shape``: nothing is computed) records
+    the shape each module sees its parameters at. A kernel stored with more axes than its
+    layer sees (an ``nn.scan`` or ``nn.vmap`` layer stack: stored ``[depth, in, out]``,
+    seen ``[in, out]``) is quantized per layer: each layer its own scales, int4 blocks
+    along its own input axis, its stacked bias left float. Other collections are
+    returned as they are. :func:`jmp_policy.linen.apply` runs the result; a stacked
+    kernel is dequantized ahead of the model (its layer sees a slice of it).
+
+    Args:
+        module: a ``flax.linen`` Module instance.
+        policy_or_map: an int8 or int4 policy (or its name), or a
+            :class:`~jmp_policy.DTypePolicyMap` or ``dict`` holding some.
+        variables: the model's variables (``{"params": ...}``) in float.
+        *args: arguments of a call of the model (arrays or ``jax.ShapeDtypeStruct``\\ s:
+            only their shapes are used).
+        method: the method to run (as ``module.apply``'s ``method``).
+        **kwargs: keyword arguments of the call (``rngs=`` when it needs them).
+
+    Returns:
+        The variables, their ``"params"`` quantized.
+
+    Raises:
+        TypeError: ``module`` is not a Linen module, or ``variables`` is not a mapping.
+        ValueError: ``policy_or_map`` is invalid or quantizes nothing (a float policy, a
+            map without int8 or int4 policies), or ``variables`` has no ``"params"``.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import flax.linen as nn
+        >>> import jmp_policy as jp
+        >>> class Block(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x, _):
+        ...         return nn.relu(nn.Dense(8)(x)), None
+        >>> class Stack(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         layers = nn.scan(Block, variable_axes={"params": 0},
+        ...                          split_rngs={"params": True}, length=4)
+        ...         return layers(name="layers")(x, None)[0]
+        >>> model, x = Stack(), jnp.ones((2, 8))
+        >>> variables = model.init(jax.random.key(0), x)
+        >>> q = jp.linen.quantize(model, "int8_from_float32", variables, x)
+        >>> q["params"]["layers"]["Dense_0"]["kernel"]
+        QuantizedArray(int8, shape=(4, 8, 8), original_dtype=float32, stacked=1)
+        >>> q["params"]["layers"]["Dense_0"]["kernel"].scale.shape   # per layer
+        (4, 8)
+        >>> jp.linen.apply(model, "int8_from_float32")(q, x).shape
+        (2, 8)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            "`module` must be a flax.linen Module instance. Received: "
+            f"module={module!r} (of type {type(module).__name__})"
+        )
+    m.check_variables(variables)
+    if "params" not in variables:
+        raise ValueError(
+            "`variables` has no 'params' collection: nothing to quantize. Received: "
+            f"variables with collections {sorted(variables)}"
+        )
+    resolved = as_policy_or_map(policy_or_map)
+    if resolved is None:
+        resolved = global_state.dtype_policy()
+    seen = _seen_shapes(module, variables, args, kwargs, method)
+    stacked_axes = {}
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(
+        variables["params"], is_leaf=quantization.is_quantized
+    )[0]:
+        path = leaf_path(kp)
+        stored = tuple(getattr(leaf, "shape", ()))
+        shape = seen.get(path)
+        lead = 0 if shape is None else len(stored) - len(shape)
+        if lead > 0 and stored[lead:] == shape:
+            stacked_axes[re.escape(path)] = lead
+    result = dict(variables)
+    result["params"] = resolved.quantize(variables["params"], stacked_axes=stacked_axes)
+    return result
