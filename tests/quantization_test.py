@@ -12,7 +12,7 @@ from flax_examples.measure import dot_kinds as _dots
 from flax_examples.measure import equations
 
 import jmp_policy as jp
-from jmp_policy._src import quantization
+from jmp_policy._src import quantization, quantized_matmul
 
 INT8 = jp.QuantizedDTypePolicy("int8", "mixed_bfloat16")
 
@@ -337,7 +337,7 @@ _DN = (((1,), (0,)), ((), ()))
 
 def test_int8_dot_general_is_close_to_the_float_matmul(maybe_jit):
     x, w = _kernel((32, 64), 1), _kernel((64, 16), 2)
-    y = maybe_jit(lambda x, w: quantization.int8_dot_general(x, w, _DN))(x, w)
+    y = maybe_jit(lambda x, w: quantized_matmul.int8_dot_general(x, w, _DN))(x, w)
     ref = x @ w
     assert y.dtype == jnp.float32
     assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02
@@ -346,7 +346,7 @@ def test_int8_dot_general_is_close_to_the_float_matmul(maybe_jit):
 def test_int8_dot_general_handles_batch_and_several_contracting_axes():
     a, b = _kernel((3, 5, 4, 6), 1), _kernel((3, 6, 4, 7), 2)
     dn = (((2, 3), (2, 1)), ((0,), (0,)))
-    y = quantization.int8_dot_general(a, b, dn)
+    y = quantized_matmul.int8_dot_general(a, b, dn)
     ref = jax.lax.dot_general(a, b, dn)
     assert y.shape == ref.shape == (3, 5, 7)
     assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02
@@ -356,18 +356,18 @@ def test_int8_dot_general_multiplies_the_int8_grid_exactly_in_the_compute_dtype(
     """The operands on the int8 grid, as integers in bfloat16 (exact), one GEMM with
     float32 accumulation: equal to the int32 product times the scales."""
     x, w = _kernel((8, 16), dtype=jnp.bfloat16), _kernel((16, 4), dtype=jnp.bfloat16)
-    jaxpr = jax.make_jaxpr(lambda x, w: quantization.int8_dot_general(x, w, _DN))(x, w)
+    jaxpr = jax.make_jaxpr(lambda x, w: quantized_matmul.int8_dot_general(x, w, _DN))(x, w)
     (dot,) = list(equations(jaxpr.jaxpr, "dot_general"))
     assert [str(v.aval.dtype) for v in dot.invars] == ["bfloat16", "bfloat16"]
     assert dot.params["preferred_element_type"] == jnp.float32
     assert "int8_matmul" in str(dot.source_info.name_stack)
     assert jaxpr.out_avals[0].dtype == jnp.bfloat16
-    xq, xs = quantization._quantize_operand(x, (1,))
-    wq, ws = quantization._quantize_operand(w, (0,))
+    xq, xs = quantized_matmul._quantize_operand(x, (1,))
+    wq, ws = quantized_matmul._quantize_operand(w, (0,))
     acc = jax.lax.dot_general(xq, wq, _DN, preferred_element_type=jnp.int32)
     want = (acc.astype(jnp.float32) * xs * ws).astype(jnp.bfloat16)
     np.testing.assert_array_equal(
-        np.asarray(quantization.int8_dot_general(x, w, _DN), np.float32),
+        np.asarray(quantized_matmul.int8_dot_general(x, w, _DN), np.float32),
         np.asarray(want, np.float32),
     )
 
@@ -380,7 +380,7 @@ def test_int8_dot_general_gradient_is_straight_through(maybe_jit):
         return lambda x, w: jnp.sum(dot(x, w) * ct)
 
     gx, gw = maybe_jit(
-        jax.grad(loss(lambda x, w: quantization.int8_dot_general(x, w, _DN)), (0, 1))
+        jax.grad(loss(lambda x, w: quantized_matmul.int8_dot_general(x, w, _DN)), (0, 1))
     )(x, w)
     rx, rw = jax.grad(loss(lambda x, w: x @ w), (0, 1))(x, w)
     np.testing.assert_allclose(np.asarray(gx), np.asarray(rx), rtol=1e-5, atol=1e-5)
@@ -389,14 +389,14 @@ def test_int8_dot_general_gradient_is_straight_through(maybe_jit):
 
 def test_int8_dot_general_leaves_integer_matmuls_alone():
     a = jnp.ones((2, 3), jnp.int32)
-    out = quantization.int8_dot_general(a, a.T, _DN)
+    out = quantized_matmul.int8_dot_general(a, a.T, _DN)
     assert out.dtype == jnp.int32 and int(out[0, 0]) == 3
 
 
 def test_int8_einsum_matches_einsum():
     x, w = _kernel((4, 8, 16), 1), _kernel((16, 2, 8), 2)
-    y = quantization.int8_einsum("bti,ihd->bthd", x, w)
+    y = quantized_matmul.int8_einsum("bti,ihd->bthd", x, w)
     ref = jnp.einsum("bti,ihd->bthd", x, w)
     assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02
-    jaxpr = jax.make_jaxpr(lambda x, w: quantization.int8_einsum("bti,ihd->bthd", x, w))(x, w)
+    jaxpr = jax.make_jaxpr(lambda x, w: quantized_matmul.int8_einsum("bti,ihd->bthd", x, w))(x, w)
     assert [d[1] for d in _dots(jaxpr.jaxpr)] == ["int32"]  # the int8 matmul's scope

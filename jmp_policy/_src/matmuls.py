@@ -8,11 +8,11 @@ kernel, or ``None`` when the layer runs as written:
 * a float8 policy: :func:`jmp_policy._src.float8.dot_general` (explicit float8 GEMMs,
   delayed scaling with ``state``, current scaling without);
 * a ``QuantizedArray`` kernel (int8 or int4 weights, any non-float8 policy):
-  :func:`jmp_policy._src.quantization.quantized_kernel_dot_general`, which reads the
+  :func:`jmp_policy._src.quantized_matmul.quantized_kernel_dot_general`, which reads the
   quantized kernel itself (weight-only with the scale after the matmul, int4 blocks, or
   int8 x int8 under an int8 policy at enough rows);
 * an int8 policy with a float kernel (quantization-aware training):
-  :func:`jmp_policy._src.quantization.int8_dot_general`.
+  :func:`jmp_policy._src.quantized_matmul.int8_dot_general`.
 
 What each layer runs is recorded, at trace time, for ``explain`` (:func:`recording`), and
 a float8 layer whose matmul is below the size where float8 pays warns once.
@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import float8, quantization, run_report
+from jmp_policy._src import float8, quantization, quantized_matmul, run_report
 
-JNP_EINSUM = quantization.JNP_EINSUM
+JNP_EINSUM = quantized_matmul.JNP_EINSUM
 
 # Below this many rows, contracted or output features, a float8 GEMM is not expected to
 # beat bf16 once its quantization passes are paid: on an H100, float8 lost at width 768
@@ -157,7 +157,7 @@ def pick(
 
         return as_einsum(fp8_for) if kind == "einsum" else fp8_for(None)
     if quantization.is_quantized(kernel):
-        int8 = quantization.is_int8(policy)
+        int8 = quantized_matmul.is_int8(policy)
 
         def quantized_for(_: Any) -> Callable[..., Any]:
             def record(form: str) -> None:
@@ -168,14 +168,14 @@ def pick(
                 )
                 _record(path, f"{mode} weights: {form}")
 
-            return quantization.quantized_kernel_dot_general(kernel, int8, record)
+            return quantized_matmul.quantized_kernel_dot_general(kernel, int8, record)
 
         return as_einsum(quantized_for) if kind == "einsum" else quantized_for(None)
-    if quantization.is_int8(policy):
+    if quantized_matmul.is_int8(policy):
 
         def qat(lhs: Any, rhs: Any, dims: Any, *args: Any, **kw: Any) -> Any:
             _record(path, "int8 x int8 (both quantized in the step), straight-through")
-            return quantization.int8_dot_general(lhs, rhs, dims, *args, **kw)
+            return quantized_matmul.int8_dot_general(lhs, rhs, dims, *args, **kw)
 
         return as_einsum(lambda _: qat) if kind == "einsum" else qat
     return None

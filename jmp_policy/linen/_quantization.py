@@ -3,7 +3,7 @@
 Under an int8 or float8 policy, a ``Dense`` or ``DenseGeneral`` whose user set neither
 ``dot_general`` nor ``dot_general_cls`` runs with a replacement ``dot_general`` for the
 duration of the call (Flax reads the attribute at call time; it is restored after):
-:func:`~jmp_policy._src.quantization.int8_dot_general`, or a float8 quantize-dequantize
+:func:`~jmp_policy._src.quantized_matmul.int8_dot_general`, or a float8 quantize-dequantize
 around ``jax.lax.dot_general`` with the call's delayed-scaling state
 (:mod:`jmp_policy._src.float8`). An ``nn.Einsum`` has no such attribute and calls
 ``jnp.einsum`` itself: while one runs under such a policy, ``jax.numpy.einsum`` is

@@ -4,8 +4,8 @@ Under an int8 or float8 policy, an ``nnx.Linear`` whose ``dot_general`` is JAX's
 ``nnx.LinearGeneral`` whose user set neither ``dot_general`` nor ``dot_general_cls``, and
 an ``nnx.Einsum`` whose ``einsum_op`` is ``jnp.einsum`` run with a replacement in that
 attribute for the duration of the call, on the policy-running copy of the model (it is
-restored after): :func:`~jmp_policy._src.quantization.int8_dot_general` (or
-:func:`~jmp_policy._src.quantization.int8_einsum`), or a float8 quantize-dequantize around
+restored after): :func:`~jmp_policy._src.quantized_matmul.int8_dot_general` (or
+:func:`~jmp_policy._src.quantized_matmul.int8_einsum`), or a float8 quantize-dequantize around
 the matmul with the layer's delayed-scaling state (:mod:`jmp_policy._src.float8`). A layer
 whose user set their own matmul is left alone.
 
@@ -26,7 +26,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jmp_policy._src import float8, interception, matmuls, quantization
+from jmp_policy._src import float8, interception, matmuls, quantized_matmul
 
 ATTR = "float8"  # the attribute of a float8 layer that holds its Float8State
 
@@ -75,7 +75,7 @@ def _replacement(module: Any) -> str | None:
     elif isinstance(module, nnx.LinearGeneral):
         if module.dot_general is None and module.dot_general_cls is None:
             return "dot_general"
-    elif isinstance(module, nnx.Einsum) and module.einsum_op is quantization.JNP_EINSUM:
+    elif isinstance(module, nnx.Einsum) and module.einsum_op is quantized_matmul.JNP_EINSUM:
         return "einsum_op"
     return None
 

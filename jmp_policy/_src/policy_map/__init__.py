@@ -13,8 +13,8 @@ Explain rows and their formatting are ``jmp_policy._src.explain``; the wrappers'
 """
 
 from jmp_policy._src.policy_map._mapping import DTypePolicyMap as DTypePolicyMap
-from jmp_policy._src.policy_map._trees import leaf_path as leaf_path
-from jmp_policy._src.policy_map._trees import parent_path as parent_path
+from jmp_policy._src.tree_paths import leaf_path as leaf_path
+from jmp_policy._src.tree_paths import parent_path as parent_path
 
 __all__ = [
     "DTypePolicyMap",

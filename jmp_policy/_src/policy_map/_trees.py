@@ -20,15 +20,11 @@ import numpy as np
 from jmp_policy._src import casting, quantization
 from jmp_policy._src import explain as explain_rows
 from jmp_policy._src.policy import DTypePolicy
+from jmp_policy._src.tree_paths import is_value_suffix as _is_value_suffix
+from jmp_policy._src.tree_paths import key_name as _key_name
+from jmp_policy._src.tree_paths import parent_path
 
 T = TypeVar("T")
-
-_KEY_NAMES: dict[type, Callable[[Any], Any]] = {
-    jax.tree_util.DictKey: lambda k: k.key,
-    jax.tree_util.GetAttrKey: lambda k: k.name,
-    jax.tree_util.SequenceKey: lambda k: k.idx,
-    jax.tree_util.FlattenedIndexKey: lambda k: k.key,
-}
 
 # Leaves of every walk; a QuantizedArray is one leaf at its kernel's path.
 _ARRAY_TYPES = (
@@ -41,39 +37,6 @@ _ARRAY_TYPES = (
     str,
     quantization.QuantizedArray,
 )
-
-
-def _key_name(key: Any) -> str:
-    getter = _KEY_NAMES.get(type(key))
-    if getter is not None:
-        return str(getter(key))
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _is_value_suffix(key_path: tuple[Any, ...]) -> bool:
-    return bool(
-        key_path and type(key_path[-1]) is jax.tree_util.GetAttrKey and key_path[-1].name == "value"
-    )
-
-
-def leaf_path(key_path: tuple[Any, ...]) -> str:
-    """A leaf's variable path (``"Dense_0/kernel"``) from a JAX key path.
-
-    NNX's trailing ``.value`` is dropped; integers are written as digits.
-    """
-    if _is_value_suffix(key_path):
-        key_path = key_path[:-1]
-    return "/".join([_key_name(k) for k in key_path])
-
-
-def parent_path(path: str) -> str | None:
-    """``"a/b/c"`` -> ``"a/b"``; ``"a"`` -> ``""``; ``""`` -> ``None``."""
-    if not path:
-        return None
-    return path.rpartition("/")[0]
 
 
 def _join(stem: str, rest: str) -> str:
