@@ -11,7 +11,7 @@ import jax
 
 from jmp_policy._src import float8, global_state, interception
 from jmp_policy._src.policy_map import DTypePolicyMap
-from jmp_policy._src.resolution import Options, Resolver, as_policy_or_map, check_floating
+from jmp_policy._src.resolution import Options, Resolver, floating_policy_or_map
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -59,8 +59,7 @@ def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
         >>> grads["w"].dtype
         dtype('float32')
     """
-    resolved = as_policy_or_map(policy_or_map)
-    check_floating(resolved)
+    resolved = floating_policy_or_map(policy_or_map)
     policies = [] if resolved is None else [resolved]
     if hasattr(resolved, "values"):  # a map
         policies = [resolved.default_policy, *resolved.values()]

@@ -136,6 +136,14 @@ def _policies_of(policy_or_map: Any) -> Iterable[DTypePolicy]:
         yield policy_or_map
 
 
+def floating_policy_or_map(policy_or_map: Any) -> Any:
+    """Every wrapper's first step: the policy or map it runs (:func:`as_policy_or_map`),
+    checked to compute in a floating dtype (:func:`check_floating`)."""
+    resolved = as_policy_or_map(policy_or_map)
+    check_floating(resolved)
+    return resolved
+
+
 def check_floating(policy_or_map: Any, argument: str = "policy_or_map") -> None:
     """Apply wrappers run only policies with a floating compute dtype (as the global one)."""
     for policy in _policies_of(policy_or_map):

@@ -13,12 +13,7 @@ import jmp_policy.linen._apply as _apply
 import jmp_policy.linen._modules as m
 from jmp_policy._src import matmuls
 from jmp_policy._src.explain import format_matmuls, format_rows
-from jmp_policy._src.resolution import (
-    OPTION_DEFAULTS,
-    Resolver,
-    as_policy_or_map,
-    check_floating,
-)
+from jmp_policy._src.resolution import OPTION_DEFAULTS, Resolver, floating_policy_or_map
 from jmp_policy._src.run_report import resolved_rows
 
 
@@ -77,8 +72,7 @@ def explain(
     """
     m.check_module(module)
     m.check_variables(variables)
-    resolved = as_policy_or_map(policy_or_map)
-    check_floating(resolved)
+    resolved = floating_policy_or_map(policy_or_map)
     options = m.options({k: kwargs.pop(k) for k in OPTION_DEFAULTS if k in kwargs})
     apply_kwargs = {
         "rngs": kwargs.pop("rngs", None),

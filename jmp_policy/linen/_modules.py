@@ -10,13 +10,7 @@ import flax.linen as nn
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.resolution import (
-    Island,
-    Options,
-    as_policy_or_map,
-    check_floating,
-    make_options,
-)
+from jmp_policy._src.resolution import Island, Options, floating_policy_or_map, make_options
 from jmp_policy._src.serialization import get as _get_policy
 
 NORM_FLOAT32: Mapping[type, Any] = types.MappingProxyType(
@@ -45,8 +39,7 @@ def prepare(
 ) -> tuple[Any, Options]:
     """Checks a wrapper's arguments once: ``(policy or map, options)``."""
     check_module(module)
-    resolved = as_policy_or_map(policy_or_map)
-    check_floating(resolved)
+    resolved = floating_policy_or_map(policy_or_map)
     opts = make_options(nn.Module, "nn.Module", "nn.LayerNorm", **options)
     check_method(module, method)
     return resolved, opts

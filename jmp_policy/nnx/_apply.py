@@ -16,13 +16,7 @@ import jmp_policy.nnx._modules as m
 import jmp_policy.nnx._quantization as q
 from jmp_policy._src import casting, float8, interception, quantization
 from jmp_policy._src.policy_map import leaf_path, parent_path
-from jmp_policy._src.resolution import (
-    ModuleInfo,
-    Resolution,
-    Resolver,
-    as_policy_or_map,
-    check_floating,
-)
+from jmp_policy._src.resolution import ModuleInfo, Resolution, Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
 
 # The attributes a policy-running subclass keeps its original class and its call under.
@@ -210,10 +204,8 @@ def apply(
         >>> {x.dtype for x in jax.tree.leaves(grads)}
         {dtype('float32')}
     """
-    m.check_model(model)
-    resolved = as_policy_or_map(policy_or_map)
-    check_floating(resolved)
-    return apply_with(model, resolved, m.options(options), method)
+    resolved, opts = m.prepare(model, policy_or_map, options)
+    return apply_with(model, resolved, opts, method)
 
 
 def _warn_plain_arrays(model: str, paths: list[str]) -> None:

@@ -11,7 +11,6 @@ from flax import nnx
 
 import jmp_policy.nnx._modules as m
 from jmp_policy._src import diagnostics
-from jmp_policy._src.resolution import as_policy_or_map, check_floating
 from jmp_policy.nnx._apply import apply_with
 
 
@@ -76,10 +75,7 @@ def diagnose(
         ('body', 'float16')
     """
     select = diagnostics.selection(every, paths)
-    m.check_model(model)
-    resolved = as_policy_or_map(policy_or_map)
-    check_floating(resolved)
-    opts = m.options(options)
+    resolved, opts = m.prepare(model, policy_or_map, options)
     taps = diagnostics.Taps(opaque=m.is_nnx_object)
     opts = dataclasses.replace(opts, extensions=(taps, *opts.extensions))
     run = apply_with(model, resolved, opts, method)

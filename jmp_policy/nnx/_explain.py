@@ -10,7 +10,6 @@ import jmp_policy.nnx._apply as _apply
 import jmp_policy.nnx._modules as m
 from jmp_policy._src import matmuls
 from jmp_policy._src.explain import format_matmuls, format_rows
-from jmp_policy._src.resolution import as_policy_or_map, check_floating
 from jmp_policy._src.run_report import resolved_rows
 
 
@@ -60,10 +59,7 @@ def explain(
         norm    LayerNorm  float32         type LayerNorm       f32          32       32
         total                                                               136      104
     """
-    m.check_model(model)
-    resolved = as_policy_or_map(policy_or_map)
-    check_floating(resolved)
-    opts = m.options(options)
+    resolved, opts = m.prepare(model, policy_or_map, options)
     resolver = _apply.resolver_for(model, resolved, opts)
     table = format_rows(resolved_rows(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     if not args:

@@ -11,7 +11,7 @@ from flax import nnx
 
 import jmp_policy.nnx._modules as m
 from jmp_policy._src import float8, global_state
-from jmp_policy._src.resolution import as_policy_or_map, check_floating
+from jmp_policy._src.resolution import as_policy_or_map
 from jmp_policy.nnx._apply import resolver_for
 from jmp_policy.nnx._quantization import ATTR, Float8State, routable
 from jmp_policy.nnx._quantization import stacked as _stacked
@@ -86,10 +86,7 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
         >>> jp.nnx.apply(fp8_model, policy_map)(jnp.ones((2, 3))).dtype
         dtype('float32')
     """
-    m.check_model(model)
-    resolved = as_policy_or_map(policy_or_map)
-    check_floating(resolved)
-    opts = m.options(options)
+    resolved, opts = m.prepare(model, policy_or_map, options)
     copy = nnx.clone(model)
     resolver = resolver_for(copy, resolved, opts)
     found = 0

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.resolution import Island, Options, make_options
+from jmp_policy._src.resolution import Island, Options, floating_policy_or_map, make_options
 from jmp_policy._src.serialization import get as _get_policy
 
 NORM_FLOAT32: Mapping[type, Any] = types.MappingProxyType(
@@ -35,6 +35,12 @@ MATMUL_CLASSES: tuple[type, ...] = (nnx.MultiHeadAttention,)
 def options(options: dict[str, Any]) -> Options:
     """The wrappers' keyword options, validated once."""
     return make_options(nnx.Module, "nnx.Module", "nnx.LayerNorm", **options)
+
+
+def prepare(model: Any, policy_or_map: Any, options_: dict[str, Any]) -> tuple[Any, Options]:
+    """Checks a wrapper's arguments once: ``(policy or map, options)`` (as Linen's)."""
+    check_model(model)
+    return floating_policy_or_map(policy_or_map), options(options_)
 
 
 def is_nnx_object(x: Any) -> bool:
