@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import jmp_policy as jp
 
-FUZZ = settings(max_examples=60, deadline=None)
+FUZZ = settings(max_examples=60, deadline=None, derandomize=True)  # the same examples every run
 GOOD = dict(
     values=jnp.zeros((4, 3), jnp.int8),
     scale=jnp.ones(3, jnp.float32),
