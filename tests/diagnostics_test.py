@@ -10,7 +10,8 @@ import pytest
 import jmp_policy as jp
 from jmp_policy._src import diagnostics, interception
 from jmp_policy._src.diagnostics import Report, Stats, stats_of
-from jmp_policy._src.resolution import Options, Resolver
+from jmp_policy._src.options import Options
+from jmp_policy._src.resolution import Resolver
 
 F16_TINY = float(jnp.finfo(jnp.float16).tiny)  # 6.1e-05
 F16_MAX = float(jnp.finfo(jnp.float16).max)  # 65504

@@ -7,7 +7,8 @@ import pytest
 
 import jmp_policy as jp
 from jmp_policy._src import global_state, interception
-from jmp_policy._src.resolution import Island, Options, Resolver, make_options
+from jmp_policy._src.options import Island, Options, make_options
+from jmp_policy._src.resolution import Resolver
 
 BF16, F32, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)
 

@@ -293,7 +293,7 @@ def test_type_policies_follow_a_class_after_importlib_reload(reloadable):
     sub_fn = jp.linen.apply(Parent(), "mixed_bfloat16", type_policies=types)
     assert sub_fn(sub_vars, X).dtype == F32
 
-    from jmp_policy._src.resolution import make_options
+    from jmp_policy._src.options import make_options
 
     assert make_options(autocast_exclude=[old_norm]).excluded("norm", new.Norm)
     assert make_options(autocast_exclude=[old_norm]).excluded("sub", Sub)

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import jmp_policy as jp
+from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map._trees import leaves
-from jmp_policy._src.resolution import Options, Resolver
+from jmp_policy._src.resolution import Resolver
 
 BF16 = jp.DTypePolicy("bfloat16")
 F16 = jp.DTypePolicy("float16")

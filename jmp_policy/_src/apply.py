@@ -10,8 +10,9 @@ from typing import Any, TypeVar
 import jax
 
 from jmp_policy._src import float8, global_state, interception
+from jmp_policy._src.options import Options, floating_policy_or_map
 from jmp_policy._src.policy_map import DTypePolicyMap
-from jmp_policy._src.resolution import Options, Resolver, floating_policy_or_map
+from jmp_policy._src.resolution import Resolver
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -13,7 +13,7 @@ Every per-submodule behaviour happens here, once, for ``cast_apply``, Linen and 
    quantized ``dot_general`` provider or a statistics tap plugs in;
 4. the **output rule**: outputs are cast to the output dtype only when it differs from the
    compute dtype (jmp's ``"p=f32,c=bf16,o=f32"``); otherwise they are left as computed, as
-   in Keras. An :class:`~jmp_policy._src.resolution.Island` (``NORM_FLOAT32``) returns its
+   in Keras. An :class:`~jmp_policy._src.options.Island` (``NORM_FLOAT32``) returns its
    outputs in the compute dtype of the module that called it.
 
 The **loop-carry rule** (:func:`loop_carries`): while a wrapper runs a model, the carry of
@@ -39,7 +39,8 @@ import numpy as np
 
 from jmp_policy._src import casting, global_state
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.resolution import Options, Resolution
+from jmp_policy._src.options import Options
+from jmp_policy._src.resolution import Resolution
 
 # ext(call, next_fn, args, kwargs) -> outputs
 Extension = Callable[["Call", Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]

@@ -15,8 +15,9 @@ from flax.core.scope import Scope
 
 import jmp_policy.linen._modules as m
 from jmp_policy._src import casting, float8, interception, quantization
+from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path, parent_path
-from jmp_policy._src.resolution import ModuleInfo, Options, Resolver
+from jmp_policy._src.resolution import ModuleInfo, Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
 from jmp_policy.linen._quantization import KernelRun, kernel_run, quantized_matmuls
 

@@ -13,7 +13,8 @@ import jmp_policy.linen._apply as _apply
 import jmp_policy.linen._modules as m
 from jmp_policy._src import matmuls
 from jmp_policy._src.explain import format_matmuls, format_rows
-from jmp_policy._src.resolution import OPTION_DEFAULTS, Resolver, floating_policy_or_map
+from jmp_policy._src.options import OPTION_DEFAULTS, floating_policy_or_map
+from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import resolved_rows
 
 

@@ -11,8 +11,8 @@ import jax
 
 import jmp_policy.linen._modules as m
 from jmp_policy._src import global_state, quantization
+from jmp_policy._src.options import as_policy_or_map
 from jmp_policy._src.policy_map import leaf_path
-from jmp_policy._src.resolution import as_policy_or_map
 
 
 def _seen_shapes(

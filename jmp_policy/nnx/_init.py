@@ -11,7 +11,7 @@ from flax import nnx
 
 import jmp_policy.nnx._modules as m
 from jmp_policy._src import float8, global_state
-from jmp_policy._src.resolution import as_policy_or_map
+from jmp_policy._src.options import as_policy_or_map
 from jmp_policy.nnx._apply import resolver_for
 from jmp_policy.nnx._quantization import ATTR, Float8State, routable
 from jmp_policy.nnx._quantization import stacked as _stacked
