@@ -6,7 +6,9 @@ makes the doctests of `jmp_policy/` run in the same process as the tests.
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# Under pytest-xdist each worker is a new process that loads this file before any test
+# module imports jax; it inherits the flag from the controller, so add it only once.
+_DEVICES = "--xla_force_host_platform_device_count=8"
+if _DEVICES not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,30 +1,35 @@
-"""Every benchmark in benchmarks/, run in one process and reported in one table of ratios.
+"""Every benchmark in benchmarks/, run in one process and reported in one table.
 
-Each row is measured side by side in this run (interleaved repeats, medians), so a noisy
-machine moves both sides alike; bytes and op counts come from XLA's compiled programs and
-do not depend on the machine's load.
+Each row says what is measured, on what (ours) and against what, both values with their
+units, and their ratio (ours / against: below 1, ours is smaller or faster). Rows are
+measured side by side in this run (interleaved repeats, medians), so a noisy machine moves
+both sides alike; bytes and op counts come from XLA's compiled programs or the traced step
+and do not depend on the machine's load. Timings on a CPU are labelled ``CPU``: XLA's CPU
+backend upcasts 16-bit arithmetic, so 16-bit steps are not faster there.
 
-* zero overhead (``linen_overhead_bench``): ``jp.linen.apply(model, "mixed_bfloat16")``
-  against casting parameters and inputs by hand, on a small Flax transformer's
-  ``value_and_grad``: activation bytes, convert ops, step time; and against float32, the
-  activations kept for the backward pass (the residuals of ``jax.vjp`` that grow with the
-  batch, read from the traced step: the same on any device) and the step time (labelled
-  ``CPU`` on a CPU, where XLA upcasts 16-bit arithmetic);
-* loss scaling (``loss_scaling_bench``'s tree): ``jp.loss_scaling(adam)`` against plain adam,
-  a jmp-style hand-written loop and ``optax.apply_if_finite(adam)``: bytes accessed and
-  update time;
+* linen (``linen_overhead_bench``): a small Flax transformer's ``value_and_grad`` under
+  ``"mixed_bfloat16"``, ``jp.linen.apply`` against casting parameters and inputs by hand
+  (XLA's temp memory, convert ops, step and trace time: zero overhead is a ratio of 1),
+  then ``mixed_bfloat16`` against float32: the activations kept for the backward pass
+  (the residuals of ``jax.vjp`` that grow with the batch, read from the traced step: the
+  same on any device) and the step time;
+* loss scale (``loss_scaling_bench``'s tree): one adam update wrapped in
+  ``jp.loss_scaling`` against plain adam, a jmp-style hand-written loop and
+  ``optax.apply_if_finite(adam)``: bytes XLA's kernels read and write, and time;
+* policy map (``policy_map_bench``): 200 regular-expression keys on a cold map, against
+  Keras's ``DTypePolicyMap`` (the peer the README names; its column stays empty when Keras
+  is not installed): 1,000 module lookups each, and our whole tree (the 1,000 modules and
+  their 20,000 variables) against Keras's 1,000 module lookups;
+* quantization: stored parameter bytes of int8 and int4 weights against float32 (an
+  MLP), and how far the quantized MLP's output is from float32's (relative norm);
 * float8 (``float8_bench``): a training step (``value_and_grad``, adam, the float8 state
   split off) of an MLP stack with its Dense layers under ``"float8_from_mixed_bfloat16"``
-  against ``"mixed_bfloat16"`` and float32: step time, temp bytes, float8 converts (6 per
-  Dense: input, kernel and output gradient, each to and from float8), the share of dots in
-  the form XLA's GPU GemmRewriter makes native float8 GEMMs of (and on a GPU the share it
-  did), and the loss after a few hundred steps (its distance to bf16's, over the first
-  loss). A CPU has no float8 units: there only the loss and the counts mean something;
-* quantization: stored parameter bytes and output error of int8 and int4 weights
-  against float32 (an MLP);
-* policy maps (``policy_map_bench``): resolving a whole tree with 200 regex keys, against
-  Keras's ``DTypePolicyMap`` doing the module lookups (when Keras is installed; not in
-  ``--quick``, where the whole tree is compared with our module lookups alone).
+  against ``"mixed_bfloat16"`` and float32: step time, XLA's temp memory, the converts to
+  and from float8 (6 per Dense: input, kernel and output gradient), the dots on float8
+  operands (the form XLA's GPU GemmRewriter makes native float8 GEMMs of; on a GPU also
+  how many it made), and the training loss after a few hundred steps next to bf16's, from
+  the same start. A CPU has no float8 units: there only the loss and the counts mean
+  something.
 
 Run: ``python benchmarks/run_all.py`` (``--quick``: small sizes, few repeats; CI runs it).
 """
@@ -38,8 +43,9 @@ import pathlib
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +64,20 @@ import policy_map_bench  # noqa: E402  (it defaults JAX_PLATFORMS to cpu for its
 if _platforms is None:
     os.environ.pop("JAX_PLATFORMS", None)
 
-Row = tuple[str, str, str, str, float]  # benchmark, what, ours, reference, ratio
+
+class Row(NamedTuple):
+    """One line of the table: ``what`` measured on ``ours`` and on ``against``."""
+
+    what: str
+    ours: str
+    value: float
+    against: str
+    against_value: float | None  # None: not measured in this run
+    unit: str  # "bytes", "s", "count" or "share"
+    ratio: bool = True  # False where a ratio would mislead (of two values near 0)
+
+
+Section = tuple[str, list[Row]]  # a heading in plain words, its rows
 
 
 def _timed(what: str) -> str:
@@ -66,7 +85,37 @@ def _timed(what: str) -> str:
     return f"{what}, CPU" if jax.default_backend() == "cpu" else what
 
 
-def linen_rows(quick: bool) -> list[Row]:
+def _scaled(value: float, units: tuple[tuple[float, str], ...]) -> str:
+    for scale, unit in units:
+        if abs(value) >= scale or scale == units[-1][0]:
+            v = value / scale
+            digits = 0 if abs(v) >= 100 else 1 if abs(v) >= 10 else 2
+            return f"{v:.{digits}f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_value(value: float | None, unit: str) -> str:
+    """``1.5e6, "bytes"`` -> ``"1.50 MB"``; seconds in s or ms; counts as integers."""
+    if value is None:
+        return "-"
+    if unit == "bytes":
+        if abs(value) < 1e3:
+            return f"{value:.0f} B"
+        return _scaled(value, ((1e9, "GB"), (1e6, "MB"), (1e3, "KB"), (1, "B")))
+    if unit == "s":
+        return _scaled(value, ((1, "s"), (1e-3, "ms")))
+    if unit == "count":
+        return f"{value:,.0f}"
+    if unit == "share":
+        return f"{value:.2%}"
+    return f"{value:.4g}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
+def linen_rows(quick: bool) -> Section:
     sizes = dict(layers=1, dim=64, heads=2, batch=2, seq=16, repeats=2)
     if not quick:
         sizes = dict(layers=4, dim=256, heads=4, batch=16, seq=128, repeats=10)
@@ -75,109 +124,97 @@ def linen_rows(quick: bool) -> list[Row]:
     ours, hand = by_name["jp.linen.apply"], by_name["by hand (tree.map astype)"]
     f32 = by_name["float32 (no policy)"]
     med = statistics.median
-    shape = f"{sizes['layers']}x d={sizes['dim']}"
-    return [
-        (
-            "linen",
-            f"activation bytes, {shape}",
-            "jp.linen.apply",
-            "by hand",
-            ours["temp"] / hand["temp"],
+    heading = (
+        f"linen: a Flax transformer ({_count(sizes['layers'], 'layer')}, d={sizes['dim']}, batch "
+        f"{sizes['batch']}x{sizes['seq']}), value_and_grad under mixed_bfloat16"
+    )
+    apply, by_hand = "jp.linen.apply", "cast by hand"
+    return heading, [
+        Row("XLA temp memory", apply, ours["temp"], by_hand, hand["temp"], "bytes"),
+        Row("convert ops", apply, ours["converts"], by_hand, hand["converts"], "count"),
+        Row("step time", apply, med(ours["times"]), by_hand, med(hand["times"]), "s"),
+        Row("trace time", apply, med(ours["traces"]), by_hand, med(hand["traces"]), "s"),
+        Row(
+            "first trace, float32 norms",
+            "a map, new wrapper",
+            med(by_name[linen_overhead_bench.MAP_ROW]["traces"]),
+            "Flax dtype=bf16",
+            med(by_name[linen_overhead_bench.FLAX_ROW]["traces"]),
+            "s",
         ),
-        (
-            "linen",
-            "convert ops",
-            "jp.linen.apply",
-            "by hand",
-            ours["converts"] / max(hand["converts"], 1),
-        ),
-        (
-            "linen",
-            "step time",
-            "jp.linen.apply",
-            "by hand",
-            med(ours["times"]) / med(hand["times"]),
-        ),
-        (
-            "linen",
-            "trace time",
-            "jp.linen.apply",
-            "by hand",
-            med(ours["traces"]) / med(hand["traces"]),
-        ),
-        (
-            "linen",
-            "trace time, first",
-            "map+NORM_FLOAT32",
-            "flax dtype=",
-            med(by_name[linen_overhead_bench.MAP_ROW]["traces"])
-            / med(by_name[linen_overhead_bench.FLAX_ROW]["traces"]),
-        ),
-        (
-            "linen",
+        Row(
             "activations kept for backward",
             "mixed_bfloat16",
+            ours["activations"],
             "float32",
-            ours["activations"] / f32["activations"],
+            f32["activations"],
+            "bytes",
         ),
-        (
-            "linen",
+        Row(
             _timed("step time"),
             "mixed_bfloat16",
+            med(ours["times"]),
             "float32",
-            med(ours["times"]) / med(f32["times"]),
+            med(f32["times"]),
+            "s",
         ),
     ]
 
 
-def float8_rows(quick: bool) -> list[Row]:
+def float8_rows(quick: bool) -> Section:
     """float8 Dense layers against bf16 and float32 in a training step (float8_bench)."""
     args = float8_bench.parse_args(["--quick"] if quick else [])
-    results = float8_bench.measure(args)
+    with warnings.catch_warnings():
+        # Its small sizes trip the "float8 will not pay at this size" warning on purpose.
+        warnings.filterwarnings("ignore", message="The float8 layer")
+        results = float8_bench.measure(args)
     f8, bf16, f32 = results["float8"], results["bf16"], results["float32"]
     med = statistics.median
     ours = "float8 Dense"
     denses = 2 * args.layers
-    rows: list[Row] = [
-        (
-            "float8",
-            _timed("step time"),
+    heading = (
+        f"float8: a training step of {_count(args.layers, 'MLP block')} (Dense {args.width}->"
+        f"{args.hidden}->{args.width}, {args.tokens} tokens), adam, one start for all"
+    )
+    rows = [
+        Row(_timed("step time"), ours, med(f8["times"]), "mixed_bfloat16", med(bf16["times"]), "s"),
+        Row(_timed("step time"), ours, med(f8["times"]), "float32", med(f32["times"]), "s"),
+        Row("XLA temp memory", ours, f8["temp"], "mixed_bfloat16", bf16["temp"], "bytes"),
+        Row(
+            "converts to/from float8",
             ours,
-            "mixed_bfloat16",
-            med(f8["times"]) / med(bf16["times"]),
-        ),
-        ("float8", _timed("step time"), ours, "float32", med(f8["times"]) / med(f32["times"])),
-        ("float8", "step temp bytes", ours, "mixed_bfloat16", f8["temp"] / bf16["temp"]),
-        (
-            "float8",
-            "float8 converts",
-            ours,
+            f8["f8_converts"],
             f"6 per Dense x {denses}",
-            f8["f8_converts"] / (6 * denses),
+            6 * denses,
+            "count",
         ),
-        (
-            "float8",
-            "dots in fp8 GEMM form",
+        Row(
+            "dots on float8 operands",
             ours,
+            f8["fp8_form"][0],
             "all dots",
-            f8["fp8_form"][0] / f8["fp8_form"][1],
+            f8["fp8_form"][1],
+            "count",
         ),
-        (
-            "float8",
-            f"loss after {args.steps} steps, - bf16's",
+        # What training leaves of the first loss: both near 0, so no ratio.
+        Row(
+            f"loss left after {args.steps} steps",
             ours,
-            "first loss",
-            abs(f8["losses"][-1] - bf16["losses"][-1]) / bf16["losses"][0],
+            f8["losses"][-1] / f8["losses"][0],
+            "mixed_bfloat16",
+            bf16["losses"][-1] / bf16["losses"][0],
+            "share",
+            ratio=False,
         ),
     ]
     if jax.devices()[0].platform == "gpu":
         rows.append(
-            ("float8", "native fp8 GEMMs", ours, "all GEMMs", f8["fp8_gemms"] / f8["gemms"])
+            Row("native float8 GEMMs", ours, f8["fp8_gemms"], "all GEMMs", f8["gemms"], "count")
         )
-    return rows
+    return heading, rows
 
 
-def quantization_rows(quick: bool) -> list[Row]:
+def quantization_rows(quick: bool) -> Section:
     """Stored bytes and output error of int8 / int4 weights against float32 (an MLP)."""
     import flax.linen as nn
 
@@ -191,23 +228,20 @@ def quantization_rows(quick: bool) -> list[Row]:
         leaves = jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, jp.QuantizedArray))
         return sum(int(v.nbytes) for v in leaves)
 
-    rows: list[Row] = []
-    for mode in ("int8", "int4/32"):
+    rows = []
+    for mode, name in (("int8", "int8"), ("int4/32", "int4 (blocks of 32)")):
         policy_map = jp.DTypePolicyMap("float32", {".*": f"{mode}_from_float32"})
         quantized = policy_map.quantize(params)
         out = jp.linen.apply(mlp, "float32")({"params": quantized}, x)
         error = float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
         rows.append(
-            (
-                "quantization",
-                f"parameter bytes, {mode}",
-                mode,
-                "float32",
-                nbytes(quantized) / nbytes(params),
-            )
+            Row("parameter bytes", name, nbytes(quantized), "float32", nbytes(params), "bytes")
         )
-        rows.append(("quantization", f"output rel. error, {mode}", mode, "float32", error))
-    return rows
+        rows.append(
+            Row("output error vs float32's", name, error, "float32", 0.0, "share", ratio=False)
+        )
+    heading = f"quantization: an MLP of 3 Dense layers ({width} wide), weights quantized"
+    return heading, rows
 
 
 def _bytes(exe: Any) -> float:
@@ -216,8 +250,15 @@ def _bytes(exe: Any) -> float:
     return float(cost["bytes accessed"])
 
 
-def loss_scaling_rows(quick: bool) -> list[Row]:
+def _bytes(exe: Any) -> float:
+    cost = exe.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["bytes accessed"])
+
+
+def loss_scaling_rows(quick: bool) -> Section:
     params = loss_scaling_bench.make_tree(int(2e5 if quick else 20e6))
+    size = sum(p.size for p in jax.tree.leaves(params))  # at least one 1024-wide layer
     reps = 3 if quick else 30
     scale = jp.DynamicLossScale(2.0**15)
     grads = jax.tree.map(lambda x: x * 1e-3, params)
@@ -250,28 +291,29 @@ def loss_scaling_rows(quick: bool) -> list[Row]:
                 times[name].append(time.perf_counter() - start)
     med = {k: statistics.median(v) for k, v in times.items()}
     ours = "jp.loss_scaling"
-    rows: list[Row] = []
+    rows = []
     for ref in ("plain adam", "jmp-style by hand", "apply_if_finite"):
         rows.append(
-            (
-                "loss scale",
-                "adam update, bytes accessed",
+            Row(
+                "bytes read and written",
                 ours,
+                _bytes(compiled[ours]),
                 ref,
-                _bytes(compiled[ours]) / _bytes(compiled[ref]),
+                _bytes(compiled[ref]),
+                "bytes",
             )
         )
-        rows.append(("loss scale", "adam update, time", ours, ref, med[ours] / med[ref]))
-    return rows
+        rows.append(Row(_timed("update time"), ours, med[ours], ref, med[ref], "s"))
+    heading = f"loss scale: one adam update of {size:,} float32 parameters, finite gradients"
+    return heading, rows
 
 
-def policy_map_rows(quick: bool) -> list[Row]:
+def policy_map_rows(quick: bool) -> Section:
     reps = 2 if quick else 7
     tree, keys = policy_map_bench.make_tree(), policy_map_bench.make_keys()
     keras = None
-    if not quick:  # importing Keras alone takes seconds
-        with contextlib.suppress(ImportError):
-            import keras
+    with contextlib.suppress(ImportError):
+        import keras
     ours_tree, ours_lookups, theirs = [], [], []
     for _ in range(reps):
         ours_tree.append(policy_map_bench.time_ours(tree, keys))
@@ -279,50 +321,72 @@ def policy_map_rows(quick: bool) -> list[Row]:
         if keras is not None:
             theirs.append(policy_map_bench.time_keras(keys))
     med = statistics.median
+    keras_time = med(theirs) if theirs else None
+    heading = f"policy map: {policy_map_bench.KEYS} regex keys, a cold map"
     if keras is None:
-        return [
-            (
-                "policy map",
-                "whole tree vs 1,000 lookups",
-                "tree",
-                "lookups",
-                med(ours_tree) / med(ours_lookups),
+        heading += " (Keras not installed: `pip install keras` fills its column)"
+    ours = "jp.DTypePolicyMap"
+    return heading, [
+        Row("1,000 module lookups", ours, med(ours_lookups), "Keras's map", keras_time, "s"),
+        Row(
+            "whole tree (20,000 variables)",
+            ours,
+            med(ours_tree),
+            "Keras, modules only",
+            keras_time,
+            "s",
+        ),
+    ]
+
+
+HEADER = ("what", "ours", "value", "against", "value", "ratio")
+
+
+def format_table(sections: list[Section]) -> str:
+    """One table, a heading line per benchmark; ratio = ours' value / against's."""
+    cells: list[tuple[str, ...] | str] = [HEADER]
+    for heading, rows in sections:
+        cells.append(heading)
+        for r in rows:
+            ratio = "-"
+            if r.ratio and r.against_value:  # neither None nor 0
+                ratio = f"{r.value / r.against_value:.3f}x"
+            cells.append(
+                (
+                    r.what,
+                    r.ours,
+                    format_value(r.value, r.unit),
+                    r.against,
+                    format_value(r.against_value, r.unit),
+                    ratio,
+                )
             )
-        ]
-    return [
-        (
-            "policy map",
-            "1,000 modules + 20,000 leaves",
-            "whole tree",
-            "Keras lookups",
-            med(ours_tree) / med(theirs),
-        ),
-        (
-            "policy map",
-            "1,000 module lookups",
-            "DTypePolicyMap",
-            "Keras",
-            med(ours_lookups) / med(theirs),
-        ),
-    ]
-
-
-def format_table(rows: list[Row]) -> str:
-    header = ("benchmark", "what", "ours", "against", "ratio")
-    cells = [header] + [(b, w, o, r, f"{x:.3f}x") for b, w, o, r, x in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(5)]
-    lines = [
-        "  ".join(
-            c[i].ljust(widths[i]) if i < 4 else c[i].rjust(widths[i]) for i in range(5)
-        ).rstrip()
-        for c in cells
-    ]
-    lines.insert(1, "-" * len(lines[0]))
+    table = [c for c in cells if isinstance(c, tuple)]
+    widths = [max(len(c[i]) for c in table) for i in range(len(HEADER))]
+    right = {2, 4, 5}  # the numbers
+    lines = []
+    for c in cells:
+        if isinstance(c, str):
+            lines.append(c)
+            continue
+        line = _INDENT + "  ".join(
+            c[i].rjust(widths[i]) if i in right else c[i].ljust(widths[i])
+            for i in range(len(HEADER))
+        )
+        lines.append(line.rstrip())
+        if c is HEADER:
+            lines.append(_INDENT + "-" * (len(line) - len(_INDENT)))
     return "\n".join(lines)
 
 
+_INDENT = "  "
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     args = parser.parse_args(argv)
     device = jax.devices()[0]
@@ -330,9 +394,10 @@ def main(argv: list[str] | None = None) -> None:
         f"jax {jax.__version__} on {device.device_kind} ({os.cpu_count()} cores), "
         f"{'quick' if args.quick else 'full'} sizes; ratio = ours / against (< 1: ours less)"
     )
-    rows = linen_rows(args.quick) + loss_scaling_rows(args.quick)
-    rows += policy_map_rows(args.quick) + quantization_rows(args.quick) + float8_rows(args.quick)
-    print(format_table(rows))
+    sections = [linen_rows(args.quick), loss_scaling_rows(args.quick)]
+    sections += [policy_map_rows(args.quick), quantization_rows(args.quick)]
+    sections.append(float8_rows(args.quick))
+    print(format_table(sections))
     if device.platform == "cpu":
         print("No speed-up on a CPU: XLA's CPU backend upcasts 16-bit arithmetic to float32.")
 

@@ -5,7 +5,8 @@ same data, with the same initial parameters and the same batches: once under the
 choose (``--policy``, optionally refined per submodule with ``--policy-map``) and once in
 float32. At the end a table compares the two runs (final loss and accuracy, step time,
 activation bytes kept for the backward pass, parameter bytes, skipped steps and the final
-loss scale) and a plot of the loss and the loss scale over the steps is written to a file.
+loss scale) and a plot of the loss and the loss scale over the steps is written to a file
+(in the temporary directory unless ``--plot`` says where; the script prints its path).
 The bytes are read from the traced step (the residuals ``jax.vjp`` keeps for the backward
 pass), so they are the same on a laptop's CPU as on a GPU or TPU.
 
@@ -32,6 +33,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -63,6 +65,8 @@ class MLP(nn.Module):
         return nn.Dense(10, name="head")(x)
 
 
+# Outside the working directory (a checkout stays clean); --plot puts it elsewhere.
+DEFAULT_PLOT = os.path.join(tempfile.gettempdir(), "jmp_policy_train_loss.png")
 _JMP_KEYS = ("p", "c", "o", "params", "compute", "output")
 
 
@@ -296,7 +300,9 @@ def format_table(name: str, ours: dict[str, Any], base: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(path: str, name: str, ours: dict[str, Any], base: dict[str, Any]) -> None:
+def figure(name: str, ours: dict[str, Any], base: dict[str, Any]) -> Any:
+    """The loss of both runs over the steps, and below it our loss scale (with the skipped
+    steps), or a note in its place when the policy has none."""
     fig, (ax_loss, ax_scale) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     steps = np.arange(1, len(ours["history"]["loss"]) + 1)
     ax_loss.plot(steps, base["history"]["loss"], label="float32", alpha=0.8)
@@ -316,21 +322,56 @@ def plot(path: str, name: str, ours: dict[str, Any], base: dict[str, Any]) -> No
                 label="skipped step",
             )
         ax_scale.legend()
-    else:
-        ax_scale.text(0.5, 0.5, f"{name}: no loss scaling (no float16)", ha="center")
+    else:  # an empty panel: a note in its middle, no ticks
+        ax_scale.set_yticks([])
+        ax_scale.text(
+            0.5,
+            0.5,
+            f"{name}: no loss scaling (no float16)",
+            ha="center",
+            va="center",
+            transform=ax_scale.transAxes,
+        )
     ax_scale.set_ylabel("loss scale")
     ax_scale.set_xlabel("step")
     fig.tight_layout()
+    return fig
+
+
+def plot(path: str, name: str, ours: dict[str, Any], base: dict[str, Any]) -> None:
+    fig = figure(name, ours, base)
     fig.savefig(path)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def module_names(hidden: int = 8) -> list[str]:
+    """The model's submodule names, the keys ``--policy-map`` can use (traced, not run)."""
+    shapes = jax.eval_shape(MLP(hidden).init, jax.random.key(0), jnp.zeros((1, 64)))
+    return list(shapes["params"])
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after every help line; the epilog as written."""
+
+
+def make_parser() -> argparse.ArgumentParser:
+    names = module_names()
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=_HelpFormatter,
+        epilog=(
+            f"--policy-map keys: the model's submodules, {', '.join(names)}, or regular\n"
+            "expressions over their paths (hidden_.*). Examples:\n"
+            "  python examples/train.py --policy mixed_float16\n"
+            "  python examples/train.py --policy-map 'head=float32,norm=float32'\n"
+            """  python examples/train.py --policy-map '{"hidden_.*": "mixed_float16"}'"""
+        ),
+    )
     parser.add_argument(
         "--policy",
         default="mixed_bfloat16",
         type=_policy_name,
+        metavar="NAME",
         help="a policy name: Keras (mixed_float16, float8_from_mixed_bfloat16), jmp "
         "(p=f32,c=bf16,o=f32) or a dtype",
     )
@@ -338,21 +379,35 @@ def main(argv: list[str] | None = None) -> None:
         "--policy-map",
         default=None,
         type=_policy_map_text,
-        help='per submodule, over --policy: JSON {"head": "float32"} or head=float32,norm=...',
+        metavar="MAP",
+        help="a policy per submodule, over --policy (keys listed below): JSON "
+        '{"head": "float32"} or head=float32,norm=float32',
     )
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=600, help="training steps of each run")
+    parser.add_argument("--batch", type=int, default=128, help="examples per step")
+    parser.add_argument("--hidden", type=int, default=512, help="width of the hidden layers")
+    parser.add_argument("--lr", type=float, default=1e-3, help="adam's learning rate")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the data split, the init and the batches"
+    )
     parser.add_argument(
         "--loss-scale-period",
         type=int,
         default=100,
         help="float16: finite steps before the loss scale doubles (Keras and PyTorch: 2000)",
     )
-    parser.add_argument("--plot", default="train_loss.png", help="where to write the plot")
+    parser.add_argument(
+        "--plot",
+        default=DEFAULT_PLOT,
+        metavar="PATH",
+        help="where to write the plot of the loss and the loss scale (a PNG file)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = make_parser()
     args = parser.parse_args(argv)
 
     policy = parse_policy_map(args.policy_map, args.policy)
@@ -376,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     if jax.default_backend() == "cpu":
         print("No speed-up on a CPU: XLA's CPU backend upcasts 16-bit arithmetic to float32.")
     plot(args.plot, name, ours, base)
-    print(f"plot of loss and loss scale written to {os.path.abspath(args.plot)}")
+    print(f"plot of the loss and the loss scale written to {os.path.abspath(args.plot)}")
 
 
 if __name__ == "__main__":

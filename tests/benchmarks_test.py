@@ -24,40 +24,135 @@ def _run(script, *flags):
     return result
 
 
-def test_run_all_quick_prints_one_table_of_ratios():
+def _sections(stdout):
+    """run_all's table: {benchmark: (heading, rows)}, each row its six cells."""
+    sections = {}
+    for line in stdout.splitlines():
+        if re.match(r"[a-z0-9][a-z0-9 ]*: ", line):  # a heading
+            rows = []
+            sections[line.partition(":")[0]] = (line, rows)
+        elif line.startswith("  ") and sections and not line.strip().startswith("-"):
+            rows.append(re.split(r"\s{2,}", line.strip()))
+    return sections
+
+
+def _number(cell, unit):
+    value, _, got = cell.partition(" ")
+    assert got == unit, cell
+    return float(value.replace(",", ""))
+
+
+def test_run_all_quick_prints_values_beside_ratios_in_plain_words():
     result = _run("run_all.py", "--quick")
     lines = result.stdout.splitlines()
-    rows = [line for line in lines if re.search(r"\s\d+\.\d{3}x$", line)]
-    benchmarks = {line.split()[0] for line in rows}
-    assert benchmarks == {"linen", "loss", "policy", "quantization", "float8"}, rows
     assert all(len(line) <= 100 for line in lines)
-    # The deterministic columns: zero overhead against casting by hand.
-    by_hand = {re.split(r"\s{2,}", line)[1]: line for line in rows if "by hand" in line}
-    assert by_hand["convert ops"].endswith(" 1.000x")
-    assert next(v for k, v in by_hand.items() if k.startswith("activation bytes")).endswith(
-        " 1.000x"
-    )
-    assert any("apply_if_finite" in line for line in rows)
+    header = lines[1].split()
+    assert header == ["what", "ours", "value", "against", "value", "ratio"]
+    sections = _sections(result.stdout)
+    assert list(sections) == ["linen", "loss scale", "policy map", "quantization", "float8"]
+    for heading, rows in sections.values():
+        assert rows and all(len(row) == 6 for row in rows), (heading, rows)
+        for _, _, ours, _, against, ratio in rows:  # the ratio is of the values shown
+            if ratio != "-":
+                a, b = (float(re.match(r"[\d.,]+", v)[0].replace(",", "")) for v in (ours, against))
+                if ours.split()[1:] == against.split()[1:]:  # same unit
+                    assert abs(float(ratio.rstrip("x")) - a / b) <= 0.02 * a / b + 0.01, rows
+
+    _, linen = sections["linen"]
+    by_hand = {row[0]: row for row in linen if row[3] == "cast by hand"}
+    # Zero overhead against casting by hand: the same compiled program.
+    assert by_hand["convert ops"][2] == by_hand["convert ops"][4]
+    assert by_hand["convert ops"][5] == "1.000x"
+    temp = by_hand["XLA temp memory"]
+    assert temp[2] == temp[4] and temp[2].endswith(("KB", "MB")) and temp[5] == "1.000x"
+    for row in ("step time", "trace time"):
+        assert by_hand[row][2].endswith(" ms") and by_hand[row][4].endswith(" ms")
     # Against float32: the activations the step keeps, read from its trace (16-bit on any
     # device, where XLA's CPU temp bytes are not), and timings labelled CPU on a CPU.
-    activations = next(line for line in rows if "activations kept for backward" in line)
-    assert float(activations.split()[-1].rstrip("x")) < 0.8
+    f32 = {row[0]: row for row in linen if row[3] == "float32"}
+    kept = f32["activations kept for backward"]
+    assert _number(kept[2], "KB") < 0.8 * _number(kept[4], "KB")
+    assert float(kept[5].rstrip("x")) < 0.8
     if jax.default_backend() == "cpu":
-        cells = [re.split(r"\s{2,}", line) for line in rows]
-        timed = [c[1] for c in cells if c[1].startswith("step time") and c[3] == "float32"]
-        assert timed and all(what == "step time, CPU" for what in timed), timed
+        timed = [row[0] for _, rows in sections.values() for row in rows if "time" in row[0]]
+        assert "step time, CPU" in timed and "update time, CPU" in timed
         assert lines[-1] == (
             "No speed-up on a CPU: XLA's CPU backend upcasts 16-bit arithmetic to float32."
         )
-    int8 = next(line for line in rows if "parameter bytes, int8" in line)
-    assert float(int8.split()[-1].rstrip("x")) <= 0.28  # int8 kernels + float32 biases
+
+    heading, loss_scale = sections["loss scale"]
+    assert "one adam update of" in heading
+    assert {row[3] for row in loss_scale} == {"plain adam", "jmp-style by hand", "apply_if_finite"}
+    assert all(row[1] == "jp.loss_scaling" for row in loss_scale)
+    assert all(row[2].endswith("MB") for row in loss_scale if row[0] == "bytes read and written")
+
+    # The policy map against Keras's, the README's peer; not against itself.
+    heading, policy_map = sections["policy map"]
+    assert [row[0] for row in policy_map] == [
+        "1,000 module lookups",
+        "whole tree (20,000 variables)",
+    ]
+    assert all(row[1] == "jp.DTypePolicyMap" and row[3].startswith("Keras") for row in policy_map)
+    assert all(row[2].endswith(" ms") for row in policy_map)
+    if "Keras not installed" in heading:
+        assert all(row[4:] == ["-", "-"] for row in policy_map)
+    else:
+        assert all(row[4].endswith(("ms", " s")) and row[5].endswith("x") for row in policy_map)
+
+    _, quantization = sections["quantization"]
+    quantized = {(row[0], row[1]): row for row in quantization}
+    int8 = quantized["parameter bytes", "int8"]
+    assert float(int8[5].rstrip("x")) <= 0.28  # int8 kernels + float32 biases
+    assert int8[2].endswith("KB") and int8[3] == "float32"
+    error = quantized["output error vs float32's", "int8"]
+    assert error[2].endswith("%") and float(error[2][:-1]) < 2 and error[5] == "-"
+
     # float8: every float8 convert where expected (6 per Dense: input, kernel and output
-    # gradient, each to and from float8), and training tracks bf16.
-    float8 = {re.split(r"\s{2,}", line)[1]: line for line in rows if line.startswith("float8")}
-    assert float8["float8 converts"].endswith(" 1.000x")
-    assert float8["dots in fp8 GEMM form"].endswith(" 1.000x")
-    loss = next(v for k, v in float8.items() if k.startswith("loss after"))
-    assert float(loss.split()[-1].rstrip("x")) < 0.05  # of the first loss
+    # gradient, each to and from float8), every dot on float8 operands, and training
+    # tracks bf16's from the same start.
+    heading, float8 = sections["float8"]
+    assert "MLP block" in heading
+    rows = {row[0]: row for row in float8}
+    converts = rows["converts to/from float8"]
+    assert converts[3] == "6 per Dense x 4" and converts[2] == converts[4] == "24"
+    assert rows["dots on float8 operands"][2:] == ["12", "all dots", "12", "1.000x"]
+    # What training leaves of the first loss, float8 beside bf16: both trained, alike.
+    loss = next(row for what, row in rows.items() if what.startswith("loss left after"))
+    assert loss[3] == "mixed_bfloat16" and loss[5] == "-"
+    ours, bf16 = (float(v.rstrip("%")) for v in (loss[2], loss[4]))
+    assert ours < 50 and bf16 < 50 and abs(ours - bf16) < 5  # percent of the first loss
+
+
+def test_table_values_carry_their_units():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import run_all
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert run_all.format_value(278_000, "bytes") == "278 KB"
+    assert run_all.format_value(1.5e6, "bytes") == "1.50 MB"
+    assert run_all.format_value(512, "bytes") == "512 B"
+    assert run_all.format_value(0.00076, "s") == "0.76 ms"
+    assert run_all.format_value(0.0871, "s") == "87.1 ms"
+    assert run_all.format_value(2.5, "s") == "2.50 s"
+    assert run_all.format_value(1119, "count") == "1,119"
+    assert run_all.format_value(0.0083, "share") == "0.83%"
+    assert run_all.format_value(None, "s") == "-"
+    row = run_all.Row("step time", "a", 0.002, "b", 0.004, "s")
+    table = run_all.format_table([("linen: words", [row])]).splitlines()
+    assert table[0].split() == list(run_all.HEADER)
+    assert table[2] == "linen: words"
+    unratioed = run_all.Row("loss left", "a", 0.002, "b", 0.00001, "share", ratio=False)
+    table += run_all.format_table([("x: y", [unratioed])]).splitlines()
+    assert table[-1].split()[-1] == "-"
+    assert re.split(r"\s{2,}", table[3].strip()) == [
+        "step time",
+        "a",
+        "2.00 ms",
+        "b",
+        "4.00 ms",
+        "0.500x",
+    ]
 
 
 def test_float8_bench_quick_prints_its_table_and_the_loss_gap():

@@ -227,6 +227,70 @@ def test_format_rows_fits_100_columns_on_a_transformer_and_keeps_every_path():
     assert rows_by_path["total"] == ["1.5G", f"{(8 * 7 + 16) * 12}M"]  # 1536M, 864M
 
 
+def _block_rows(i):
+    """Rows of one block of colabs/02's transformer (a Linen MultiHeadDotProductAttention)."""
+    f32, bf16 = "float32", "bfloat16"
+    return [
+        ExplainRow(f"layers_{i}", "Block", "mixed_bfloat16", "default"),
+        ExplainRow(f"layers_{i}/norm1", "LayerNorm", f32, "type LayerNorm", "", f32, f32, 1024),
+        ExplainRow(f"layers_{i}/attention", "MultiHeadDotProductAttention", "mixed_bfloat16"),
+        *[
+            ExplainRow(
+                f"layers_{i}/attention/{name}",
+                "DenseGeneral",
+                "mixed_bfloat16",
+                "default",
+                "",
+                f32,
+                bf16,
+                65536,
+                32768,
+            )
+            for name in ("query", "key", "value", "out")
+        ],
+        ExplainRow(f"layers_{i}/mlp_in", "Dense", "mixed_bfloat16", "default", "", f32, bf16, 9),
+    ]
+
+
+@pytest.mark.parametrize(
+    "module_class",
+    ["MultiHeadDotProductAttention", "MultiHeadAttention", "ConvTranspose", "DenseGeneral"],
+)
+def test_format_rows_keeps_flax_class_names_whole_shrinking_paths_first(module_class):
+    rows = [ExplainRow("", "Transformer", "mixed_bfloat16", "default")]
+    rows += [row for i in range(2) for row in _block_rows(i)]
+    rows = [
+        r._replace(module_class=module_class) if "Attention" in r.module_class else r for r in rows
+    ]
+    rows.append(ExplainRow("head", "Dense", "float32", "key 'head'", "", "float32", "float32", 8))
+    text = format_rows(rows)
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
+    assert "…" not in text
+    parsed = dict(_split_rows(text))
+    assert parsed["layers_1/attention"][0] == module_class
+    assert parsed["layers_1/attention/query"][:2] == ["DenseGeneral", "mixed_bfloat16"]
+    assert [path for path, _ in _split_rows(text)] == [r.path or "<root>" for r in rows] + ["total"]
+
+
+def test_format_rows_cuts_a_class_name_only_when_nothing_else_can_shrink():
+    policy = "float8_current_from_mixed_bfloat16"
+    row = ExplainRow(
+        "encoder/" + "x" * 40,
+        "MultiHeadDotProductAttention",
+        policy,
+        "s" * 16,
+        "float16",
+        "float32",
+        "bfloat16",
+        1,
+        1,
+    )
+    text = format_rows([row])
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
+    cls = text.splitlines()[2].split()[1]
+    assert cls.startswith("MultiHe") and "…" in cls and len(cls) < 28  # cut, as a last resort
+
+
 def test_format_rows_lists_long_sources_only_when_the_table_is_too_wide():
     long_source = "key 'encoder/layers_[0-9]+/attention'"
     narrow = format_rows([ExplainRow("enc", policy="float32", source=long_source)])

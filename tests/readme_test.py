@@ -93,3 +93,24 @@ def test_peer_table_has_a_column_per_peer():
     header = _section("Against the peers").splitlines()[2]
     for peer in ["Keras 3", "tf.keras", "jmp", "Haiku", "Flax `dtype=`", "optax", "PyTorch AMP"]:
         assert f"| {peer} |" in header, peer
+
+
+def test_ci_runs_the_readmes_test_command_in_parallel():
+    root = README.parent
+    command = re.search(r'pip install -e "\.\[test\]" && (python -m pytest.*)', README.read_text())
+    assert command and command[1] == "python -m pytest -q -n auto"
+    assert command[1] in (root / ".ci" / "run").read_text().splitlines()
+    assert '"pytest-xdist>=' in (root / "pyproject.toml").read_text()  # in the `test` extra
+    minutes = re.search(r"takes about (\d+) minutes on 2 cores", README.read_text())
+    assert minutes, "the README says how long the suite takes"
+
+
+def test_tests_see_8_cpu_devices_in_every_process():
+    """The root conftest.py sets XLA_FLAGS before jax is imported, in each xdist worker too."""
+    import os
+
+    import jax
+
+    assert os.environ["XLA_FLAGS"].count("--xla_force_host_platform_device_count=8") == 1
+    if jax.default_backend() == "cpu":
+        assert jax.device_count() == 8

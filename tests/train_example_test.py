@@ -3,11 +3,15 @@
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
+
+import jmp_policy as jp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train.py"
@@ -22,13 +26,16 @@ def _load_script():
 
 
 def _train(tmp_path, *flags, returncode=0):
+    temp = tmp_path / "temp"  # the script's temporary directory
+    temp.mkdir(exist_ok=True)
     result = subprocess.run(
         [sys.executable, str(SCRIPT), *flags],
         capture_output=True,
         text=True,
         timeout=180,
         cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's jmp_policy
+        # this checkout's jmp_policy
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(temp)},
     )
     assert result.returncode == returncode, result.stderr[-3000:]
     return result
@@ -84,7 +91,86 @@ def test_16_bit_policies_keep_fewer_activation_bytes_even_on_a_cpu(tmp_path, pol
     if "on CPU" in out:
         assert "step time (median, CPU)" in out
         assert "No speed-up on a CPU: XLA's CPU backend upcasts 16-bit arithmetic" in out
-    assert (tmp_path / "train_loss.png").is_file()
+    # Not into the working directory: into the temporary one, and it says where.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["temp"]
+    plot = tmp_path / "temp" / "jmp_policy_train_loss.png"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out.splitlines()[-1] == f"plot of the loss and the loss scale written to {plot}"
+
+
+def test_help_gives_every_default_and_the_policy_map_keys(tmp_path):
+    out = _train(tmp_path, "--help").stdout
+    options = re.findall(r"^  (--[a-z-]+)", out, flags=re.MULTILINE)
+    assert options == [
+        "--policy",
+        "--policy-map",
+        "--steps",
+        "--batch",
+        "--hidden",
+        "--lr",
+        "--seed",
+        "--loss-scale-period",
+        "--plot",
+        "--no-progress",
+    ]
+    # Each option's help, up to the next option: words, then its default.
+    helps = re.split(r"^  --[a-z-]+", out.partition("options:")[2], flags=re.MULTILINE)[1:]
+    for option, text in zip(options, helps, strict=True):
+        words = " ".join(text.split())
+        assert "(default: " in words, (option, words)
+        assert len(re.sub(r"\(default: .*\)|[A-Z_]+", "", words).strip()) > 10, (option, words)
+    assert "(default: 600)" in helps[2] and "(default: 0.001)" in helps[5]
+    plot = "".join(helps[8].split())  # argparse wraps a long path anywhere
+    assert f"(default:{tmp_path / 'temp' / 'jmp_policy_train_loss.png'})" in plot
+    epilog = out.rpartition("(default: False)")[2]
+    assert "--policy-map keys: the model's submodules, head, hidden_0, hidden_1, norm" in epilog
+
+
+def test_module_names_are_the_policy_map_keys():
+    train = _load_script()
+    names = train.module_names()
+    assert sorted(names) == ["head", "hidden_0", "hidden_1", "norm"]
+    policy_map = train.parse_policy_map(",".join(f"{n}=float32" for n in names), "bfloat16")
+    model, x = train.MLP(8), jnp.zeros((1, 64))
+    variables = model.init(jax.random.key(0), x)
+    table = jp.linen.explain(model, policy_map, variables, x)
+    assert sorted(re.findall(r"key '(\w+)'", table)) == sorted(names)
+
+
+def _results(scale):
+    steps = 5
+    history = {"loss": [2.0, 1.5, 1.0, 0.8, 0.7], "scale": [scale or 1.0] * steps}
+    history["skipped"] = [0] * steps
+    return {"history": history, "scale": scale}
+
+
+def test_plot_without_loss_scaling_notes_it_inside_the_empty_panel():
+    train = _load_script()
+    fig = train.figure("mixed_bfloat16", _results(None), _results(None))
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        panel = fig.axes[1]
+        (note,) = panel.texts
+        assert note.get_text() == "mixed_bfloat16: no loss scaling (no float16)"
+        box = note.get_window_extent(renderer)
+        assert panel.get_window_extent(renderer).contains(*box.min)
+        assert panel.get_window_extent(renderer).contains(*box.max)
+        assert not box.overlaps(panel.yaxis.label.get_window_extent(renderer))
+        assert panel.get_yticks().size == 0  # an empty panel has no scale to read
+    finally:
+        train.plt.close(fig)
+
+
+def test_plot_with_loss_scaling_draws_the_scale():
+    train = _load_script()
+    fig = train.figure("mixed_float16", _results(2.0**15), _results(None))
+    try:
+        panel = fig.axes[1]
+        assert not panel.texts and panel.get_yscale() == "log"
+        assert list(panel.lines[0].get_ydata()) == [2.0**15] * 5
+    finally:
+        train.plt.close(fig)
 
 
 def test_saved_bytes_counts_the_residuals_not_the_arguments():

@@ -27,6 +27,11 @@ _PATH, _CLASS, _POLICY, _SOURCE, _OWN, _DTYPE = range(6)
 _FIRST_NUMERIC = 6
 # Narrowest widths the elastic columns are shortened to (with "…") when space runs out.
 _MIN_WIDTH = {_PATH: 16, _CLASS: 8, _POLICY: 14, _OWN: 4, _DTYPE: 8}
+# The class column keeps this much while the others shrink: Flax's longest common class
+# name, "MultiHeadDotProductAttention", stays whole; below it only if nothing else fits.
+# Paths shrink further first (to 10): a long path is grouped under its parent, not cut.
+_CLASS_WIDTH = len("MultiHeadDotProductAttention")
+_KEEP_CLASS = {**_MIN_WIDTH, _PATH: 10, _CLASS: _CLASS_WIDTH}
 _SOURCE_WIDTH = 16  # longer sources become references "[n]" listed under the table
 
 
@@ -150,15 +155,17 @@ def _dtype_cell(row: ExplainRow) -> str:
 
 def _fill(naturals: dict[int, int], available: int) -> dict[int, int]:
     """Widths for the elastic columns: all natural if they fit, else each capped at one
-    common level (never below its minimum), the widest level that fits."""
+    common level (never below its minimum), the widest level that fits; the class column
+    keeps up to ``_CLASS_WIDTH`` until the others are at their minimums."""
     if sum(naturals.values()) <= available:
         return dict(naturals)
-    level = max(naturals.values())
-    while level > 1:
-        widths = {c: min(n, max(_MIN_WIDTH[c], level)) for c, n in naturals.items()}
-        if sum(widths.values()) <= available:
-            return widths
-        level -= 1
+    for minimum in (_KEEP_CLASS, _MIN_WIDTH):
+        level = max(naturals.values())
+        while level > 0:
+            widths = {c: min(n, max(minimum[c], level)) for c, n in naturals.items()}
+            if sum(widths.values()) <= available:
+                return widths
+            level -= 1
     return {c: min(n, _MIN_WIDTH[c]) for c, n in naturals.items()}
 
 
@@ -173,8 +180,9 @@ def format_rows(rows: Iterable[ExplainRow]) -> str:
     be wider than 100 columns, a source longer than 16 characters becomes a reference
     ``[n]`` spelled out under the table; paths too long for their column are grouped under a line holding their
     parent path (``encoder/layers_0/attention/``), each row then showing its last segment
-    indented; and the path, class, policy, own and dtype columns are shortened with ``…``,
-    widest first, only as far as needed.
+    indented; and the path, policy, own and dtype columns are shortened with ``…``, widest
+    first, only as far as needed, before the class column goes below 28 characters (Flax's
+    ``MultiHeadDotProductAttention`` stays whole).
 
     Args:
         rows: the rows, in the order to show them.
