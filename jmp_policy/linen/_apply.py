@@ -1,153 +1,30 @@
-"""Running a Linen model per submodule: the interceptor, parameter casts, apply and init."""
+"""Running a Linen model per submodule: `apply` and the parameters it hands back."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-from flax.core.scope import Scope
 
 import jmp_policy.linen._modules as m
-from jmp_policy._src import casting, float8, interception, quantization
+from jmp_policy._src import casting
 from jmp_policy._src.options import Options
-from jmp_policy._src.policy_map import leaf_path, parent_path
-from jmp_policy._src.resolution import ModuleInfo, Resolver
+from jmp_policy._src.policy_map import leaf_path
+from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
-from jmp_policy.linen._quantization import KernelRun, kernel_run, quantized_matmuls
-
-_MAX_RETRACES = 8
-
-
-def interceptor(
-    resolver: Resolver,
-    root_method: str | None,
-    on_new: Callable[[str], None] | None = None,
-) -> Callable[..., Any]:
-    """The ``nn.intercept_methods`` interceptor: finds the call and hands it to the hook.
-
-    Intercepted: every module's ``__call__``, and the root's ``root_method``. ``on_new``
-    is told each module path the resolver had not met, once it is recorded.
-    """
-    # Quantized layers' matmuls innermost; one per run (it counts float8 calls).
-    extensions = (*resolver.options.extensions, quantized_matmuls())
-
-    def intercept(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
-        module = context.module
-        name = context.method_name
-        if name == "setup":  # known before `setup` reads its parameters
-            path = m.path_of(module)
-            if path not in resolver.infos:
-                resolver.infos[path] = ModuleInfo(type(module), m.own_dtype(module))
-            return next_fun(*args, **kwargs)
-        if name != "__call__" and not (name == root_method and not module.path):
-            return next_fun(*args, **kwargs)
-        path = m.path_of(module)
-        new = on_new is not None and path not in resolver.infos
-        resolution = resolver.module(path, type(module), m.own_dtype(module))
-        if new:
-            on_new(path)  # type: ignore[misc]
-        call = interception.Call(path, module, resolution)
-        with (
-            contextlib.nullcontext()
-            if resolution.set_dtype is None  # module_dtype="override" gives the policy's
-            else interception.attribute_set(module, "dtype", resolution.set_dtype)
-        ):
-            return interception.run(call, next_fun, args, kwargs, extensions=extensions)
-
-    return intercept
-
-
-def _flat(params: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """Flattened with paths; a QuantizedArray is one leaf at its kernel's path."""
-    return jax.tree_util.tree_flatten_with_path(params, is_leaf=quantization.is_quantized)
-
-
-def _cast_params(params: Any, resolver: Resolver, whole: Mapping[str, Any] = {}) -> Any:
-    """Parameters in their compute dtypes; the kernels of the module paths in ``whole``
-    as their quantized integer values (the layer's matmul reads them with the scales)."""
-    flat, treedef = _flat(params)
-    leaves = []
-    for kp, leaf in flat:
-        path = leaf_path(kp)
-        if isinstance(leaf, quantization.QuantizedArray) and (
-            whole.get(parent_path(path) or "") is leaf
-        ):
-            # int4 has no implicit promotion in JAX: Flax's promote_dtype gets int8. The
-            # layer's matmul reads the QuantizedArray itself, so this copy is dead code.
-            values: Any = getattr(leaf, "values")  # noqa: B009
-            leaves.append(values.astype(jnp.int8) if values.dtype == jnp.int4 else values)
-        else:
-            leaves.append(casting.compute_leaf(leaf, resolver.variable(path)[0].compute_dtype))
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _quantized_kernels(params: Any) -> dict[str, Any]:
-    """Module path -> its ``QuantizedArray`` parameter named ``kernel``."""
-    found = {}
-    for kp, leaf in _flat(params)[0]:
-        path = leaf_path(kp)
-        if quantization.is_quantized(leaf) and path.rpartition("/")[2] == "kernel":
-            found[parent_path(path) or ""] = leaf
-    return found
-
-
-def _whole_kernels(
-    variables: Mapping[str, Any],
-    resolved: Any,
-    options: Options,
-    known: dict[str, Any],
-    call: Callable[[Any, Resolver], Any],
-    method: Any,
-) -> dict[str, Any]:
-    """The quantized kernels that reach their layers whole: those of modules whose matmul
-    jmp_policy routes, seen at their stored shape (learnt by a shape-only run), under a
-    policy that is not float8 (float8 quantizes float kernels itself)."""
-    quantized = _quantized_kernels(variables.get("params", {}))
-    if not quantized:
-        return {}
-    routes: dict[str, bool] = {}
-    chosen = Resolver(resolved, options, dict(known))
-    with kernel_run(KernelRun({}, quantized, routes)):
-        # The casts happen inside the shape-only run: nothing is added to the caller's trace.
-        _learn_shapes(
-            known,
-            resolved,
-            options,
-            lambda: _with_params(variables, lambda p: _cast_params(p, chosen)),
-            call,
-            method,
-        )
-    chosen = Resolver(resolved, options, dict(known))
-    return {
-        path: q
-        for path, q in quantized.items()
-        if routes.get(path)
-        and not float8.is_float8(chosen.variable(f"{path}/kernel" if path else "kernel")[0])
-    }
-
-
-def _with_params(variables: Mapping[str, Any], fn: Callable[[Any], Any]) -> Any:
-    if "params" not in variables:
-        return variables
-    result = dict(variables)
-    result["params"] = fn(variables["params"])
-    return result
+from jmp_policy.linen._trace import flat_params, method_for, run_traced
 
 
 def _restore_params(returned: Any, passed: Any, stored: Any, resolver: Resolver) -> Any:
     """``mutable`` "params" back in their stored dtypes (the stored leaf when unchanged)."""
 
     def by_path(tree: Any) -> dict[str, Any]:
-        return {leaf_path(key_path): leaf for key_path, leaf in _flat(tree)[0]}
+        return {leaf_path(key_path): leaf for key_path, leaf in flat_params(tree)[0]}
 
     passed_leaves, stored_leaves = by_path(passed), by_path(stored)
-    flat, treedef = _flat(returned)
+    flat, treedef = flat_params(returned)
     leaves = []
     for key_path, leaf in flat:
         path = leaf_path(key_path)
@@ -158,206 +35,6 @@ def _restore_params(returned: Any, passed: Any, stored: Any, resolver: Resolver)
         else:
             leaves.append(casting.cast_leaf(leaf, resolver.variable_dtype(path)))
     return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _learn_shapes(
-    known: dict[str, Any],
-    resolved: Any,
-    options: Options,
-    cast_variables: Any,
-    call: Callable[[Any, Resolver], Any],
-    method: Any,
-) -> None:
-    """Records every module of the model into ``known`` by a shape-only run
-    (``cast_variables``, or a function that makes them inside that run)."""
-    learner = Resolver(resolved, options, dict(known))
-
-    def run() -> Any:
-        with (
-            nn.intercept_methods(interceptor(learner, root_method(method))),
-            interception.model_run(options),
-        ):
-            cast = cast_variables() if callable(cast_variables) else cast_variables
-            return call(cast, learner)
-
-    # A failure here is left for the real run to report; what was met is kept.
-    with contextlib.suppress(Exception):
-        jax.eval_shape(run)
-    known.update(learner.infos)
-
-
-class _Stale(Exception):
-    """A module met during a run changes how its parameters should have been cast."""
-
-
-# The parameter reads of the run in progress: fix(path, value) -> value.
-_READS: contextvars.ContextVar[Callable[[str, Any], Any] | None] = contextvars.ContextVar(
-    "jmp_policy_linen_reads", default=None
-)
-
-
-def _get_variable(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def get_variable(scope: Any, col: str, name: str, default: Any = None) -> Any:
-        value = original(scope, col, name, default)
-        fix = _READS.get() if _PARAM_READS.inside() else None
-        if fix is None or col != "params" or value is default:
-            return value
-        return fix("/".join(str(p) for p in (*scope.path, name)), value)
-
-    return get_variable
-
-
-def _variables(original: Any) -> Any:
-    def variables(module: nn.Module) -> Any:
-        value = original.fget(module)
-        fix = _READS.get() if _PARAM_READS.inside() else None
-        scope = module.scope
-        if fix is None or scope is None or not isinstance(value, Mapping):
-            return value
-        if "params" not in value:
-            return value
-        stem = tuple(str(p) for p in scope.path)
-
-        def fixed(key_path: Any, leaf: Any) -> Any:
-            return fix("/".join((*stem, leaf_path(key_path))), leaf)
-
-        result = dict(value)
-        result["params"] = jax.tree_util.tree_map_with_path(
-            fixed, value["params"], is_leaf=quantization.is_quantized
-        )
-        return result
-
-    return property(variables, doc=original.__doc__)
-
-
-_PARAM_READS = interception.ThreadPatch(Scope, {"get_variable": _get_variable})
-_MODULE_READS = interception.ThreadPatch(nn.Module, {"variables": _variables})
-
-
-def _read_fix(
-    chosen: Resolver, resolver: Resolver, stored: dict[str, Any], early: set[str]
-) -> Callable[[str, Any], Any]:
-    """Parameters were cast before the run from what was known of the modules; a module
-    met in the run (its own ``dtype``, its class in ``type_policies``) may want another
-    dtype. Its parameters are then read cast from their stored value, in the same trace
-    (no second run, nothing rounded through the earlier choice). A stored value that is
-    not the one read (a layer of an ``nn.scan`` stack) stops the run instead; ``early``
-    collects the parameters read before their module was met."""
-
-    def fix(path: str, value: Any) -> Any:
-        module = parent_path(path) or ""
-        if module not in resolver.infos:
-            early.add(path)  # not met yet: read as chosen, checked after the run
-            return value
-        want = resolver.variable(path)[0].compute_dtype
-        if chosen.variable(path)[0].compute_dtype == want:
-            return value
-        original = stored.get(path)
-        if original is None or getattr(original, "shape", None) != getattr(value, "shape", ()):
-            raise _Stale(path)
-        return casting.compute_leaf(original, want)
-
-    return fix
-
-
-def root_method(method: Any) -> str:
-    return "__call__" if method is None else method if isinstance(method, str) else ""
-
-
-def run_traced(
-    module: nn.Module,
-    resolved: Any,
-    options: Options,
-    known: dict[str, Any],
-    variables: Mapping[str, Any],
-    call: Callable[[Any, Resolver], Any],
-    method: Any,
-    on_error: Callable[[Resolver], None] | None = None,
-) -> tuple[Any, Resolver, Any]:
-    """Runs ``call(cast_variables, resolver)`` under the interceptor, learning the model's modules.
-
-    Parameters are cast before the model runs, so their dtypes are chosen from what is
-    known of the modules (``known``: classes and own dtypes from earlier runs). The run
-    records every module it calls; when one changes the dtype its parameters should be
-    read in (a class in ``type_policies``, a module's own ``dtype``), they are read cast
-    from their stored value in the same trace, so the model body is traced once and a
-    float32 island's weights are never rounded through bfloat16. Only when that cannot
-    be done (a layer of an ``nn.scan`` stack met for the first time) is the model's shape
-    learnt (``jax.eval_shape``, nothing added to the caller's trace) and run again.
-
-    Returns:
-        ``(result, resolver, cast_variables)`` of the run that counts.
-    """
-    params = variables.get("params", {})
-    stored = {leaf_path(kp): leaf for kp, leaf in _flat(params)[0]}
-    whole = _whole_kernels(variables, resolved, options, known, call, method)
-    for _ in range(_MAX_RETRACES):
-        chosen = Resolver(resolved, options, dict(known))
-        cast_variables = _with_params(variables, lambda p: _cast_params(p, chosen, whole))  # noqa: B023
-        resolver = Resolver(resolved, options, dict(known))
-        error: Exception | None = None
-        early: set[str] = set()
-        token = _READS.set(_read_fix(chosen, resolver, stored, early))
-        try:
-            with (
-                nn.intercept_methods(interceptor(resolver, root_method(method))),
-                interception.model_run(options),
-                kernel_run(KernelRun(whole)),
-                _PARAM_READS.active(),
-                _MODULE_READS.active(),
-            ):
-                result = call(cast_variables, resolver)
-        except _Stale:
-            # Cut short: a module met changes a cast. Learn the whole model shape-only
-            # (nothing computed, nothing added to the caller's trace), then run again.
-            known.update(resolver.infos)
-            _learn_shapes(known, resolved, options, cast_variables, call, method)
-            continue
-        except Exception as e:
-            error = e
-        finally:
-            _READS.reset(token)
-        resolver.used_keys |= chosen.used_keys
-        learnt = Resolver(resolved, options, dict(resolver.infos))
-        # Parameters read after their module was met were read in the right dtype; a
-        # difference left is one read before (a parent reading a child's variables).
-        stale = any(
-            chosen.variable(p)[0].compute_dtype != learnt.variable(p)[0].compute_dtype
-            for p in early
-        )
-        known.update(resolver.infos)
-        if error is not None:
-            if not stale:
-                if on_error is not None:
-                    on_error(resolver)  # say what was turned off before the error
-                raise error
-            continue
-        if not stale:
-            return result, resolver, cast_variables
-    raise RuntimeError(  # pragma: no cover - only a model that changes with every trace
-        f"{type(module).__name__} calls different modules on every trace; jmp_policy "
-        "could not settle the dtypes of its parameters."
-    )
-
-
-def method_for(resolver: Resolver, method: Any) -> Any:
-    """``method`` for ``module.apply``; a callable (not a module method) runs in the hook."""
-    if not callable(method):
-        return method
-
-    def run_root(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        resolution = resolver.module("", type(module), m.own_dtype(module))
-        call = interception.Call("", module, resolution)
-        return interception.run(
-            call,
-            lambda *a, **k: method(module, *a, **k),
-            args,
-            kwargs,
-            extensions=resolver.options.extensions,
-        )
-
-    return run_root
 
 
 def apply(

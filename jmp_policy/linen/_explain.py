@@ -9,8 +9,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-import jmp_policy.linen._apply as _apply
 import jmp_policy.linen._modules as m
+import jmp_policy.linen._trace as _trace
 from jmp_policy._src import matmuls
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.options import OPTION_DEFAULTS, floating_policy_or_map
@@ -96,11 +96,11 @@ def explain(
             return module.apply(
                 cast_variables,
                 *a,
-                **{**apply_kwargs, "method": _apply.method_for(resolver, method)},
+                **{**apply_kwargs, "method": _trace.method_for(resolver, method)},
                 **k,
             )
 
-        found.append(_apply.run_traced(module, resolved, options, known, v, call, method)[1])
+        found.append(_trace.run_traced(module, resolved, options, known, v, call, method)[1])
 
     with matmuls.recording() as forms:
         jax.eval_shape(trace, *[x for x, flag in zip(leaves, traced, strict=True) if flag])

@@ -14,7 +14,7 @@ from jmp_policy._src import casting, interception
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
-from jmp_policy.linen._apply import interceptor, method_for, root_method, run_traced
+from jmp_policy.linen._trace import interceptor, method_for, root_method, run_traced
 
 _INIT_MUTABLE = nn.DenyList("intermediates")  # `module.init`'s default
 
