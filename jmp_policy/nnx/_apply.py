@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -231,78 +231,16 @@ def apply_with(
 
     def run(*args: Any, **kwargs: Any) -> Any:
         resolver = resolver_for(model, resolved, opts)
-        graphdef, state = nnx.split(model)
-        stored: dict[str, np.dtype] = {}
-        # A stacked layer (nnx.vmap'd, run under nnx.scan) sees a slice of its kernel:
-        # its QuantizedArray is dequantized ahead of the model, not passed whole.
-        routable = {
-            m.path_of(parts)
-            for parts, module in nnx.iter_modules(model)
-            if q.routable(module) and not q.stacked(module)
-        }
-        whole: dict[str, Any] = {}  # module path -> its QuantizedArray kernel, passed whole
-
-        plain: list[str] = []  # floating plain arrays the policy would have cast
-
-        def cast_variable(key_path: Any, variable: Any) -> Any:
-            path = leaf_path(key_path)
-            if not isinstance(variable, nnx.Variable):
-                # A plain array attribute (Flax's `07_array_leaves` toy example): not an
-                # `nnx.Param` for Flax (`nnx.grad` and `nnx.Optimizer` leave it out by
-                # default), so it is state, kept in its dtype like a `BatchStat`.
-                if isinstance(variable, (jax.Array, np.ndarray)):
-                    stored[path] = variable.dtype
-                    compute = resolver.module(parent_path(path) or "").policy.compute_dtype
-                    if casting.should_cast(variable, compute):
-                        plain.append(path)
-                return variable
-            if isinstance(variable, nnx.Param):
-                policy = resolver.variable(path)[0]
-                value = variable.get_value()
-                module_path, _, name = path.rpartition("/")
-                if (
-                    quantization.is_quantized(value)
-                    and name == "kernel"
-                    and module_path in routable
-                    and not float8.is_float8(policy)
-                ):
-                    # The layer's matmul reads the QuantizedArray itself (see
-                    # jmp_policy._src.matmuls); NNX's promote_dtype gets its integers.
-                    whole[module_path] = value
-                    ints = value.values
-                    return variable.replace(
-                        ints.astype(jnp.int8) if ints.dtype == jnp.int4 else ints
-                    )
-                return variable.replace(policy.cast_to_compute(value))
-            value = variable.get_value()
-            if isinstance(value, (jax.Array, np.ndarray)):
-                stored[path] = value.dtype
-            return variable.replace(variable.get_value())  # A fresh variable for the copy.
-
-        copy_state = jax.tree_util.tree_map_with_path(
-            cast_variable, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-        )
-        copy = nnx.merge(graphdef, copy_state)
-        for parts, module in list(nnx.iter_modules(copy)):
-            path = m.path_of(parts)
-            resolution = resolver.module(path)
-            if resolution.set_dtype is not None:
-                object.__setattr__(module, "dtype", resolution.set_dtype)
-            elif m.filled_dtype(module):  # not the user's: computes in the policy's dtype
-                object.__setattr__(module, "dtype", resolution.policy.compute_dtype)
-            wrapped = tuple(name for name in methods if m.method_of(type(module), name))
-            if wrapped:
-                subclass = _policy_subclass(type(module), path, resolution, extensions, wrapped)
-                object.__setattr__(module, "__class__", subclass)
-
+        copy, casts = _cast_copy(model, resolver)
+        _dress(copy, resolver, methods, extensions)
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
-        compute = compute_modules(resolver, state, m.MATMUL_CLASSES)
+        compute = compute_modules(resolver, nnx.state(model), m.MATMUL_CLASSES)
         warn_once(resolver, type(model).__name__, warned, compute)
-        if plain and "plain" not in warned:
+        if casts.plain and "plain" not in warned:
             warned.add("plain")
-            _warn_plain_arrays(type(model).__name__, plain)
-        with interception.model_run(opts), q.model_run(whole):
+            _warn_plain_arrays(type(model).__name__, casts.plain)
+        with interception.model_run(opts), q.model_run(casts.whole):
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
             else:
@@ -315,20 +253,109 @@ def apply_with(
                     extensions=extensions,
                     opaque=m.is_nnx_object,
                 )
-
-        def restore(key_path: Any, variable: Any) -> Any:
-            dtype = stored.get(leaf_path(key_path))
-            if dtype is None:  # Created during the call, or not an array: kept as is.
-                return variable
-            if not isinstance(variable, nnx.Variable):  # a plain array attribute
-                return casting.cast_leaf(variable, dtype)
-            return variable.replace(casting.cast_leaf(variable.get_value(), dtype))
-
-        updates = nnx.state(copy, nnx.Not(nnx.Param))
-        updates = jax.tree_util.tree_map_with_path(
-            restore, updates, is_leaf=lambda x: isinstance(x, nnx.Variable)
-        )
-        nnx.update(model, updates)
+        _write_back(model, copy, casts.stored)
         return out
 
     return run
+
+
+class _Casts(NamedTuple):
+    """What :func:`_cast_copy` did: the stored dtypes of the non-parameter state (to write
+    it back in), the QuantizedArray kernels passed whole, the plain floating arrays the
+    policy would have cast."""
+
+    stored: dict[str, np.dtype]
+    whole: dict[str, Any]
+    plain: list[str]
+
+
+def _cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, _Casts]:
+    """The policy-running copy of ``model``: parameters in their compute dtypes (a
+    quantized kernel of a routed layer as its integer values, read whole by the layer's
+    matmul), every other variable a fresh one in its stored dtype."""
+    graphdef, state = nnx.split(model)
+    casts = _Casts({}, {}, [])
+    # A stacked layer (nnx.vmap'd, run under nnx.scan) sees a slice of its kernel:
+    # its QuantizedArray is dequantized ahead of the model, not passed whole.
+    routable = {
+        m.path_of(parts)
+        for parts, module in nnx.iter_modules(model)
+        if q.routable(module) and not q.stacked(module)
+    }
+
+    def cast_variable(key_path: Any, variable: Any) -> Any:
+        path = leaf_path(key_path)
+        if not isinstance(variable, nnx.Variable):
+            # A plain array attribute (Flax's `07_array_leaves` toy example): not an
+            # `nnx.Param` for Flax (`nnx.grad` and `nnx.Optimizer` leave it out by
+            # default), so it is state, kept in its dtype like a `BatchStat`.
+            if isinstance(variable, (jax.Array, np.ndarray)):
+                casts.stored[path] = variable.dtype
+                compute = resolver.module(parent_path(path) or "").policy.compute_dtype
+                if casting.should_cast(variable, compute):
+                    casts.plain.append(path)
+            return variable
+        value = variable.get_value()
+        if isinstance(variable, nnx.Param):
+            policy = resolver.variable(path)[0]
+            module_path, _, name = path.rpartition("/")
+            if (
+                quantization.is_quantized(value)
+                and name == "kernel"
+                and module_path in routable
+                and not float8.is_float8(policy)
+            ):
+                # The layer's matmul reads the QuantizedArray itself (see
+                # jmp_policy._src.matmuls); NNX's promote_dtype gets its integers.
+                casts.whole[module_path] = value
+                ints = value.values
+                return variable.replace(ints.astype(jnp.int8) if ints.dtype == jnp.int4 else ints)
+            return variable.replace(policy.cast_to_compute(value))
+        if isinstance(value, (jax.Array, np.ndarray)):
+            casts.stored[path] = value.dtype
+        return variable.replace(value)  # A fresh variable for the copy.
+
+    copy_state = jax.tree_util.tree_map_with_path(
+        cast_variable, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return nnx.merge(graphdef, copy_state), casts
+
+
+def _dress(
+    copy: nnx.Module,
+    resolver: Resolver,
+    methods: tuple[str, ...],
+    extensions: tuple[Any, ...],
+) -> None:
+    """Each module of the copy computes in its policy's dtype (where its ``dtype`` is not
+    the user's) and runs its methods through the hook (a policy subclass)."""
+    for parts, module in list(nnx.iter_modules(copy)):
+        path = m.path_of(parts)
+        resolution = resolver.module(path)
+        if resolution.set_dtype is not None:
+            object.__setattr__(module, "dtype", resolution.set_dtype)
+        elif m.filled_dtype(module):  # not the user's: computes in the policy's dtype
+            object.__setattr__(module, "dtype", resolution.policy.compute_dtype)
+        wrapped = tuple(name for name in methods if m.method_of(type(module), name))
+        if wrapped:
+            subclass = _policy_subclass(type(module), path, resolution, extensions, wrapped)
+            object.__setattr__(module, "__class__", subclass)
+
+
+def _write_back(model: nnx.Module, copy: nnx.Module, stored: dict[str, np.dtype]) -> None:
+    """The copy's non-parameter state (caches, batch statistics, counters) back into
+    ``model``, in the dtypes it was stored in."""
+
+    def restore(key_path: Any, variable: Any) -> Any:
+        dtype = stored.get(leaf_path(key_path))
+        if dtype is None:  # Created during the call, or not an array: kept as is.
+            return variable
+        if not isinstance(variable, nnx.Variable):  # a plain array attribute
+            return casting.cast_leaf(variable, dtype)
+        return variable.replace(casting.cast_leaf(variable.get_value(), dtype))
+
+    updates = nnx.state(copy, nnx.Not(nnx.Param))
+    updates = jax.tree_util.tree_map_with_path(
+        restore, updates, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    nnx.update(model, updates)
