@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -468,12 +467,13 @@ def stacked_axes_of(stacked_axes: Any) -> Callable[[str], int]:
                 "The keys of `stacked_axes` must be path regular expressions (strings). "
                 f"Received: key {key!r} in stacked_axes={stacked_axes!r}"
             )
+        # The map's keys' own check: a pattern that could backtrack without bound is refused.
+        from jmp_policy._src.policy_map._key_cost import compile_key  # imports nothing of ours
+
         try:
-            pattern = re.compile(key)
-        except re.error as e:
-            raise ValueError(
-                f"The key {key!r} of `stacked_axes` is not a valid regular expression ({e})"
-            ) from None
+            pattern = compile_key(key)
+        except ValueError as e:
+            raise ValueError(f"The key {key!r} of `stacked_axes` is not accepted: {e}") from None
         rules.append((pattern, count(n, f"{n!r} for {key!r} in stacked_axes={stacked_axes!r}")))
 
     def of(path: str) -> int:
