@@ -1,6 +1,6 @@
-"""Tracing a Linen model run under policies: the interceptor, the parameter casts chosen
-before the run, their re-reading when a module met mid-trace needs another dtype, the
-shape-only learn pass, and which quantized kernels reach their layers whole.
+"""Tracing a Linen model run under policies: the interceptor, parameters cast as the
+model reads them, the shape-only learn pass, and which quantized kernels reach their
+layers whole.
 
 :func:`run_traced` is the one entry: ``apply``, ``init``, ``explain`` and ``diagnose`` run
 their model through it.
@@ -73,12 +73,19 @@ def flat_params(params: Any) -> tuple[list[tuple[Any, Any]], Any]:
     return jax.tree_util.tree_flatten_with_path(params, is_leaf=quantization.is_quantized)
 
 
-def _cast_params(params: Any, resolver: Resolver, whole: Mapping[str, Any] = {}) -> Any:
+def _cast_params(
+    params: Any, resolver: Resolver, whole: Mapping[str, Any] = {}, floats: bool = True
+) -> Any:
     """Parameters in their compute dtypes; the kernels of the module paths in ``whole``
-    as their quantized integer values (the layer's matmul reads them with the scales)."""
+    as their quantized integer values (the layer's matmul reads them with the scales).
+    With ``floats=False`` only QuantizedArrays are cast: plain arrays are cast as they
+    are read (:func:`_read_fix`)."""
     flat, treedef = flat_params(params)
     leaves = []
     for kp, leaf in flat:
+        if not floats and not quantization.is_quantized(leaf):
+            leaves.append(leaf)
+            continue
         path = leaf_path(kp)
         if isinstance(leaf, quantization.QuantizedArray) and (
             whole.get(parent_path(path) or "") is leaf
@@ -223,25 +230,35 @@ _MODULE_READS = interception.ThreadPatch(nn.Module, {"variables": _variables})
 def _read_fix(
     chosen: Resolver, resolver: Resolver, stored: dict[str, Any], early: set[str]
 ) -> Callable[[str, Any], Any]:
-    """Parameters were cast before the run from what was known of the modules; a module
-    met in the run (its own ``dtype``, its class in ``type_policies``) may want another
-    dtype. Its parameters are then read cast from their stored value, in the same trace
-    (no second run, nothing rounded through the earlier choice). A stored value that is
-    not the one read (a layer of an ``nn.scan`` stack) stops the run instead; ``early``
-    collects the parameters read before their module was met."""
+    """Casts each parameter as the model reads it, to the compute dtype of its module's
+    policy (known by then: the interceptor records a module before it runs), so each is
+    cast once, in the dtype it is used in, and one never read is never cast.
+
+    A parameter read before its module is met (a parent reading a child's variables) is
+    cast as ``chosen`` (what earlier runs knew) and its path added to ``early``, checked
+    after the run. QuantizedArrays reach Flax already cast (as ``chosen``): one whose
+    module wants another dtype is read cast from its stored value; a stored value that is
+    not the one read (a layer of an ``nn.scan`` stack) stops the run instead."""
+    done: dict[tuple[str, int], tuple[Any, Any]] = {}  # a value read twice is cast once
 
     def fix(path: str, value: Any) -> Any:
         module = parent_path(path) or ""
-        if module not in resolver.infos:
+        if module in resolver.infos:
+            want = resolver.variable(path)[0].compute_dtype
+        else:
             early.add(path)  # not met yet: read as chosen, checked after the run
-            return value
-        want = resolver.variable(path)[0].compute_dtype
-        if chosen.variable(path)[0].compute_dtype == want:
-            return value
+            want = chosen.variable(path)[0].compute_dtype
         original = stored.get(path)
-        if original is None or getattr(original, "shape", None) != getattr(value, "shape", ()):
-            raise _Stale(path)
-        return casting.compute_leaf(original, want)
+        if quantization.is_quantized(original):
+            if chosen.variable(path)[0].compute_dtype == want:
+                return value
+            if getattr(original, "shape", None) != getattr(value, "shape", ()):
+                raise _Stale(path)
+            return casting.compute_leaf(original, want)
+        key = (path, id(value))
+        if key not in done:
+            done[key] = (value, casting.compute_tree(value, want))
+        return done[key][1]
 
     return fix
 
@@ -262,14 +279,14 @@ def run_traced(
 ) -> tuple[Any, Resolver, Any]:
     """Runs ``call(cast_variables, resolver)`` under the interceptor, learning the model's modules.
 
-    Parameters are cast before the model runs, so their dtypes are chosen from what is
-    known of the modules (``known``: classes and own dtypes from earlier runs). The run
-    records every module it calls; when one changes the dtype its parameters should be
-    read in (a class in ``type_policies``, a module's own ``dtype``), they are read cast
-    from their stored value in the same trace, so the model body is traced once and a
-    float32 island's weights are never rounded through bfloat16. Only when that cannot
-    be done (a layer of an ``nn.scan`` stack met for the first time) is the model's shape
-    learnt (``jax.eval_shape``, nothing added to the caller's trace) and run again.
+    Floating parameters reach Flax as stored and are cast as they are read, once the
+    interceptor has met their module (its class in ``type_policies``, its own ``dtype``):
+    the model body is traced once, each parameter is cast once, into the dtype its module
+    computes in, and a float32 island's weights are never rounded through bfloat16. A
+    parameter read before its module is met is cast from what ``known`` (the classes and
+    own dtypes of earlier runs) says; when that proves wrong, or a quantized kernel of an
+    ``nn.scan`` stack needs another dtype, the model's shape is learnt
+    (``jax.eval_shape``, nothing added to the caller's trace) and it runs again.
 
     Returns:
         ``(result, resolver, cast_variables)`` of the run that counts.
@@ -279,7 +296,10 @@ def run_traced(
     whole = _whole_kernels(variables, resolved, options, known, call, method)
     for _ in range(_MAX_RETRACES):
         chosen = Resolver(resolved, options, dict(known))
-        cast_variables = _with_params(variables, lambda p: _cast_params(p, chosen, whole))  # noqa: B023
+        cast_variables = _with_params(
+            variables,
+            lambda p: _cast_params(p, chosen, whole, floats=False),  # noqa: B023
+        )
         resolver = Resolver(resolved, options, dict(known))
         error: Exception | None = None
         early: set[str] = set()
