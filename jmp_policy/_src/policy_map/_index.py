@@ -1,4 +1,4 @@
-"""The key index of a DTypePolicyMap: which stored key names a path.
+"""The key index of a DTypePolicyMap: which stored key names a path, and which chooses its policy.
 
 Keys are exact paths or regular expressions. One vocabulary, here and in the map: a key
 *names* a path (``match``, ``match_variable``: the path itself, no ancestor walk), and a
@@ -120,7 +120,7 @@ class KeyIndex:
         self._stale = False  # the sorted views wait for the next lookup
         self._match_cache: dict[str, str | None] = {}
         self._variable_cache: dict[str, str | None] = {}
-        self._module_cache: dict[str, tuple[tuple[str, ...], bool]] = {}
+        self._candidate_cache: dict[str, tuple[tuple[str, ...], bool]] = {}
         self._resolve_cache: dict[str, str | None] = {}
         # Per module path: its resolved key, and whether a key may name one of its variables.
         self._module_keys: dict[str, tuple[str | None, bool]] = {}
@@ -162,7 +162,7 @@ class KeyIndex:
         for cache in (
             self._match_cache,
             self._variable_cache,
-            self._module_cache,
+            self._candidate_cache,
             self._resolve_cache,
             self._module_keys,
         ):
@@ -217,7 +217,7 @@ class KeyIndex:
         whether some stored key starts with ``module + "/"`` (could be a variable's exact
         key; always true for the root module)."""
         try:
-            return self._module_cache[module]
+            return self._candidate_cache[module]
         except KeyError:
             pass
         self._refresh()
@@ -235,7 +235,7 @@ class KeyIndex:
         j = bisect.bisect_left(self._sorted_keys, stem)
         has_exact = j < len(self._sorted_keys) and self._sorted_keys[j].startswith(stem)
         info = (by_name, has_exact)
-        self._module_cache[module] = info
+        self._candidate_cache[module] = info
         return info
 
     def match_variable(self, path: str) -> str | None:
@@ -266,6 +266,10 @@ class KeyIndex:
         ancestor (:func:`path_and_ancestors`); None: the default policy."""
         if type(path) is not str:  # before the cache: `map[[]]` is no bare "unhashable"
             check_path(path)
+        try:
+            return self._resolve_cache[path]
+        except KeyError:
+            pass
         walked: list[str] = []
         key = None
         for current in path_and_ancestors(path):
