@@ -7,7 +7,8 @@ A private package, one module per concept:
 * ``_index``: the key index: matching (which stored key names a module or a variable),
   resolution (which key chooses its policy) and the one ancestor walk;
 * ``_key_cost``: the bound on what a regular-expression key may cost to match;
-* ``_trees``: the tree walks (``policy_tree``, ``cast_to_*``, ``unused_keys``, ``explain``).
+* ``_trees``: the tree methods (``policy_tree``, ``cast_to_*``, ``quantize``, ``unused_keys``,
+  ``explain``), functions of the map that it binds as its methods.
 
 Explain rows and their formatting are ``jmp_policy._src.explain``; the wrappers' resolution
 (per-class policies, modules' own dtypes) is ``jmp_policy._src.resolution``.
