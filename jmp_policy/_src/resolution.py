@@ -1,13 +1,15 @@
 """Resolution: which policy a module call and a variable run under.
 
 One rule, shared by ``cast_apply`` and the Linen and NNX integrations. For a module path,
-from the path itself up to its top-level ancestor: a key of the map that names the path
-(exact, else a regular expression by ``fullmatch``) wins, then the module's class in
-``type_policies`` (by identity, or by module and qualified name after a reload); otherwise the default policy (the root ``""`` is not an ancestor).
-Then the module's own ``dtype`` attribute (Flax's ``nn.Dense(..., dtype=...)``) wins over
-the compute and output dtypes, unless ``module_dtype="override"``. A variable takes the
-policy of a key that names the variable itself (DESIGN's rule: a key that matches the
-variable's path and not its module path), else its module's.
+from the path itself up to its top-level ancestor (the map's own walk,
+``path_and_ancestors``), at each level: a key of the map that names the path (exact, else a
+regular expression by ``fullmatch``) wins, then the module's class in ``type_policies`` (by
+identity, or by module and qualified name after a reload); otherwise the default policy
+(the root ``""`` is not an ancestor). Then the module's own ``dtype`` attribute (Flax's
+``nn.Dense(..., dtype=...)``) wins over the compute and output dtypes, unless
+``module_dtype="override"``. A variable takes the policy of a key that names the variable
+itself (a key that matches the variable's path and not its module path), else its
+module's.
 
 The wrappers' options (:class:`~jmp_policy._src.options.Options`) and their checks are
 :mod:`jmp_policy._src.options`.
@@ -22,7 +24,7 @@ import numpy as np
 from jmp_policy._src import global_state
 from jmp_policy._src.options import Island, Options
 from jmp_policy._src.policy import DTypePolicy
-from jmp_policy._src.policy_map import DTypePolicyMap, parent_path
+from jmp_policy._src.policy_map import DTypePolicyMap, parent_path, path_and_ancestors
 
 
 class ModuleInfo(NamedTuple):
@@ -36,7 +38,7 @@ class Resolution(NamedTuple):
     """The resolved policy of one module path, and why."""
 
     policy: DTypePolicy  # what the module computes in (own dtype applied)
-    resolved: DTypePolicy  # what the map (or type_policies) chose
+    chosen_policy: DTypePolicy  # what the map (or type_policies) chose, before the own dtype
     source: str  # "key '<key>'", "type <Class>" or "default"
     key: str | None  # the map key that chose it, if any
     own_dtype: np.dtype | None  # the module's own floating `dtype` attribute
@@ -73,8 +75,7 @@ class Resolver:
 
     def _choose(self, path: str) -> tuple[DTypePolicy | Island, str, str | None]:
         policy_map = self.policy_or_map if isinstance(self.policy_or_map, DTypePolicyMap) else None
-        current: str | None = path
-        while current is not None:
+        for current in path_and_ancestors(path):
             if policy_map is not None:
                 key = policy_map.match(current)
                 if key is not None:
@@ -84,7 +85,6 @@ class Resolver:
             found = self.options.type_entry(cls)
             if found is not None and cls is not None:
                 return found[0], f"type {cls.__name__}", None
-            current = parent_path(current) or None
         return self._default(), "default", None
 
     def module(
@@ -99,16 +99,16 @@ class Resolver:
         info = self.infos.get(path, ModuleInfo(None, None))
         chosen, source, key = self._choose(path)
         island = isinstance(chosen, Island)
-        resolved = chosen.policy if isinstance(chosen, Island) else chosen
-        policy, set_dtype, own = resolved, None, info.own_dtype
-        if own is not None and own != resolved.compute_dtype:
+        chosen_policy = chosen.policy if isinstance(chosen, Island) else chosen
+        policy, set_dtype, own = chosen_policy, None, info.own_dtype
+        if own is not None and own != chosen_policy.compute_dtype:
             if self.options.module_dtype == "override":
-                set_dtype = resolved.compute_dtype
+                set_dtype = chosen_policy.compute_dtype
             else:
-                policy = resolved.with_compute_dtype(own).with_output_dtype(own)
+                policy = chosen_policy.with_compute_dtype(own).with_output_dtype(own)
                 island = False
         autocast = not self.options.excluded(path, info.cls)
-        result = Resolution(policy, resolved, source, key, own, set_dtype, autocast, island)
+        result = Resolution(policy, chosen_policy, source, key, own, set_dtype, autocast, island)
         self._modules[path] = result
         return result
 
@@ -123,12 +123,13 @@ class Resolver:
         return self.module(parent_path(path) or "").policy, False
 
     def variable_dtype(self, path: str) -> np.dtype:
-        """The dtype a variable is stored in (``init``): the resolved policy's."""
+        """The dtype a variable is stored in (``init``): the chosen policy's (the module's
+        own ``dtype`` is a compute dtype, never a stored one)."""
         if isinstance(self.policy_or_map, DTypePolicyMap):
             key = self.policy_or_map.match_variable(path)
             if key is not None:
                 return self.policy_or_map[key].variable_dtype
-        return self.module(parent_path(path) or "").resolved.variable_dtype
+        return self.module(parent_path(path) or "").chosen_policy.variable_dtype
 
     def overridden(self) -> list[str]:
         """Paths whose own ``dtype`` overrides the policy's compute dtype (``respect``)."""
@@ -137,7 +138,7 @@ class Resolver:
         return [
             path
             for path, r in self._modules.items()
-            if r.own_dtype is not None and r.own_dtype != r.resolved.compute_dtype
+            if r.own_dtype is not None and r.own_dtype != r.chosen_policy.compute_dtype
         ]
 
     def unused_keys(self) -> list[str]:

@@ -133,7 +133,7 @@ def warn_once(
         counted, total, what = overridden, len(resolver.infos), ""
     if counted and 2 * len(counted) > total and "dtype" not in warned:
         warned.add("dtype")
-        asked = sorted({resolver.module(p).resolved.compute_dtype.name for p in counted})
+        asked = sorted({resolver.module(p).chosen_policy.compute_dtype.name for p in counted})
         own = sorted({str(resolver.module(p).own_dtype) for p in counted})
         warn(
             f"{len(counted)} of {total} modules of {model}{what} set their own `dtype` "
@@ -171,7 +171,7 @@ def resolved_rows(resolver: Resolver, params: Any) -> list[ExplainRow]:
             cls = info.cls if info is not None else None
             own = "" if r.own_dtype is None else np.dtype(r.own_dtype).name
             name = "" if cls is None else cls.__name__
-            rows[path] = ExplainRow(path, name, r.resolved.name, r.source, own)
+            rows[path] = ExplainRow(path, name, r.chosen_policy.name, r.source, own)
         return rows[path]
 
     for path in resolver.infos:

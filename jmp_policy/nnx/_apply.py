@@ -68,7 +68,7 @@ def _policy_subclass(
     """
     cls = getattr(cls, _ORIGINAL, cls)
     # Equal policies may have different names: keep the ones the user gave.
-    names = (resolution.policy.name, resolution.resolved.name)
+    names = (resolution.policy.name, resolution.chosen_policy.name)
     key = (cls, path, resolution, names, extensions, methods)
     subclass = _SUBCLASSES.get(key)
     if subclass is None:

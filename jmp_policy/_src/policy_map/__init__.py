@@ -4,14 +4,17 @@ A private package, one module per concept:
 
 * ``_mapping``: the map itself (stored keys and policies, path resolution, config);
 * ``_values``: the values it holds (policies from names or configs, validated);
-* ``_index``: the key index and matching (which stored key names a module or a variable);
+* ``_index``: the key index: matching (which stored key names a module or a variable),
+  resolution (which key chooses its policy) and the one ancestor walk;
 * ``_key_cost``: the bound on what a regular-expression key may cost to match;
-* ``_trees``: the tree walks (``policy_tree``, ``cast_to_*``, ``unused_keys``, ``explain``).
+* ``_trees``: the tree methods (``policy_tree``, ``cast_to_*``, ``quantize``, ``unused_keys``,
+  ``explain``), functions of the map that it binds as its methods.
 
 Explain rows and their formatting are ``jmp_policy._src.explain``; the wrappers' resolution
 (per-class policies, modules' own dtypes) is ``jmp_policy._src.resolution``.
 """
 
+from jmp_policy._src.policy_map._index import path_and_ancestors as path_and_ancestors
 from jmp_policy._src.policy_map._mapping import DTypePolicyMap as DTypePolicyMap
 from jmp_policy._src.tree_paths import leaf_path as leaf_path
 from jmp_policy._src.tree_paths import parent_path as parent_path
@@ -20,4 +23,5 @@ __all__ = [
     "DTypePolicyMap",
     "leaf_path",
     "parent_path",
+    "path_and_ancestors",
 ]

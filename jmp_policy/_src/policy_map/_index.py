@@ -1,16 +1,24 @@
-"""The key index of a DTypePolicyMap: which stored key names a path.
+"""The key index of a DTypePolicyMap: which stored key names a path, and which chooses its policy.
 
-Keys are exact paths or regular expressions. Two questions are answered here, and only
-here:
+Keys are exact paths or regular expressions. One vocabulary, here and in the map: a key
+*names* a path (``match``, ``match_variable``: the path itself, no ancestor walk), and a
+path *resolves* to the key that chooses its policy (``resolve``, ``resolve_variable``: for
+a module, the key naming it or its nearest ancestor; for a variable, the key naming it,
+else its module's; ``None`` for the default policy). The naming questions are answered
+here, and only here:
 
 * ``match(path)``: the key that names the path itself. An exact key wins; otherwise every
   regular-expression key is tried with ``re.fullmatch``, and two or more matches are a
-  ``ValueError`` naming the path and the keys (Keras's rule). No ancestor walk.
+  ``ValueError`` naming the path and the keys (Keras's rule).
 * ``match_variable(path)``: the key that names a *variable* path itself. A key names a
   variable when it matches the variable's path (exactly or by ``fullmatch``) and does not
   match the variable's module path (the path without its last segment, ``""`` for a
   variable of the root module). So ``".*/embedding"`` and ``"embed/embedding"`` name
   variables, while ``"encoder/.*"`` and ``"encoder(/\\w+)*"`` name modules.
+
+The ancestor walk (:func:`path_and_ancestors`) is written once, here: the map's resolution
+and the wrappers' (which also try ``type_policies`` at each level) both follow it.
+Answers are keys, never policies, so they are cached per path until the keys change.
 
 Non-matching paths are rejected cheaply: each regular expression's literal prefix (the text
 every ``fullmatch`` must start with) buckets it, so a path is only tried against the keys
@@ -22,11 +30,12 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import jmp_policy._src.policy_map._key_cost as _key_cost
 from jmp_policy._src import dtypes as _dt
+from jmp_policy._src.tree_paths import parent_path
 
 _META = frozenset(".^$*+?{}[]\\|()")
 _QUANTIFIERS = frozenset("*?{")
@@ -54,6 +63,15 @@ def check_key_type(key: Any) -> None:
         )
 
 
+def check_path(path: Any) -> None:
+    """A ``TypeError`` naming ``path`` and what is accepted, for a path that is not a string."""
+    if not isinstance(path, str):
+        raise TypeError(
+            f"A module path must be a string such as 'encoder/layers_0'. "
+            f"Received: path={path!r} (of type {type(path).__name__})"
+        )
+
+
 def absent_key(key: str, keys: Collection[str]) -> KeyError:
     """The ``KeyError`` for a key that is not stored, with the closest stored key."""
     hint = _dt.did_you_mean(key, keys) if len(keys) <= 10_000 else ""
@@ -63,13 +81,26 @@ def absent_key(key: str, keys: Collection[str]) -> KeyError:
     )
 
 
+def path_and_ancestors(path: str) -> Iterator[str]:
+    """``path``, then each ancestor up to the top-level one: ``"a/b"`` -> ``"a/b"``, ``"a"``.
+
+    The root ``""`` is no ancestor (an unmatched path gets the default policy, not the
+    root's key); it is walked only as a path of its own.
+    """
+    current: str | None = path
+    while current is not None:
+        yield current
+        current = parent_path(current) or None
+
+
 def is_literal(pattern: str) -> bool:
     """Whether ``pattern`` matches only itself (no regular-expression syntax)."""
     return _META_SEARCH(pattern) is None
 
 
 class KeyIndex:
-    """The stored keys of a map, indexed for :meth:`match` and :meth:`match_variable`.
+    """The stored keys of a map, indexed for matching (:meth:`match`,
+    :meth:`match_variable`) and resolution (:meth:`resolve`, :meth:`resolve_variable`).
 
     The index holds keys only (no policies); its answers are cached per path until the
     next :meth:`add` or :meth:`remove`.
@@ -89,7 +120,10 @@ class KeyIndex:
         self._stale = False  # the sorted views wait for the next lookup
         self._match_cache: dict[str, str | None] = {}
         self._variable_cache: dict[str, str | None] = {}
-        self._module_cache: dict[str, tuple[tuple[str, ...], bool]] = {}
+        self._candidate_cache: dict[str, tuple[tuple[str, ...], bool]] = {}
+        self._resolve_cache: dict[str, str | None] = {}
+        # Per module path: its resolved key, and whether a key may name one of its variables.
+        self._module_keys: dict[str, tuple[str | None, bool]] = {}
 
     def add(self, key: str) -> None:
         """Adds ``key``; a bad or unbounded regular expression is a ``ValueError`` naming
@@ -125,12 +159,15 @@ class KeyIndex:
         return pattern
 
     def _changed(self) -> None:
-        if self._match_cache:
-            self._match_cache.clear()
-        if self._variable_cache:
-            self._variable_cache.clear()
-        if self._module_cache:
-            self._module_cache.clear()
+        for cache in (
+            self._match_cache,
+            self._variable_cache,
+            self._candidate_cache,
+            self._resolve_cache,
+            self._module_keys,
+        ):
+            if cache:
+                cache.clear()
         self._stale = True
 
     def _refresh(self) -> None:
@@ -174,13 +211,13 @@ class KeyIndex:
             self._raise_ambiguous(path, matches)
         return matches[0] if matches else None
 
-    def variable_keys(self, module: str) -> tuple[tuple[str, ...], bool]:
+    def _variable_candidates(self, module: str) -> tuple[tuple[str, ...], bool]:
         """Per module path (cached): the regular-expression keys that may name one of its
         variables (their prefix allows it and they do not match the module path), and
         whether some stored key starts with ``module + "/"`` (could be a variable's exact
         key; always true for the root module)."""
         try:
-            return self._module_cache[module]
+            return self._candidate_cache[module]
         except KeyError:
             pass
         self._refresh()
@@ -198,7 +235,7 @@ class KeyIndex:
         j = bisect.bisect_left(self._sorted_keys, stem)
         has_exact = j < len(self._sorted_keys) and self._sorted_keys[j].startswith(stem)
         info = (by_name, has_exact)
-        self._module_cache[module] = info
+        self._candidate_cache[module] = info
         return info
 
     def match_variable(self, path: str) -> str | None:
@@ -207,14 +244,14 @@ class KeyIndex:
             return self._variable_cache[path]
         except KeyError:
             pass
-        key = self.match_variable_of(path.rpartition("/")[0], path)
+        key = self.match_variable_uncached(path, path.rpartition("/")[0])
         self._variable_cache[path] = key
         return key
 
-    def match_variable_of(self, module: str, path: str) -> str | None:
-        """:meth:`match_variable` for ``path`` whose module path is ``module`` (uncached
-        per path, for tree walks that know the module and visit each path once)."""
-        by_name, has_exact = self.variable_keys(module)
+    def match_variable_uncached(self, path: str, module: str) -> str | None:
+        """:meth:`match_variable` without its cache, for ``path`` whose module path is
+        ``module`` (tree walks know the module and visit each path once)."""
+        by_name, has_exact = self._variable_candidates(module)
         if has_exact and path in self._order:
             return path
         if not by_name:
@@ -223,3 +260,41 @@ class KeyIndex:
         if len(matches) > 1:
             self._raise_ambiguous(path, matches)
         return matches[0] if matches else None
+
+    def resolve(self, path: str) -> str | None:
+        """The key that chooses ``path``'s policy: the one naming the path or its nearest
+        ancestor (:func:`path_and_ancestors`); None: the default policy."""
+        if type(path) is not str:  # before the cache: `map[[]]` is no bare "unhashable"
+            check_path(path)
+        try:
+            return self._resolve_cache[path]
+        except KeyError:
+            pass
+        walked: list[str] = []
+        key = None
+        for current in path_and_ancestors(path):
+            if current in self._resolve_cache:
+                key = self._resolve_cache[current]
+                break
+            walked.append(current)
+            key = self.match_uncached(current)
+            if key is not None:
+                break
+        for current in walked:
+            self._resolve_cache[current] = key
+        return key
+
+    def resolve_variable(self, module: str, name: str) -> str | None:
+        """The key that chooses the policy of the variable ``name`` of ``module``: one
+        naming the variable itself, else the module's (the root's for module ``""``)."""
+        try:
+            module_key, may_name = self._module_keys[module]
+        except KeyError:
+            by_name, has_exact = self._variable_candidates(module)
+            module_key, may_name = self.resolve(module), bool(by_name or has_exact)
+            self._module_keys[module] = module_key, may_name
+        if may_name:
+            key = self.match_variable_uncached(f"{module}/{name}" if module else name, module)
+            if key is not None:
+                return key
+        return module_key

@@ -1,9 +1,8 @@
 """DTypePolicyMap, the mapping: stored keys and policies, path resolution, config.
 
 The mapping methods are about the stored keys; ``map[path]`` resolves a path (the class
-docstring has the rule). Matching is the key index's (``_index``); resolution is cached
-per path as the chosen key, so a ``default_policy=None`` map follows ``policy_scope``. The
-tree methods live in ``_trees``.
+docstring has the rule) to a key, by the key index (``_index``, which caches keys: a
+``default_policy=None`` map follows ``policy_scope``). The tree methods are ``_trees``'s.
 """
 
 from __future__ import annotations
@@ -29,13 +28,12 @@ def _as_default(default_policy: Any) -> DTypePolicy | None:
         raise ValueError("`default_policy` cannot be a `DTypePolicyMap`.")
     _values.check_config(default_policy, "Invalid `default_policy`")
     try:
-        policy = serialization.get(default_policy)
+        return serialization.get(default_policy)  # type: ignore[no-any-return]
     except (TypeError, ValueError) as e:
         raise type(e)(f"Invalid `default_policy`: {e}") from e
-    return policy  # type: ignore[no-any-return]
 
 
-class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
+class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
     """Maps module paths to dtype policies, with exact keys and regular expressions.
 
     A ``MutableMapping[str, DTypePolicy]``: ``in``, ``len``, iteration (insertion order),
@@ -95,17 +93,14 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
         default_policy: DTypePolicy | str | dict[str, Any] | None = None,
         policy_map: Mapping[str, DTypePolicy | str | dict[str, Any]] | None = None,
     ):
-        default = _as_default(default_policy)
+        self._default_policy: DTypePolicy | None = _as_default(default_policy)
         if policy_map is not None and not isinstance(policy_map, Mapping):
             raise TypeError(
                 "If specified, `policy_map` must be a dict (a mapping of paths to policies). "
                 f"Received: policy_map={policy_map!r} of type {type(policy_map).__name__}"
             )
-        self._default_policy: DTypePolicy | None = default
         self._policies: dict[str, DTypePolicy] = {}
         self._index = _index.KeyIndex()
-        self._cache: dict[str, str | None] = {}
-        self._modules: dict[str, tuple[str | None, bool]] = {}  # for _variable_key
         for key, value in (policy_map or {}).items():
             self[key] = value
 
@@ -119,13 +114,9 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
                 f"{self._policies[key]!r}. Please make sure to not use duplicated keys "
                 f"(delete the key first to replace its policy). Received: key={key!r}"
             )
-        resolved = _values.as_policy(policy, key)
+        value = _values.as_policy(policy, key)
         self._index.add(key)
-        self._policies[key] = resolved
-        if self._cache:
-            self._cache.clear()
-        if self._modules:
-            self._modules.clear()
+        self._policies[key] = value
 
     def __delitem__(self, key: str) -> None:
         _index.check_key_type(key)
@@ -133,8 +124,6 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
             raise _index.absent_key(key, self._policies)
         del self._policies[key]
         self._index.remove(key)
-        self._cache.clear()
-        self._modules.clear()
 
     def __contains__(self, key: object) -> bool:
         # A dict raises TypeError for an unhashable key; no such key is stored here.
@@ -255,14 +244,6 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
 
     # -- matching and resolution ----------------------------------------------------------
 
-    @staticmethod
-    def _check_path(path: Any) -> None:
-        if not isinstance(path, str):
-            raise TypeError(
-                f"A module path must be a string such as 'encoder/layers_0'. "
-                f"Received: path={path!r} (of type {type(path).__name__})"
-            )
-
     def match(self, path: str) -> str | None:
         """The stored key that names ``path`` itself, or ``None`` (no ancestor walk).
 
@@ -278,7 +259,7 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
             >>> m.match("encoder/mlp"), m.match("head"), m.match("head/dense")
             ('encoder/.*', 'head', None)
         """
-        self._check_path(path)
+        _index.check_path(path)
         return self._index.match(path)
 
     def match_variable(self, path: str) -> str | None:
@@ -300,48 +281,14 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
             >>> print(m.match_variable("encoder/head/kernel"))  # "encoder/.*" names modules
             None
         """
-        self._check_path(path)
+        _index.check_path(path)
         return self._index.match_variable(path)
 
     def _policy_of(self, key: str | None) -> DTypePolicy:
         return self.default_policy if key is None else self._policies[key]
 
-    def _stored_keys(self) -> list[str]:
-        return list(self._policies)
-
-    def _resolve_key(self, path: str) -> str | None:
-        """The key that chooses ``path``'s policy (None: the default policy)."""
-        if type(path) is not str:  # before the cache: `map[[]]` is no bare "unhashable"
-            self._check_path(path)
-        try:
-            return self._cache[path]
-        except KeyError:
-            pass
-        key = self._index.match_uncached(path)
-        if key is None:
-            parent = _trees.parent_path(path)
-            if parent:  # The root "" is not an ancestor: unmatched paths get the default.
-                key = self._resolve_key(parent)
-        self._cache[path] = key
-        return key
-
-    def _variable_key(self, module: str, name: str) -> str | None:
-        """The key that chooses the policy of the variable ``name`` of ``module``: one
-        naming the variable itself, else the module's (the root's for module ``""``)."""
-        try:
-            module_key, may_name = self._modules[module]
-        except KeyError:
-            by_name, has_exact = self._index.variable_keys(module)
-            module_key, may_name = self._resolve_key(module), bool(by_name or has_exact)
-            self._modules[module] = module_key, may_name
-        if may_name:
-            key = self._index.match_variable_of(module, f"{module}/{name}" if module else name)
-            if key is not None:
-                return key
-        return module_key
-
     def __getitem__(self, path: str) -> DTypePolicy:
-        return self._policy_of(self._resolve_key(path))
+        return self._policy_of(self._index.resolve(path))
 
     def resolve(self, path: str) -> tuple[DTypePolicy, str | None]:
         """The policy of ``path`` and the key that chose it (``None``: the default).
@@ -354,8 +301,19 @@ class DTypePolicyMap(_trees.TreeMethods, MutableMapping[str, DTypePolicy]):
             >>> m.resolve("head")
             (<DTypePolicy "float32">, None)
         """
-        key = self._resolve_key(path)
+        key = self._index.resolve(path)
         return self._policy_of(key), key
+
+    # -- tree methods: ``_trees``'s functions of the map, whose docstrings they keep -------
+
+    policy_tree = _trees.policy_tree
+    cast_to_compute = _trees.cast_to_compute
+    cast_to_variable = _trees.cast_to_variable
+    cast_to_param = _trees.cast_to_variable
+    cast_to_output = _trees.cast_to_output
+    quantize = _trees.quantize
+    unused_keys = _trees.unused_keys
+    explain = _trees.explain
 
     # -- config ---------------------------------------------------------------------------
 
