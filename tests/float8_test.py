@@ -223,12 +223,6 @@ def test_state_gradients_are_new_states_not_sums_of_calls(maybe_jit):
     assert new[0]["output_grad_amax_history"].tolist() == [6.0, 0.0]  # 1 * 2 * 3
 
 
-def test_check_not_in_rejects_float8_state_among_gradients():
-    float8.check_not_in({"params": {}}, "x")
-    with pytest.raises(ValueError, match=r"jmp_policy\.linen\.split_gradients"):
-        float8.check_not_in({"params": {}, "_overwrite_with_gradient": {}}, "loss_scaling")
-
-
 def test_a_zeroed_state_reads_as_fresh_never_as_a_division_by_zero(maybe_jit):
     """A layer left out of a differentiated step gets a zero "gradient": its state comes
     back all zeros. The next step neither divides by zero nor loses its values."""

@@ -39,14 +39,15 @@ variables returns the updated state where the state was, and the optimizer must
 replace, not update, it. Under ``jit`` a forward pass without ``grad`` computes no new
 state.
 
-Nothing here knows Flax: :mod:`jmp_policy._src.matmuls` picks the layers that run
-:func:`dot_general`.
+Nothing here imports Flax: :mod:`jmp_policy._src.matmuls` picks the layers that run
+:func:`dot_general`, and the glue keeps the state where its framework does (Linen: in the
+collection of :mod:`jmp_policy._src.state_collections`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -57,21 +58,6 @@ E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 TENSORS = ("input", "kernel", "output_grad")
 STATE_KEYS = tuple(f"{t}_{k}" for t in TENSORS for k in ("scale", "amax_history"))
-# Where Flax keeps state whose gradient is its new value (and where Linen's float8 goes).
-COLLECTION = "_overwrite_with_gradient"
-
-
-def check_not_in(grads: Any, where: str) -> None:
-    """Raises when ``grads`` (a dict of collections) carries float8 state, which an
-    optimizer must replace rather than update (loss scaling would also unscale it)."""
-    if isinstance(grads, Mapping) and COLLECTION in grads:
-        raise ValueError(
-            f"{where} received gradients with the {COLLECTION!r} collection: that is "
-            "float8 state, whose gradient is its new value and must replace it, never be "
-            "unscaled, skipped or added. Split it off first with "
-            "`grads, float8_state = jmp_policy.linen.split_gradients(grads)` and update "
-            "only grads['params'] (flax's TrainState.apply_gradients does this itself)."
-        )
 
 
 def max_value(dtype: Any) -> float:

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jmp_policy._src import float8, numerics
+from jmp_policy._src import numerics, state_collections
 from jmp_policy._src.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -278,7 +278,7 @@ def loss_scaling(
         updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LossScalingState]:
         nonlocal warned
-        float8.check_not_in(updates, "loss_scaling's update")
+        state_collections.check_not_in(updates, "loss_scaling's update")
         scale = state.loss_scale
         if not warned and not isinstance(scale, NoOpLossScale):
             paths = _float16_paths(updates)
