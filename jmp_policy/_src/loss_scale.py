@@ -11,14 +11,13 @@ validated when their values are known, whatever their type (Python, NumPy or JAX
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, TypeAlias, TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
+from jmp_policy._src import loss_scale_checks as checks
 from jmp_policy._src import numerics
 from jmp_policy._src.state_pytree import register_state, replace_leaves, tree_equal
 from jmp_policy._src.state_pytree import register_with_flax_serialization as _register_flax
@@ -37,183 +36,6 @@ DEFAULT_MAX_LOSS_SCALE = 2.0**24
 #: The counter is int32: ``counter >= period - 1`` must be representable.
 _MAX_PERIOD = 2**31
 _MAX_HYSTERESIS = 2**31 - 1
-
-
-def _concrete(value: Any) -> np.ndarray | None:
-    """``value`` as a NumPy array when it is concrete (Python, NumPy or a JAX array outside
-    tracing); ``None`` for traced values, which have no value to check yet."""
-    if isinstance(value, jax.core.Tracer):
-        return None
-    if isinstance(value, jax.Array):
-        try:
-            return np.asarray(value)
-        except Exception:  # not addressable from this process: leave it unchecked
-            return None
-    if isinstance(value, (int, float, np.ndarray, np.generic)):
-        return np.asarray(value)
-    return None
-
-
-def _overflow_hint(value: Any) -> str:
-    dtype = np.dtype(getattr(value, "dtype", np.float64))
-    if dtype.itemsize > 2 or not jnp.issubdtype(dtype, jnp.floating):
-        return ""
-    return f" (beyond {dtype.name}'s range a value is inf: pass a Python float or float32)"
-
-
-_F32 = np.finfo(np.float32)
-_INT32_MAX = 2**31 - 1
-
-
-def _float32_range_hint(number: float) -> str:
-    """Why a finite positive number is no float32 scale (``""`` when it is one)."""
-    stored = np.float32(number) if number <= float(_F32.max) else np.float32(np.inf)
-    if np.isfinite(stored) and stored >= _F32.tiny:
-        return ""
-    return (
-        f" (it is stored in float32, where it is {float(stored)!r}: a scale or bound lies in "
-        f"float32's normal range [{float(_F32.tiny)!r}, {float(_F32.max)!r}], so that it can "
-        "never reach 0 or inf)"
-    )
-
-
-def _to_float(number: Any) -> float:
-    try:
-        return float(number)
-    except OverflowError:  # a Python int beyond float64
-        return math.inf if number > 0 else -math.inf
-
-
-def _as_leaf(value: Any, dtype: Any, argument: str) -> Any:
-    """Canonicalises an array field to a scalar ``dtype`` array (on construction, not on
-    unflattening).
-
-    A concrete value (Python, NumPy or a JAX array outside tracing) must be a real number
-    of the right kind, a scalar, and in range: a float32 scale finite, positive and normal,
-    an int32 counter in ``[0, 2**31 - 1]``. A traced value is only cast: under ``jit``
-    there is no value to check.
-    """
-    integer = bool(jnp.issubdtype(dtype, jnp.integer))
-    accepted = (
-        "a non-negative int (a Python int or an integer scalar array)"
-        if integer
-        else "a finite number > 0 (a Python number or a real scalar array)"
-    )
-    if isinstance(value, jax.core.Tracer):
-        return jnp.asarray(value).astype(dtype)
-    is_array = isinstance(value, (np.ndarray, np.generic, jax.Array))
-    value_dtype = np.dtype(value.dtype) if is_array else None
-    if isinstance(value, (bool, np.bool_)) or value_dtype == np.bool_:
-        raise TypeError(
-            f"`{argument}` must be a number or a scalar array, not a bool: {accepted}. "
-            f"Received: {argument}={value!r}"
-        )
-    real = value_dtype is not None and bool(
-        jnp.issubdtype(value_dtype, jnp.integer) or jnp.issubdtype(value_dtype, jnp.floating)
-    )
-    if not (isinstance(value, (int, float)) or real):
-        kind = f"dtype {value_dtype}" if value_dtype is not None else f"type {type(value).__name__}"
-        raise TypeError(
-            f"`{argument}` must be {accepted}. Received: {argument}={value!r} (of {kind})"
-        )
-    if integer and (
-        isinstance(value, float)
-        or (value_dtype is not None and not jnp.issubdtype(value_dtype, jnp.integer))
-    ):
-        raise TypeError(
-            f"`{argument}` must be {accepted}; a float is not a count. Received: "
-            f"{argument}={value!r}"
-        )
-    if isinstance(value, (int, float)):
-        scalar: Any = value
-    else:
-        host = _concrete(value)
-        if host is None:  # not addressable from this process: leave it unchecked
-            return jnp.asarray(value).astype(dtype)
-        if host.shape != ():
-            raise ValueError(
-                f"`{argument}` must be a scalar, not an array of shape {host.shape}. "
-                f"Received: {argument}={value!r}"
-            )
-        scalar = host.item()
-    if integer:
-        count = int(scalar)
-        if not 0 <= count <= _INT32_MAX:
-            raise ValueError(
-                f"`{argument}` must be an int in [0, {_INT32_MAX}] (it is stored in int32). "
-                f"Received: {argument}={value!r}"
-            )
-        return jnp.asarray(count, dtype)
-    number = _to_float(scalar)
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(
-            f"`{argument}` must be a finite number > 0. Received: {argument}={value!r}"
-            f"{_overflow_hint(value)}"
-        )
-    hint = _float32_range_hint(number)
-    if hint:
-        raise ValueError(
-            f"`{argument}` must be a finite number > 0. Received: {argument}={value!r}{hint}"
-        )
-    return jnp.asarray(number, dtype)
-
-
-def _setting(value: Any, argument: str, accepted: str, integer: bool) -> Any:
-    """A static setting as a Python number, from a Python, NumPy or concrete JAX scalar."""
-    bad_type = isinstance(value, (bool, np.bool_, str)) or (
-        getattr(value, "dtype", None) is not None and not jnp.issubdtype(value.dtype, jnp.number)
-    )
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(
-            f"`{argument}` is a setting and must be a concrete number, not a traced value "
-            f"(received {value!r}); build the loss scale outside `jit` or pass a Python number."
-        )
-    host = None if bad_type else _concrete(value)
-    if host is None or host.shape != ():
-        shape = "" if host is None else f" (shape {host.shape})"
-        raise TypeError(
-            f"`{argument}` must be {accepted}. Received: {argument}={value!r}{shape} (of type "
-            f"{type(value).__name__})"
-        )
-    number = host.item()
-    if integer:
-        if isinstance(number, float) and number.is_integer():
-            number = int(number)  # jmp's own tests pass `period=5.`
-        if not isinstance(number, int):
-            raise TypeError(
-                f"`{argument}` must be {accepted}. Received: {argument}={value!r} (of type "
-                f"{type(value).__name__})"
-            )
-    return number
-
-
-def _bound(value: Any, argument: str) -> float:
-    """A min/max setting as a Python float: a finite number > 0."""
-    number = _to_float(_setting(value, argument, "a positive number or a scalar array", False))
-    if not (math.isfinite(number) and number > 0):
-        raise ValueError(
-            f"`{argument}` must be a finite number > 0. Received: {argument}={value!r}"
-            f"{_overflow_hint(value)}"
-        )
-    hint = _float32_range_hint(number)
-    if hint:
-        raise ValueError(
-            f"`{argument}` must be a finite number > 0. Received: {argument}={value!r}{hint}"
-        )
-    return number
-
-
-def _count(value: Any, argument: str, maximum: int) -> int:
-    """A period/hysteresis setting as a Python int in ``[1, maximum]``."""
-    number = _setting(value, argument, "an int >= 1", True)
-    if number < 1:
-        raise ValueError(f"`{argument}` must be an int >= 1. Received: {argument}={value!r}")
-    if number > maximum:
-        raise ValueError(
-            f"`{argument}` must fit the int32 counter (at most {maximum}). Received: "
-            f"{argument}={value!r}"
-        )
-    return int(number)
 
 
 @register_state
@@ -305,7 +127,9 @@ class StaticLossScale(_ScaleByLeaf):
 
     def __post_init__(self) -> None:
         _register_flax()
-        object.__setattr__(self, "loss_scale", _as_leaf(self.loss_scale, jnp.float32, "loss_scale"))
+        object.__setattr__(
+            self, "loss_scale", checks.as_leaf(self.loss_scale, jnp.float32, "loss_scale")
+        )
 
     def adjust(self, grads_finite: jax.Array) -> StaticLossScale:
         """Returns ``self``: a static scale never changes."""
@@ -393,23 +217,12 @@ class DynamicLossScale(_ScaleByLeaf):
 
     def __post_init__(self) -> None:
         _register_flax()
-        object.__setattr__(self, "period", _count(self.period, "period", _MAX_PERIOD))
-        hysteresis = _count(self.hysteresis, "hysteresis", _MAX_HYSTERESIS)
+        object.__setattr__(self, "period", checks.count(self.period, "period", _MAX_PERIOD))
+        hysteresis = checks.count(self.hysteresis, "hysteresis", _MAX_HYSTERESIS)
         object.__setattr__(self, "hysteresis", hysteresis)
-        factor = _to_float(_setting(self.factor, "factor", "a number > 1", False))
-        if not (math.isfinite(factor) and factor > 1):
-            raise ValueError(
-                f"`factor` must be a finite number > 1. Received: factor={self.factor!r}"
-            )
-        if not 1 < np.float32(min(factor, float(_F32.max))) < np.inf:
-            raise ValueError(
-                f"`factor` must be a finite number > 1 in float32, where the scale is "
-                f"multiplied by it (there it is {float(np.float32(factor))!r}). Received: "
-                f"factor={self.factor!r}"
-            )
-        object.__setattr__(self, "factor", factor)
-        low = _bound(self.min_loss_scale, "min_loss_scale")
-        high = _bound(self.max_loss_scale, "max_loss_scale")
+        object.__setattr__(self, "factor", checks.factor(self.factor))
+        low = checks.bound(self.min_loss_scale, "min_loss_scale")
+        high = checks.bound(self.max_loss_scale, "max_loss_scale")
         if low > high:
             raise ValueError(
                 f"`min_loss_scale` must be <= `max_loss_scale`. Received: "
@@ -417,26 +230,17 @@ class DynamicLossScale(_ScaleByLeaf):
             )
         object.__setattr__(self, "min_loss_scale", low)
         object.__setattr__(self, "max_loss_scale", high)
-        leaf = _as_leaf(self.loss_scale, jnp.float32, "loss_scale")
-        host = None if isinstance(leaf, jax.core.Tracer) else _concrete(leaf)
-        host = None if host is None else host.astype(np.float64)
-        # Compared in float32, as `adjust` compares them.
-        low32, high32 = float(np.float32(low)), float(np.float32(high))
-        if host is not None and not (np.all(host >= low32) and np.all(host <= high32)):
-            raise ValueError(
-                f"`loss_scale` must lie within [min_loss_scale, max_loss_scale] = "
-                f"[{low!r}, {high!r}]. Received: loss_scale={self.loss_scale!r}; widen the "
-                f"bounds (for example max_loss_scale=2.0**32) or pick another initial scale."
-            )
+        leaf = checks.as_leaf(self.loss_scale, jnp.float32, "loss_scale")
+        checks.within_bounds(leaf, self.loss_scale, low, high)
         object.__setattr__(self, "loss_scale", leaf)
-        object.__setattr__(self, "counter", _as_leaf(self.counter, jnp.int32, "counter"))
+        object.__setattr__(self, "counter", checks.as_leaf(self.counter, jnp.int32, "counter"))
         # Without hysteresis there is nothing to count: no leaf (jmp's leaves are exactly
         # `[loss_scale, counter]`).
         overflows = (
             None if self.hysteresis == 1 else (0 if self.overflows is None else self.overflows)
         )
         if overflows is not None:
-            overflows = _as_leaf(overflows, jnp.int32, "overflows")
+            overflows = checks.as_leaf(overflows, jnp.int32, "overflows")
         object.__setattr__(self, "overflows", overflows)
 
     def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:

@@ -5,7 +5,7 @@ A layer (a Flax ``Dense``/``DenseGeneral``/``Einsum``, an NNX ``Linear``/``Linea
 replacement ``dot_general`` (or ``einsum``) for its policy, its float8 state and its
 kernel, or ``None`` when the layer runs as written:
 
-* a float8 policy: :func:`jmp_policy._src.float8.dot_general` (explicit float8 GEMMs,
+* a float8 policy: :func:`jmp_policy._src.float8_matmul.dot_general` (explicit float8 GEMMs,
   delayed scaling with ``state``, current scaling without);
 * a ``QuantizedArray`` kernel (int8 or int4 weights, any non-float8 policy):
   :func:`jmp_policy._src.quantized_matmul.quantized_kernel_dot_general`, which reads the
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import float8, quantization, quantized_matmul, run_report
+from jmp_policy._src import float8, float8_matmul, quantization, quantized_matmul, run_report
 
 JNP_EINSUM = quantized_matmul.JNP_EINSUM
 
@@ -147,7 +147,7 @@ def pick(
         scaling = "delayed" if float8.is_delayed(policy) else "current"
 
         def fp8_for(kernel_arg: Any) -> Callable[..., Any]:
-            inner = float8.dot_general(state)
+            inner = float8_matmul.dot_general(state)
 
             def dot_general(lhs: Any, rhs: Any, dims: Any, *args: Any, **kw: Any) -> Any:
                 _float8_form(path, *_shapes(lhs, rhs, dims), scaling)

@@ -1,7 +1,8 @@
 """Tree numerics: which leaves are floating, finiteness, selection and scaling of whole pytrees.
 
-The numerical building blocks that loss scaling uses today and float8 scaling and diagnostics
-will use next (optax keeps its own ``numerics.py`` the same way). Everything here works on
+The numerical building blocks of loss scaling (scaling, finiteness, selection), and the
+floating-leaf test that diagnostics and the run report use; float8 scaling has its own
+arithmetic (optax keeps its own ``numerics.py`` the same way). Everything here works on
 plain pytrees, under ``jit`` with no host synchronisation, and leaves non-floating leaves
 (integers, bools, ``None``, other objects) alone.
 """

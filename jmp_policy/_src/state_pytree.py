@@ -1,10 +1,10 @@
 """State pytrees: frozen dataclasses whose arrays are leaves and whose settings are static.
 
-How jmp_policy's state classes (loss scales today, float8 scaling state next) become pytrees
-and checkpoints: flattening derived from the dataclass fields (a field marked
-``metadata={"static": True}`` is metadata, every other field a child), value equality, a
-``replace`` that skips validation, and registration with ``flax.serialization`` once flax is
-loaded. Nothing here imports flax.
+How jmp_policy's state classes (the loss scales; float8's scaling state is a plain dict
+of arrays and needs none of this) become pytrees and checkpoints: flattening derived from
+the dataclass fields (a field marked ``metadata={"static": True}`` is metadata, every other
+field a child), value equality, a ``replace`` that skips validation, and registration with
+``flax.serialization`` once flax is loaded. Nothing here imports flax.
 """
 
 from __future__ import annotations

@@ -29,9 +29,9 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jmp_policy._src import float8, interception, matmuls
+from jmp_policy._src import float8, interception, matmuls, state_collections
 
-COLLECTION = float8.COLLECTION
+COLLECTION = state_collections.OVERWRITE_WITH_GRADIENT
 
 # This thread's `jnp.einsum` calls go to `_EINSUM_AS.get()` while `_EINSUM.inside()`.
 _EINSUM_AS: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(

@@ -1,0 +1,105 @@
+"""What a ``diagnose`` function taps: which submodules, and on which steps.
+
+A :class:`Selection` (``every=``, ``paths=``) taps only the submodules whose path a key
+names (exact, else ``re.fullmatch``, as a ``DTypePolicyMap`` key) and computes the
+statistics on one step in ``every``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_policy._src.policy_map._index import is_literal
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What a ``diagnose`` function taps: the submodules named by ``paths`` (``None``: all)
+    on one step in ``every``. Made (and checked) by :func:`selection`."""
+
+    every: int = 1
+    paths: tuple[str, ...] | None = None
+
+    @functools.cached_property
+    def _patterns(self) -> tuple[frozenset[str], tuple[re.Pattern[str], ...]]:
+        keys = self.paths or ()
+        return (
+            frozenset(k for k in keys if is_literal(k)),
+            tuple(re.compile(k) for k in keys if not is_literal(k)),
+        )
+
+    def taps(self, path: str) -> bool:
+        """Whether the submodule at ``path`` is tapped (an exact key, else a fullmatch)."""
+        if self.paths is None:
+            return True
+        exact, patterns = self._patterns
+        return path in exact or any(p.fullmatch(path) for p in patterns)
+
+    def sample(self, step: Any) -> jax.Array | None:
+        """``step % every == 0`` as a bool scalar (traced under ``jit``); ``None`` when
+        every step is sampled."""
+        if step is not None:
+            integer = isinstance(step, (int, np.integer)) and not isinstance(step, bool)
+            if not integer and not (
+                isinstance(step, (jax.Array, np.ndarray))
+                and step.shape == ()
+                and jnp.issubdtype(step.dtype, jnp.integer)
+            ):
+                raise TypeError(
+                    "`step` must be the training step, an int or an integer scalar array "
+                    f"(traced under jit). Received: step={step!r}"
+                )
+        if self.every == 1:
+            return None
+        if step is None:
+            raise ValueError(
+                f"`step` is required with `every={self.every}`: pass the training step "
+                "(an int, or an integer scalar array inside a jitted loop); the statistics "
+                f"are computed when `step % {self.every} == 0`."
+            )
+        return jnp.asarray(step) % self.every == 0
+
+
+def selection(every: Any = 1, paths: Any = None) -> Selection:
+    """Checks ``diagnose``'s ``every`` and ``paths`` arguments and returns a :class:`Selection`."""
+    if isinstance(every, bool) or not isinstance(every, (int, np.integer)):
+        raise TypeError(
+            "`every` must be an int >= 1 (compute the statistics on one step in `every`). "
+            f"Received: every={every!r} of type {type(every).__name__}"
+        )
+    if every < 1:
+        raise ValueError(
+            "`every` must be an int >= 1 (compute the statistics on one step in `every`). "
+            f"Received: every={every!r}"
+        )
+    if paths is None:
+        return Selection(int(every), None)
+    keys = (paths,) if isinstance(paths, str) else paths
+    if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
+        raise TypeError(
+            "`paths` must be None (tap every submodule), a module path or regular "
+            "expression, or a list of them (the keys of a DTypePolicyMap, e.g. "
+            f"['head', 'encoder/layers_1(/.*)?']). Received: paths={paths!r}"
+        )
+    if not keys:
+        raise ValueError(
+            "`paths` is empty, so nothing would be tapped; pass None to tap every "
+            f"submodule. Received: paths={paths!r}"
+        )
+    for key in keys:
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise ValueError(
+                f"`paths` holds {key!r}, which is not a valid regular expression ({e}); "
+                "keys are exact module paths or regular expressions matched with "
+                "`re.fullmatch`, as in a DTypePolicyMap."
+            ) from e
+    return Selection(int(every), tuple(keys))

@@ -1,0 +1,139 @@
+"""The checks of :func:`~jmp_policy.loss_scaling`'s arguments and its float16 warning."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_policy._src.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+)
+
+LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
+_LOSS_SCALE_STRINGS = ("dynamic", "auto", "none")
+
+
+def resolve_loss_scale(loss_scale: Any) -> LossScale:
+    """``loss_scaling``'s ``loss_scale`` argument as a loss-scale object."""
+    if isinstance(loss_scale, LOSS_SCALE_TYPES):
+        return loss_scale
+    if isinstance(loss_scale, str):
+        key = loss_scale.lower()
+        if key == "dynamic":
+            return DynamicLossScale()
+        if key == "none":
+            return NoOpLossScale()
+        if key == "auto":
+            from jmp_policy._src.global_state import dtype_policy
+
+            if dtype_policy().compute_dtype == np.float16:
+                return DynamicLossScale()
+            return NoOpLossScale()
+        raise ValueError(
+            f"Unknown `loss_scale` {loss_scale!r}; expected one of "
+            f"{', '.join(repr(s) for s in _LOSS_SCALE_STRINGS)}, a positive number (a static "
+            f"scale) or a loss-scale object (NoOpLossScale, StaticLossScale, DynamicLossScale)."
+        )
+    if not isinstance(loss_scale, bool) and isinstance(
+        loss_scale, (int, float, np.integer, np.floating)
+    ):
+        return StaticLossScale(loss_scale)  # validated there, quoting the value as given
+    if (
+        isinstance(loss_scale, (jax.Array, np.ndarray))
+        and not isinstance(loss_scale, jax.core.Tracer)
+        and loss_scale.shape == ()
+        and (
+            jnp.issubdtype(loss_scale.dtype, jnp.floating)
+            or jnp.issubdtype(loss_scale.dtype, jnp.integer)
+        )
+    ):  # `jnp.float32(2**15)` is a jax array, not a NumPy scalar
+        return StaticLossScale(float(loss_scale))
+    raise TypeError(
+        f"Invalid `loss_scale` argument. Expected 'dynamic', 'auto', 'none', a positive number "
+        f"or a loss-scale object (NoOpLossScale, StaticLossScale, DynamicLossScale). Received: "
+        f"loss_scale={loss_scale!r} (of type {type(loss_scale).__name__})"
+    )
+
+
+def check_axis_name(axis_name: Any) -> str | tuple[str, ...] | None:
+    """``axis_name`` as ``psum`` takes it: ``None``, a name, or a tuple of names."""
+    if axis_name is None or isinstance(axis_name, str):
+        return axis_name
+    if (
+        isinstance(axis_name, (tuple, list))
+        and axis_name
+        and all(isinstance(name, str) for name in axis_name)
+    ):
+        return tuple(axis_name)
+    raise TypeError(
+        "`axis_name` must be None (plain `jit`), the name of a `shard_map`/`pmap` axis such as "
+        "'batch', or a non-empty tuple of such names. Received: "
+        f"axis_name={axis_name!r} (of type {type(axis_name).__name__})"
+    )
+
+
+def check_inner(inner: Any) -> None:
+    """Raises unless ``inner`` is an optax transformation (with ``init`` and ``update``)."""
+    if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
+        return
+    if isinstance(inner, str):
+        hint = "; pass the transformation itself (`optax.adam(1e-3)`), not its name"
+    elif callable(inner):
+        name = getattr(inner, "__name__", "it")
+        hint = f"; did you mean to call it, `{name}(learning_rate)`?"
+    else:
+        hint = ""
+    raise TypeError(
+        f"`inner` must be an optax GradientTransformation (such as `optax.adam(1e-3)`). "
+        f"Received: inner={inner!r} (of type {type(inner).__name__}){hint}"
+    )
+
+
+# jax's, optax's and jmp_policy's `_src` (this file's) directories.
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(path) + os.sep for path in (jax.__file__, optax.__file__, __file__) if path
+)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside jax, optax and jmp_policy (the user's
+    call, however deep in ``jit`` tracing the warning is raised)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
+def float16_paths(tree: Any) -> list[str]:
+    """The paths of ``tree``'s float16 leaves."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [
+        jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
+        for path, x in leaves
+        if getattr(x, "dtype", None) == np.float16
+    ]
+
+
+def warn_float16(paths: list[str]) -> None:
+    """Warns that float16 gradients (at ``paths``) underflow when unscaled."""
+    shown = ", ".join(repr(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+    warnings.warn(
+        f"`loss_scaling` got float16 gradients ({len(paths)} "
+        f"{'leaf' if len(paths) == 1 else 'leaves'}: {shown}), so the "
+        f"parameters are stored in float16 with no float32 master weights. Unscaled back to "
+        f"float16, every gradient below float16's smallest subnormal (6e-8) is 0 whatever the "
+        f"loss scale. Keep the parameters in float32 and compute in float16: the policy "
+        f'"mixed_float16".',
+        UserWarning,
+        stacklevel=_user_stacklevel(),
+    )
