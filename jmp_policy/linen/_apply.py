@@ -8,12 +8,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-import jmp_policy.linen._modules as m
 from jmp_policy._src import casting
 from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
+from jmp_policy.linen._modules import MATMUL_CLASSES, check_method, check_variables, prepare
 from jmp_policy.linen._trace import flat_params, method_for, run_traced
 
 
@@ -124,11 +124,24 @@ def apply(
         >>> jp.linen.apply(model, "mixed_bfloat16")(variables, x).dtype
         dtype(bfloat16)
     """
-    resolved, opts = m.prepare(module, policy_or_map, method, options)
-    return apply_with(module, resolved, opts, method)
+    policies, opts = prepare(module, policy_or_map, method, options)
+    return apply_with(module, policies, opts, method)
 
 
-def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> Callable[..., Any]:
+def apply_call(
+    module: nn.Module, args: Any, kwargs: Mapping[str, Any], method: Any, **apply_kwargs: Any
+) -> Callable[[Any, Resolver], Any]:
+    """The model call a traced run makes: ``module.apply`` on the cast variables, with
+    ``method`` as the resolver runs it (``apply_kwargs``: ``rngs``, ``mutable``, ...)."""
+
+    def call(cast_variables: Any, resolver: Resolver) -> Any:
+        method_run = method_for(resolver, method)
+        return module.apply(cast_variables, *args, method=method_run, **apply_kwargs, **kwargs)
+
+    return call
+
+
+def apply_with(module: nn.Module, policies: Any, opts: Options, method: Any) -> Callable[..., Any]:
     """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
     default_method = method
     known: dict[str, Any] = {}
@@ -137,7 +150,7 @@ def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> 
     params: list[Any] = [None]  # the parameters of the call being run
 
     def report(resolver: Resolver) -> None:
-        compute = compute_modules(resolver, params[0], m.MATMUL_CLASSES)
+        compute = compute_modules(resolver, params[0], MATMUL_CLASSES)
         warn_once(resolver, type(module).__name__, warned, compute)
 
     def apply_fn(
@@ -149,24 +162,21 @@ def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> 
         capture_intermediates: Any = False,
         **kwargs: Any,
     ) -> Any:
-        m.check_variables(variables)
+        check_variables(variables)
         params[0] = variables.get("params")
         method = default_method if method is None else method
-        m.check_method(module, method)
-
-        def call(cast_variables: Any, resolver: Resolver) -> Any:
-            return module.apply(
-                cast_variables,
-                *args,
-                rngs=rngs,
-                method=method_for(resolver, method),
-                mutable=mutable,
-                capture_intermediates=capture_intermediates,
-                **kwargs,
-            )
-
+        check_method(module, method)
+        call = apply_call(
+            module,
+            args,
+            kwargs,
+            method,
+            rngs=rngs,
+            mutable=mutable,
+            capture_intermediates=capture_intermediates,
+        )
         result, resolver, cast_variables = run_traced(
-            module, resolved, opts, known, variables, call, method, report
+            module, policies, opts, known, variables, call, method, report
         )
         report(resolver)
         if mutable is not False or capture_intermediates:

@@ -9,9 +9,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-import jmp_policy.linen._modules as m
 from jmp_policy._src import diagnostics
 from jmp_policy.linen._apply import apply_with
+from jmp_policy.linen._modules import prepare
 
 
 def diagnose(
@@ -110,9 +110,9 @@ def diagnose(
         ('', 'body')
     """
     select = diagnostics.selection(every, paths)
-    resolved, opts = m.prepare(module, policy_or_map, method, options)
+    policies, opts = prepare(module, policy_or_map, method, options)
     opts = dataclasses.replace(opts, extensions=(diagnostics.Taps(), *opts.extensions))
-    run = apply_with(module, resolved, opts, method)
+    run = apply_with(module, policies, opts, method)
 
     def diagnose_fn(
         variables: Mapping[str, Any],
