@@ -12,12 +12,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jmp_policy.nnx._modules as m
-import jmp_policy.nnx._quantization as q
 from jmp_policy._src import casting, float8, interception, quantization
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import ModuleInfo, Resolution, Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
+from jmp_policy.nnx._modules import (
+    MATMUL_CLASSES,
+    filled_dtype,
+    is_nnx_object,
+    method_of,
+    methods_for,
+    own_dtype,
+    path_of,
+    prepare,
+)
+from jmp_policy.nnx._quantization import quantized_matmuls, quantized_run, routable, stacked
 
 # The attributes a policy-running subclass keeps its original class and its call under.
 _ORIGINAL = "_jmp_policy_original_class"
@@ -35,13 +44,13 @@ def _policy_method(original: Callable[..., Any]) -> Callable[..., Any]:
         path, resolution, extensions = getattr(type(self), _CALL)
         call = interception.Call(path, self, resolution)
         return interception.run(
-            call, bound, args, kwargs, extensions=extensions, opaque=m.is_nnx_object
+            call, bound, args, kwargs, extensions=extensions, opaque=is_nnx_object
         )
 
     return method
 
 
-def resolver_for(model: nnx.Module, resolved: Any, options: Any) -> Resolver:
+def resolver_for(model: nnx.Module, policies: Any, options: Any) -> Resolver:
     """A resolver that knows every module of ``model`` (classes and own dtypes)."""
     # Every module is recorded before any is resolved: NNX lists children before their
     # parents, and a child inherits its parent's class policy (`type_policies`).
@@ -49,8 +58,8 @@ def resolver_for(model: nnx.Module, resolved: Any, options: Any) -> Resolver:
     modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]) > 0)  # root first
     for parts, module in modules:
         cls = getattr(type(module), _ORIGINAL, type(module))
-        infos.setdefault(m.path_of(parts), ModuleInfo(cls, m.own_dtype(module)))
-    resolver = Resolver(resolved, options, infos)
+        infos.setdefault(path_of(parts), ModuleInfo(cls, own_dtype(module)))
+    resolver = Resolver(policies, options, infos)
     for path in sorted(infos, key=len):  # the root first, parents before children
         resolver.module(path)
     return resolver
@@ -79,7 +88,7 @@ def _policy_subclass(
             "__qualname__": cls.__qualname__,
         }
         for name in methods:
-            original = m.method_of(cls, name)
+            original = method_of(cls, name)
             if original is not None:
                 namespace[name] = _policy_method(original)
         subclass = type(cls)(
@@ -204,8 +213,8 @@ def apply(
         >>> {x.dtype for x in jax.tree.leaves(grads)}
         {dtype('float32')}
     """
-    resolved, opts = m.prepare(model, policy_or_map, options)
-    return apply_with(model, resolved, opts, method)
+    policies, opts = prepare(model, policy_or_map, options)
+    return apply_with(model, policies, opts, method)
 
 
 def _warn_plain_arrays(model: str, paths: list[str]) -> None:
@@ -222,25 +231,25 @@ def _warn_plain_arrays(model: str, paths: list[str]) -> None:
 
 
 def apply_with(
-    model: nnx.Module, resolved: Any, opts: Any, method: str | Callable[..., Any]
+    model: nnx.Module, policies: Any, opts: Any, method: str | Callable[..., Any]
 ) -> Callable[..., Any]:
     """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
-    methods = m.methods_for(model, method)
-    extensions = (*opts.extensions, q.quantized_matmuls)  # quantized layers: innermost
+    methods = methods_for(model, method)
+    extensions = (*opts.extensions, quantized_matmuls)  # quantized layers: innermost
     warned: set[str] = set()  # what this wrapper has warned about
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        resolver = resolver_for(model, resolved, opts)
+        resolver = resolver_for(model, policies, opts)
         copy, casts = _cast_copy(model, resolver)
         _dress(copy, resolver, methods, extensions)
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
-        compute = compute_modules(resolver, nnx.state(model), m.MATMUL_CLASSES)
+        compute = compute_modules(resolver, nnx.state(model), MATMUL_CLASSES)
         warn_once(resolver, type(model).__name__, warned, compute)
         if casts.plain and "plain" not in warned:
             warned.add("plain")
             _warn_plain_arrays(type(model).__name__, casts.plain)
-        with interception.model_run(opts), q.model_run(casts.whole):
+        with interception.model_run(opts), quantized_run(casts.whole):
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
             else:
@@ -251,7 +260,7 @@ def apply_with(
                     args,
                     kwargs,
                     extensions=extensions,
-                    opaque=m.is_nnx_object,
+                    opaque=is_nnx_object,
                 )
         _write_back(model, copy, casts.stored)
         return out
@@ -277,10 +286,10 @@ def _cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, _Cast
     casts = _Casts({}, {}, [])
     # A stacked layer (nnx.vmap'd, run under nnx.scan) sees a slice of its kernel:
     # its QuantizedArray is dequantized ahead of the model, not passed whole.
-    routable = {
-        m.path_of(parts)
+    whole_paths = {
+        path_of(parts)
         for parts, module in nnx.iter_modules(model)
-        if q.routable(module) and not q.stacked(module)
+        if routable(module) and not stacked(module)
     }
 
     def cast_variable(key_path: Any, variable: Any) -> Any:
@@ -302,7 +311,7 @@ def _cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, _Cast
             if (
                 quantization.is_quantized(value)
                 and name == "kernel"
-                and module_path in routable
+                and module_path in whole_paths
                 and not float8.is_float8(policy)
             ):
                 # The layer's matmul reads the QuantizedArray itself (see
@@ -330,13 +339,13 @@ def _dress(
     """Each module of the copy computes in its policy's dtype (where its ``dtype`` is not
     the user's) and runs its methods through the hook (a policy subclass)."""
     for parts, module in list(nnx.iter_modules(copy)):
-        path = m.path_of(parts)
+        path = path_of(parts)
         resolution = resolver.module(path)
         if resolution.set_dtype is not None:
             object.__setattr__(module, "dtype", resolution.set_dtype)
-        elif m.filled_dtype(module):  # not the user's: computes in the policy's dtype
+        elif filled_dtype(module):  # not the user's: computes in the policy's dtype
             object.__setattr__(module, "dtype", resolution.policy.compute_dtype)
-        wrapped = tuple(name for name in methods if m.method_of(type(module), name))
+        wrapped = tuple(name for name in methods if method_of(type(module), name))
         if wrapped:
             subclass = _policy_subclass(type(module), path, resolution, extensions, wrapped)
             object.__setattr__(module, "__class__", subclass)

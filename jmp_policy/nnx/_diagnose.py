@@ -9,9 +9,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-import jmp_policy.nnx._modules as m
 from jmp_policy._src import diagnostics
 from jmp_policy.nnx._apply import apply_with
+from jmp_policy.nnx._modules import is_nnx_object, prepare
 
 
 def diagnose(
@@ -75,10 +75,10 @@ def diagnose(
         ('body', 'float16')
     """
     select = diagnostics.selection(every, paths)
-    resolved, opts = m.prepare(model, policy_or_map, options)
-    taps = diagnostics.Taps(opaque=m.is_nnx_object)
+    policies, opts = prepare(model, policy_or_map, options)
+    taps = diagnostics.Taps(opaque=is_nnx_object)
     opts = dataclasses.replace(opts, extensions=(taps, *opts.extensions))
-    run = apply_with(model, resolved, opts, method)
+    run = apply_with(model, policies, opts, method)
 
     def diagnose_fn(*args: Any, probe: Any = None, step: Any = None, **kwargs: Any) -> Any:
         with diagnostics.collecting(probe, select, step) as collector:
@@ -92,7 +92,7 @@ def diagnose(
 
         def shapes(state: Any) -> diagnostics.Report:
             copy = nnx.merge(graphdef, state)
-            fn = diagnose(copy, resolved, method, every=every, paths=paths, **options)
+            fn = diagnose(copy, policies, method, every=every, paths=paths, **options)
             return fn(*args, step=step, **kwargs)[1]
 
         return jax.eval_shape(shapes, state).probe()

@@ -107,7 +107,7 @@ def routable(module: Any) -> bool:
 
 
 @contextlib.contextmanager
-def model_run(whole: Mapping[str, Any] | None = None) -> Iterator[None]:
+def quantized_run(whole: Mapping[str, Any] | None = None) -> Iterator[None]:
     """One model run: each float8 layer may be called once inside; ``whole`` maps module
     paths to the ``QuantizedArray`` kernels they receive whole."""
     token = _CALLED.set({})
