@@ -106,80 +106,29 @@ def apply(
 ) -> Callable[..., Any]:
     """Makes a function that runs an NNX ``model`` per submodule under a policy or a map.
 
-    The returned function takes ``method``'s arguments. Each submodule (the root under
-    the path ``""``) runs with the floating leaves of its positional and keyword
-    arguments and its ``nnx.Param`` values in its own compute dtype, under
-    :func:`jmp_policy.current_policy` returning its policy; its outputs are cast only when
-    its policy's output dtype differs from its compute dtype (Keras names leave them as
-    computed), and the carry of every loop (``nnx.scan``, ``nnx.RNN``, ``nnx.fori_loop``)
-    keeps the dtype it entered with. A module's path is its ``'/'``-joined attribute path,
-    integers as digits (``"layers/0"``), the same as its ``State`` paths without
-    ``.value``. A parameter's policy is resolved from its own path (``"embed/embedding"``),
-    so a key may name one variable; otherwise it is its module's. With ``type_policies``,
-    a key matching the module's own path wins over its class's policy, which wins over
-    inheritance from an ancestor. A submodule whose own ``dtype`` attribute is set
-    (``nnx.Linear(..., dtype=jnp.float32)``) computes in that dtype whatever the policy
-    says, unless ``module_dtype="override"``; when that turns the policy off for most of
-    the model, or a key of the map chooses nothing, it warns once.
-
-    **How it works.** Each call splits ``model`` (``nnx.split``), casts the ``nnx.Param``
-    values per variable path and merges a fresh copy of the object graph
-    (``nnx.merge``), so ``model`` keeps its stored parameters and ``nnx.grad`` through
-    the call gives gradients in their stored dtype (float32 master weights get float32
-    gradients). In the copy, each submodule's class is swapped for a cached subclass
-    whose ``__call__`` (and ``method``, when a name) hands the call to the one
-    per-submodule hook (inputs, ``current_policy()``, the output rule). The call is a
-    class attribute, so NNX transforms used inside the model (which re-merge submodules
-    into new instances) keep it. After the call, every non-``Param`` variable of the copy
-    (``BatchStat``, RNG counts, ``Cache``, sown ``Intermediate``) is written back into
-    ``model`` with ``nnx.update``, cast to its stored dtype.
-
-    **Quantized layers.** An ``nnx.Linear``, ``nnx.LinearGeneral`` or ``nnx.Einsum``
-    with NNX's own matmul runs it on int8 operands under an int8 policy, and through
-    float8 with delayed scaling under a float8 policy, reading its state from the
-    ``Float8State`` that :func:`jmp_policy.nnx.init_float8` gave it (one call per layer
-    and run; see :func:`jmp_policy.nnx.split_gradients` for the training step).
-
-    Works under ``nnx.jit``, ``nnx.grad``/``nnx.value_and_grad``, ``nnx.vmap`` and
-    ``nnx.scan`` over a model and ``jax.jit`` of a ``split``/``merge`` function: call
-    ``apply`` inside the transformed function, on the model it receives.
-
-    **Not covered.** Only ``__call__`` (and ``method``) of submodules is wrapped: other
-    methods a parent calls on a submodule (``self.embed.attend(x)``) and code that reads
-    a submodule's parameters directly (``x @ self.linear.kernel``) run with the caller's
-    inputs and ``current_policy()``, on parameters already cast for their owner. A module
-    or parameter shared at several paths (tied weights) gets the policy of the first path
-    NNX's graph traversal finds. Changes to ``nnx.Param`` values made inside the call are
-    not written back. Modules created inside the call run unwrapped. Non-``Param``
-    variables (batch statistics, caches) are not cast to the compute dtype: create caches
-    in the compute dtype. Plain JAX arrays kept as attributes (``self.w =
-    jax.random.normal(...)``, Flax's ``07_array_leaves`` toy example) are not
-    ``nnx.Param``s for Flax either (``nnx.grad`` and ``nnx.Optimizer`` leave them out by
-    default): they are state, left in their stored dtype (changes written back), and a
-    warning names the floating ones the policy would otherwise have cast; wrap them in
-    ``nnx.Param`` to have them cast.
+    The returned function takes ``method``'s arguments. Each submodule (the root: path
+    ``""``; a module's path is its ``'/'``-joined attribute path, ``"layers/0"``) runs
+    under :func:`jmp_policy.current_policy` set to its policy, the floating leaves of its
+    arguments and its ``nnx.Param`` values cast to its compute dtype; its outputs are cast
+    only when its policy's output dtype differs from its compute dtype, and loop carries
+    keep their dtype. A parameter's policy is resolved from its own path
+    (``"embed/embedding"``), otherwise its module's. The rules are those of
+    :func:`jmp_policy.linen.apply`, warnings included. Each call runs a copy of the model
+    (``nnx.split``, cast, ``nnx.merge``): ``model`` keeps its stored parameters,
+    ``nnx.grad`` gives gradients in their stored dtype, and the copy's non-``Param`` state
+    (batch statistics, caches, RNG counts) is written back in its stored dtype. Int8 and
+    float8 policies run ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` matmuls
+    quantized (float8 state: :func:`jmp_policy.nnx.init_float8`). Works under
+    ``nnx.jit``, ``nnx.grad``, ``nnx.vmap`` and ``nnx.scan`` over a model: call
+    ``apply`` inside the transformed function. The README's "How the Flax wrappers work"
+    gives the details and what is not covered.
 
     Args:
         model: an ``nnx.Module``; never modified except for its non-``Param`` state.
-        policy_or_map: a policy, a policy name, a ``DTypePolicyMap``, a ``dict`` of keys
-            to policies (a map whose default is the global policy) or ``None`` (the
-            global policy). Only floating compute dtypes.
+        policy_or_map: as for :func:`jmp_policy.linen.apply`.
         method: the name of the model's method to run (``"__call__"``), or a function
             ``fn(model, *args, **kwargs)`` that runs under the root policy.
-        **options: keyword options, the same for every wrapper:
-
-            * ``type_policies``: ``{ModuleClass: policy or name}``: every instance of a
-              class (or a subclass) gets that policy, unless a key of the map matches its
-              own path; it wins over inheritance from an ancestor. A class matches by
-              module and qualified name too, so it follows ``importlib.reload``. See
-              ``NORM_FLOAT32``.
-            * ``module_dtype``: ``"respect"`` (the default: a module's own ``dtype=``
-              wins, as an explicit layer dtype does in Keras) or ``"override"`` (the
-              policy wins everywhere: the module runs with its ``dtype`` set to the
-              policy's compute dtype).
-            * ``autocast_exclude``: module classes and/or path regular expressions whose
-              modules receive their inputs uncast (a diffusion timestep, float
-              positions).
+        **options: as for :func:`jmp_policy.linen.apply`.
 
     Returns:
         A function ``(*args, **kwargs)`` returning the method's outputs.
@@ -295,9 +244,9 @@ def _cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, _Cast
     def cast_variable(key_path: Any, variable: Any) -> Any:
         path = leaf_path(key_path)
         if not isinstance(variable, nnx.Variable):
-            # A plain array attribute (Flax's `07_array_leaves` toy example): not an
-            # `nnx.Param` for Flax (`nnx.grad` and `nnx.Optimizer` leave it out by
-            # default), so it is state, kept in its dtype like a `BatchStat`.
+            # A plain array attribute: not an `nnx.Param` for Flax (`nnx.grad` and
+            # `nnx.Optimizer` leave it out by default), so it is state, kept in its
+            # dtype like a `BatchStat`.
             if isinstance(variable, (jax.Array, np.ndarray)):
                 casts.stored[path] = variable.dtype
                 compute = resolver.module(parent_path(path) or "").policy.compute_dtype

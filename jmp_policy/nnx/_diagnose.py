@@ -26,8 +26,9 @@ def diagnose(
     """Makes a function that runs ``model`` as :func:`apply` does and also returns a report.
 
     The NNX counterpart of :func:`jmp_policy.linen.diagnose`: the returned function takes
-    ``method``'s arguments plus keywords ``probe`` and ``step`` and returns ``(outputs, report)``; the
-    report holds, per submodule path, the statistics of the floating leaves of its inputs
+    ``method``'s arguments plus keywords ``probe`` and ``step`` and returns
+    ``(outputs, report)``; the report holds, per submodule path, the statistics of the
+    floating leaves of its inputs
     and outputs (NNX objects passed as arguments are not data, and not measured), and,
     through the gradient with respect to ``probe``, of the cotangents reaching its outputs
     (``report.with_gradients(probe_gradient)``). It works under ``nnx.jit``/``jax.jit``,

@@ -36,9 +36,10 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
     the policy's ``amax_history_length`` (float32). A state already there is replaced by
     a fresh one. Other layers get nothing. A layer created stacked (``nnx.vmap`` of its
     constructor, to run under ``nnx.scan`` over layers) gets its state stacked the same
-    way (over its kernel's leading axes), so each scanned layer has its own. :func:`jmp_policy.nnx.apply` with the same
-    ``policy_or_map`` then runs those layers' matmuls through float8 with delayed scaling
-    (inputs and kernels in ``float8_e4m3fn``, output gradients in ``float8_e5m2``).
+    way (over its kernel's leading axes), so each scanned layer has its own.
+    :func:`jmp_policy.nnx.apply` with the same ``policy_or_map`` then runs those layers'
+    matmuls through float8 with delayed scaling (inputs and kernels in ``float8_e4m3fn``,
+    output gradients in ``float8_e5m2``).
 
     **One state per layer.** NNX keeps a float8 layer's state on the layer, so a float8
     layer may run once per :func:`~jmp_policy.nnx.apply` run: calling a shared layer twice
