@@ -60,11 +60,11 @@ def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
         >>> grads["w"].dtype
         dtype('float32')
     """
-    resolved = floating_policy_or_map(policy_or_map)
-    policies = [] if resolved is None else [resolved]
-    if hasattr(resolved, "values"):  # a map
-        policies = [resolved.default_policy, *resolved.values()]
-    named = sorted({p.name for p in policies if float8.is_float8(p)})
+    policies = floating_policy_or_map(policy_or_map)
+    every_policy = [] if policies is None else [policies]
+    if hasattr(policies, "values"):  # a map
+        every_policy = [policies.default_policy, *policies.values()]
+    named = sorted({p.name for p in every_policy if float8.is_float8(p)})
     if named:
         warnings.warn(
             f"cast_apply runs a plain function, whose matmuls it cannot route: the float8 "
@@ -81,13 +81,13 @@ def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
 
         @functools.wraps(fn)
         def wrapped(params: Any, *args: Any, **kwargs: Any) -> Any:
-            if resolved is None:
+            if policies is None:
                 cast = global_state.dtype_policy().cast_to_compute(params)
-            elif isinstance(resolved, DTypePolicyMap):
-                cast = _map_cast(resolved, params, checked)
+            elif isinstance(policies, DTypePolicyMap):
+                cast = _map_cast(policies, params, checked)
             else:
-                cast = resolved.cast_to_compute(params)
-            call = interception.Call("", None, Resolver(resolved, Options()).module(""))
+                cast = policies.cast_to_compute(params)
+            call = interception.Call("", None, Resolver(policies, Options()).module(""))
             with interception.model_run():
                 return interception.run(call, functools.partial(fn, cast), args, kwargs)
 

@@ -8,12 +8,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-import jmp_policy.linen._modules as m
 from jmp_policy._src import casting
 from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
+from jmp_policy.linen._modules import MATMUL_CLASSES, check_method, check_variables, prepare
 from jmp_policy.linen._trace import flat_params, method_for, run_traced
 
 
@@ -47,27 +47,17 @@ def apply(
 
     The returned function has ``module.apply``'s signature,
     ``fn(variables, *args, rngs=None, method=None, mutable=False,
-    capture_intermediates=False, **kwargs)``, and returns what ``module.apply`` returns
-    (``(outputs, mutated)`` when ``mutable`` is set). Each submodule's parameters and every
-    floating leaf of its arguments are cast to its compute dtype, and
-    :func:`jmp_policy.current_policy` returns its policy while it runs; its outputs are
-    cast only when its policy's output dtype differs from its compute dtype
-    (``"p=f32,c=bf16,o=f32"``), and left as computed otherwise (Keras names), so a
-    float32 head returns float32 logits. The root module runs under the policy of the
-    path ``""``. Only the ``"params"`` collection is cast: BatchNorm statistics and caches
-    stay in their stored dtype; when ``mutable`` includes ``"params"``, the parameters
-    come back as stored (not as cast). The carry of every loop in the model keeps the
-    dtype it entered with. Under an int8 policy, ``Dense``, ``DenseGeneral`` and
-    ``Einsum`` run int8 matmuls; under a float8 policy, float8 quantize-dequantize with
-    delayed scaling, reading their state from ``"_overwrite_with_gradient"`` (created by
-    :func:`init`; its gradient is its new value, see :func:`split_gradients`).
-
-    Works under ``jax.jit``, ``jax.grad`` (gradients come back in the stored dtype,
-    float32 for float32 master weights), ``nn.scan``, ``nn.RNN``, ``nn.while_loop``,
-    ``nn.fori_loop``, ``nn.remat``, ``nn.vmap``, with ``rngs=`` and ``mutable=``. Warns
-    once when modules' own ``dtype`` overrides the policy for most of the modules that
-    carry the matmuls (those holding kernels, and attention), saying how many, and when
-    a key of the map chooses nothing (a typo). See :mod:`jmp_policy.linen`.
+    capture_intermediates=False, **kwargs)``, and returns what ``module.apply`` returns.
+    Each submodule (the root: path ``""``) runs under :func:`jmp_policy.current_policy`
+    set to its policy, its parameters and floating arguments cast to its compute dtype;
+    its outputs are cast only when its policy's output dtype differs from its compute
+    dtype (Keras names leave them as computed). Only ``"params"`` is cast, and comes back
+    as stored under ``mutable``. Int8 and float8 policies run ``Dense``, ``DenseGeneral``
+    and ``Einsum`` matmuls quantized (float8 state: :func:`init`, :func:`split_gradients`).
+    Works under ``jax.jit``, ``jax.grad`` (gradients in the stored dtype), Flax's lifted
+    transforms and loops. Warns once when modules' own ``dtype`` turns the policy off for
+    most matmul modules, or a key of the map chooses nothing. See the README's "How the
+    Flax wrappers work".
 
     Args:
         module: a ``flax.linen`` Module instance.
@@ -76,20 +66,12 @@ def apply(
             ``None`` (the global policy). Only floating compute dtypes.
         method: the method to run (a name or ``fn(module, *args)``); ``None`` is
             ``__call__``. The returned function's ``method=`` overrides it.
-        **options: keyword options, the same for every wrapper:
-
-            * ``type_policies``: ``{ModuleClass: policy or name}``: every instance of a
-              class (or a subclass) gets that policy, unless a key of the map matches its
-              own path; it wins over inheritance from an ancestor. A class matches by
-              module and qualified name too, so it follows ``importlib.reload``. See
-              ``NORM_FLOAT32``.
-            * ``module_dtype``: ``"respect"`` (the default: a module's own ``dtype=``
-              wins, as an explicit layer dtype does in Keras) or ``"override"`` (the
-              policy wins everywhere: the module runs with its ``dtype`` set to the
-              policy's compute dtype).
-            * ``autocast_exclude``: module classes and/or path regular expressions whose
-              modules receive their inputs uncast (a diffusion timestep, float
-              positions).
+        **options: the same for every wrapper. ``type_policies``: ``{ModuleClass: policy
+            or name}`` for every instance of a class or subclass, unless a key of the map
+            matches its path (see ``NORM_FLOAT32``). ``module_dtype``: ``"respect"`` (the
+            default: a module's own ``dtype=`` wins) or ``"override"`` (the policy wins
+            everywhere). ``autocast_exclude``: module classes and/or path regular
+            expressions whose modules receive their inputs uncast.
 
     Returns:
         A function with ``module.apply``'s signature.
@@ -110,8 +92,7 @@ def apply(
         ...     def __call__(self, x):
         ...         h = nn.Dense(8, name="body")(x)
         ...         return nn.Dense(2, name="head")(h)
-        >>> model = Model()
-        >>> x = jnp.ones((4, 3))
+        >>> model, x = Model(), jnp.ones((4, 3))
         >>> variables = model.init(jax.random.key(0), x)
         >>> fn = jp.linen.apply(model, jp.DTypePolicyMap(
         ...     "mixed_bfloat16", {"head": "float32"}))
@@ -121,14 +102,25 @@ def apply(
         >>> grads = jax.jit(jax.grad(loss))(variables["params"])
         >>> grads["body"]["kernel"].dtype
         dtype('float32')
-        >>> jp.linen.apply(model, "mixed_bfloat16")(variables, x).dtype
-        dtype(bfloat16)
     """
-    resolved, opts = m.prepare(module, policy_or_map, method, options)
-    return apply_with(module, resolved, opts, method)
+    policies, opts = prepare(module, policy_or_map, method, options)
+    return apply_with(module, policies, opts, method)
 
 
-def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> Callable[..., Any]:
+def apply_call(
+    module: nn.Module, args: Any, kwargs: Mapping[str, Any], method: Any, **apply_kwargs: Any
+) -> Callable[[Any, Resolver], Any]:
+    """The model call a traced run makes: ``module.apply`` on the cast variables, with
+    ``method`` as the resolver runs it (``apply_kwargs``: ``rngs``, ``mutable``, ...)."""
+
+    def call(cast_variables: Any, resolver: Resolver) -> Any:
+        method_run = method_for(resolver, method)
+        return module.apply(cast_variables, *args, method=method_run, **apply_kwargs, **kwargs)
+
+    return call
+
+
+def apply_with(module: nn.Module, policies: Any, opts: Options, method: Any) -> Callable[..., Any]:
     """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
     default_method = method
     known: dict[str, Any] = {}
@@ -137,7 +129,7 @@ def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> 
     params: list[Any] = [None]  # the parameters of the call being run
 
     def report(resolver: Resolver) -> None:
-        compute = compute_modules(resolver, params[0], m.MATMUL_CLASSES)
+        compute = compute_modules(resolver, params[0], MATMUL_CLASSES)
         warn_once(resolver, type(module).__name__, warned, compute)
 
     def apply_fn(
@@ -149,24 +141,21 @@ def apply_with(module: nn.Module, resolved: Any, opts: Options, method: Any) -> 
         capture_intermediates: Any = False,
         **kwargs: Any,
     ) -> Any:
-        m.check_variables(variables)
+        check_variables(variables)
         params[0] = variables.get("params")
         method = default_method if method is None else method
-        m.check_method(module, method)
-
-        def call(cast_variables: Any, resolver: Resolver) -> Any:
-            return module.apply(
-                cast_variables,
-                *args,
-                rngs=rngs,
-                method=method_for(resolver, method),
-                mutable=mutable,
-                capture_intermediates=capture_intermediates,
-                **kwargs,
-            )
-
+        check_method(module, method)
+        call = apply_call(
+            module,
+            args,
+            kwargs,
+            method,
+            rngs=rngs,
+            mutable=mutable,
+            capture_intermediates=capture_intermediates,
+        )
         result, resolver, cast_variables = run_traced(
-            module, resolved, opts, known, variables, call, method, report
+            module, policies, opts, known, variables, call, method, report
         )
         report(resolver)
         if mutable is not False or capture_intermediates:

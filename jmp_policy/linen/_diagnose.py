@@ -9,9 +9,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-import jmp_policy.linen._modules as m
 from jmp_policy._src import diagnostics
 from jmp_policy.linen._apply import apply_with
+from jmp_policy.linen._modules import prepare
 
 
 def diagnose(
@@ -26,47 +26,29 @@ def diagnose(
     """Makes ``module.apply`` run as :func:`apply` does and also return a diagnostics report.
 
     The returned function has ``module.apply``'s signature plus keywords ``probe`` and
-    ``step`` and returns ``(result, report)``, where ``result`` is what :func:`apply` returns and
-    ``report`` a :class:`~jmp_policy._src.diagnostics.Report` pytree: per submodule path
-    (``""`` for the root), for the floating leaves of its inputs and outputs, the largest
-    finite absolute value, the count of non-finite values, and the fractions of values
-    that underflow its compute dtype (nonzero, below its smallest normal) and that come
-    within a factor 2 of its largest value. :func:`jmp_policy.format_report` renders it
-    and names the first submodule, in execution order, where a non-finite value appeared.
-    The report is computed with array ops: it works under ``jax.jit``, ``jax.grad``
-    (return it as ``has_aux``) and ``jax.lax.scan``, with no host synchronisation.
-
-    **Backward statistics** (of the cotangents reaching each submodule's outputs) come
-    back through the gradient, with no change to the loss: pass ``probe=`` a zero-valued
-    probe (``fn.probe(variables, *args)``, or ``report.probe()`` of an earlier report) and
-    differentiate with respect to it too; ``report.with_gradients(probe_gradient)`` adds
-    the statistics. Each submodule's outputs go through a ``jax.custom_vjp`` identity whose
-    backward pass returns their cotangent's statistics as the probe's cotangent. Forward
-    mode (``jax.jvp``) is not supported while diagnosing.
-
-    Submodules called inside a transform of their own (``nn.scan``, ``nn.remat``,
-    ``nn.vmap``, ``nn.jit``) are not measured; the report lists them as ``skipped``.
-    :func:`apply` pays nothing for any of this: the taps exist only here.
-
-    **Cost.** Each tapped tensor is read once (one fused reduction); the README gives the
-    measured cost (``benchmarks/diagnostics_bench.py``). To pay less on a long run, tap
-    fewer submodules (``paths=``) and/or compute the statistics on one step in ``every``:
-    pass ``step=`` (the training step, traced under ``jit``: no recompilation); the other
-    steps skip the reductions (a ``lax.cond``) and report zeros, with
-    ``report.sampled`` false.
+    ``step`` and returns ``(result, report)``: ``result`` is what :func:`apply` returns,
+    ``report`` a :class:`~jmp_policy._src.diagnostics.Report` pytree holding, per submodule
+    path, for the floating leaves of its inputs and outputs, the largest finite absolute
+    value, the count of non-finite values, and the fractions that underflow its compute
+    dtype or come within a factor 2 of its largest value. :func:`jmp_policy.format_report`
+    renders it, naming the first submodule where a non-finite value appeared. It works
+    under ``jax.jit``, ``jax.grad`` (return it as ``has_aux``) and ``jax.lax.scan``, with
+    no host synchronisation. Backward statistics come back through the gradient with
+    respect to ``probe`` (``report.with_gradients(probe_gradient)``). Submodules inside a
+    transform of their own are listed as ``skipped``. :func:`apply` pays nothing; the
+    README's "Diagnostics" gives the cost and how to tap less.
 
     Args:
         module: a ``flax.linen`` Module instance.
         policy_or_map: as for :func:`apply`.
         method: as for :func:`apply`.
         every: compute the statistics on the steps where ``step % every == 0`` (an int
-            >= 1; with ``every > 1`` the function requires ``step=``).
+            >= 1; with ``every > 1`` the function requires ``step=``); the other steps
+            skip the reductions and report zeros, with ``report.sampled`` false.
         paths: ``None`` (tap every submodule), or a module path or regular expression,
-            or a list of them, with the keys' syntax of a ``DTypePolicyMap`` (an exact
-            path, else ``re.fullmatch``; ``""`` is the root): only the submodules they
-            name are tapped. The report lists the others as ``untapped``.
-        **options: as for :func:`apply` (``type_policies``, ``module_dtype``,
-            ``autocast_exclude``).
+            or a list of them (``DTypePolicyMap`` key syntax): the submodules to tap;
+            the report lists the others as ``untapped``.
+        **options: as for :func:`apply`.
 
     Returns:
         A function ``fn(variables, *args, probe=None, step=None, **apply_kwargs)`` returning
@@ -93,26 +75,18 @@ def diagnose(
         >>> out, report = jax.jit(diag)(variables, x)
         >>> [p.path for p in report.paths]   # in execution order
         ['', 'body', 'head']
-        >>> int(report.outputs["head"].non_finite)
-        0
         >>> def loss(params, probe):
         ...     out, report = diag({"params": params}, x, probe=probe)
         ...     return (out.astype(jnp.float32) ** 2).mean(), report
         >>> grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
         >>> (grads, probe_grad), report = grad(variables["params"], diag.probe(variables, x))
-        >>> report = report.with_gradients(probe_grad)
-        >>> int(report.gradients["head"].size)   # the cotangent of head's (8, 2) output
+        >>> int(report.with_gradients(probe_grad).gradients["head"].size)   # head's (8, 2)
         16
-        >>> sparse = jax.jit(jp.linen.diagnose(model, "mixed_float16", every=10, paths="head"))
-        >>> [bool(sparse(variables, x, step=s)[1].sampled) for s in (0, 1, 10)]
-        [True, False, True]
-        >>> sparse(variables, x, step=0)[1].untapped
-        ('', 'body')
     """
     select = diagnostics.selection(every, paths)
-    resolved, opts = m.prepare(module, policy_or_map, method, options)
+    policies, opts = prepare(module, policy_or_map, method, options)
     opts = dataclasses.replace(opts, extensions=(diagnostics.Taps(), *opts.extensions))
-    run = apply_with(module, resolved, opts, method)
+    run = apply_with(module, policies, opts, method)
 
     def diagnose_fn(
         variables: Mapping[str, Any],

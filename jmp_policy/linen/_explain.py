@@ -9,13 +9,20 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-import jmp_policy.linen._modules as m
-import jmp_policy.linen._trace as _trace
 from jmp_policy._src import matmuls
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.options import OPTION_DEFAULTS, floating_policy_or_map
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import resolved_rows
+from jmp_policy.linen._apply import apply_call
+from jmp_policy.linen._modules import (
+    check_method,
+    check_module,
+    check_variables,
+    options,
+    own_dtype,
+)
+from jmp_policy.linen._trace import run_traced
 
 
 def explain(
@@ -71,17 +78,13 @@ def explain(
         head    Dense      mixed_bfloat16  default         f32  f32          40       40
         total                                                               136      104
     """
-    m.check_module(module)
-    m.check_variables(variables)
-    resolved = floating_policy_or_map(policy_or_map)
-    options = m.options({k: kwargs.pop(k) for k in OPTION_DEFAULTS if k in kwargs})
-    apply_kwargs = {
-        "rngs": kwargs.pop("rngs", None),
-        "method": kwargs.pop("method", None),
-        "mutable": kwargs.pop("mutable", False),
-    }
-    method = apply_kwargs["method"]
-    m.check_method(module, method)
+    check_module(module)
+    check_variables(variables)
+    policies = floating_policy_or_map(policy_or_map)
+    opts = options({k: kwargs.pop(k) for k in OPTION_DEFAULTS if k in kwargs})
+    rngs, mutable = kwargs.pop("rngs", None), kwargs.pop("mutable", False)
+    method = kwargs.pop("method", None)
+    check_method(module, method)
     known: dict[str, Any] = {}
     found: list[Resolver] = []
     leaves, treedef = jax.tree.flatten((dict(variables), args, kwargs))
@@ -91,20 +94,12 @@ def explain(
         it = iter(arrays)
         full = [next(it) if flag else x for x, flag in zip(leaves, traced, strict=True)]
         v, a, k = jax.tree.unflatten(treedef, full)
-
-        def call(cast_variables: Any, resolver: Resolver) -> Any:
-            return module.apply(
-                cast_variables,
-                *a,
-                **{**apply_kwargs, "method": _trace.method_for(resolver, method)},
-                **k,
-            )
-
-        found.append(_trace.run_traced(module, resolved, options, known, v, call, method)[1])
+        call = apply_call(module, a, k, method, rngs=rngs, mutable=mutable)
+        found.append(run_traced(module, policies, opts, known, v, call, method)[1])
 
     with matmuls.recording() as forms:
         jax.eval_shape(trace, *[x for x, flag in zip(leaves, traced, strict=True) if flag])
     resolver = found[-1]
-    resolver.module("", type(module), m.own_dtype(module))
+    resolver.module("", type(module), own_dtype(module))
     table = format_rows(resolved_rows(resolver, variables.get("params", {})))
     return table + format_matmuls(forms)

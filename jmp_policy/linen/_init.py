@@ -9,11 +9,13 @@ import flax.linen as nn
 import jax
 from flax.core.scope import in_filter
 
-import jmp_policy.linen._modules as m
 from jmp_policy._src import casting, interception
+from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
+from jmp_policy.linen._apply import apply_call
+from jmp_policy.linen._modules import MATMUL_CLASSES, check_method, prepare
 from jmp_policy.linen._trace import interceptor, method_for, root_method, run_traced
 
 _INIT_MUTABLE = nn.DenyList("intermediates")  # `module.init`'s default
@@ -66,7 +68,7 @@ def init(
         ...     "params"]["bias"].dtype
         dtype(bfloat16)
     """
-    resolved, opts = m.prepare(module, policy_or_map, method, options)
+    policies, opts = prepare(module, policy_or_map, method, options)
     default_method = method
     warned: set[str] = set()  # what this wrapper has warned about
 
@@ -79,60 +81,64 @@ def init(
         **kwargs: Any,
     ) -> Any:
         method = default_method if method is None else method
-        m.check_method(module, method)
-        # 1. Flax creates the parameters (in their `param_dtype`) and reads them as
-        #    created; the run learns the model's modules.
-        first = Resolver(resolved, opts)
-        with (
-            nn.intercept_methods(interceptor(first, root_method(method))),
-            interception.model_run(opts),
-        ):
-            created = module.init(
-                rngs,
-                *args,
-                method=method_for(first, method),
-                mutable=mutable,
-                capture_intermediates=capture_intermediates,
-                **kwargs,
-            )
-        known = dict(first.infos)
+        check_method(module, method)
+        init_kwargs = {"mutable": mutable, "capture_intermediates": capture_intermediates}
+        created, first = _create(module, policies, opts, rngs, args, kwargs, method, init_kwargs)
         if "params" not in created:
             warn_once(first, type(module).__name__, warned)
             return created
         params = created["params"]
-
-        # 2. The other collections (caches, batch statistics, float8 state) are made as
-        #    `apply` will use them: by a run on the parameters cast to compute dtypes.
+        # The other collections (caches, batch statistics, float8 state) are made as
+        # `apply` uses them: by a run on the parameters cast to compute dtypes.
         apply_rngs: Any = rngs if isinstance(rngs, Mapping) else {"params": rngs}
-
-        def call(cast_variables: Any, resolver: Resolver) -> Any:
-            return module.apply(
-                cast_variables,
-                *args,
-                rngs=apply_rngs,
-                method=method_for(resolver, method),
-                mutable=True,
-                capture_intermediates=capture_intermediates,
-                **kwargs,
-            )
-
-        (_, state), resolver, _ = run_traced(
-            module, resolved, opts, known, {"params": params}, call, method
+        call = apply_call(
+            module,
+            args,
+            kwargs,
+            method,
+            rngs=apply_rngs,
+            mutable=True,
+            capture_intermediates=capture_intermediates,
         )
-
-        def to_variable(params: Any) -> Any:
-            flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-            leaves = [
-                casting.cast_leaf(leaf, resolver.variable_dtype(leaf_path(kp))) for kp, leaf in flat
-            ]
-            return jax.tree_util.tree_unflatten(treedef, leaves)
-
-        variables = {"params": to_variable(params)}
+        (_, state), resolver, _ = run_traced(
+            module, policies, opts, dict(first.infos), {"params": params}, call, method
+        )
+        variables = {"params": _in_variable_dtypes(params, resolver)}
         for name, collection in state.items():
             if name != "params" and in_filter(mutable, name):
                 variables[name] = collection
-        compute = compute_modules(resolver, params, m.MATMUL_CLASSES)
+        compute = compute_modules(resolver, params, MATMUL_CLASSES)
         warn_once(resolver, type(module).__name__, warned, compute)
         return variables
 
     return init_fn
+
+
+def _create(
+    module: nn.Module,
+    policies: Any,
+    opts: Options,
+    rngs: Any,
+    args: Any,
+    kwargs: Mapping[str, Any],
+    method: Any,
+    init_kwargs: Mapping[str, Any],
+) -> tuple[Any, Resolver]:
+    """``module.init``'s variables and the resolver that learnt the model's modules: Flax
+    creates the parameters (in their ``param_dtype``) and reads them as created."""
+    resolver = Resolver(policies, opts)
+    with (
+        nn.intercept_methods(interceptor(resolver, root_method(method))),
+        interception.model_run(opts),
+    ):
+        created = module.init(
+            rngs, *args, method=method_for(resolver, method), **init_kwargs, **kwargs
+        )
+    return created, resolver
+
+
+def _in_variable_dtypes(params: Any, resolver: Resolver) -> Any:
+    """Each parameter cast to the variable dtype of its path's policy."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    leaves = [casting.cast_leaf(leaf, resolver.variable_dtype(leaf_path(kp))) for kp, leaf in flat]
+    return jax.tree_util.tree_unflatten(treedef, leaves)

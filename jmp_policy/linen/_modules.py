@@ -35,19 +35,19 @@ MATMUL_CLASSES: tuple[type, ...] = (nn.MultiHeadDotProductAttention,)
 
 
 def prepare(
-    module: Any, policy_or_map: Any, method: Any, options: dict[str, Any]
+    module: Any, policy_or_map: Any, method: Any, option_kwargs: dict[str, Any]
 ) -> tuple[Any, Options]:
     """Checks a wrapper's arguments once: ``(policy or map, options)``."""
     check_module(module)
-    resolved = floating_policy_or_map(policy_or_map)
-    opts = make_options(nn.Module, "nn.Module", "nn.LayerNorm", **options)
+    policies = floating_policy_or_map(policy_or_map)
+    opts = options(option_kwargs)
     check_method(module, method)
-    return resolved, opts
+    return policies, opts
 
 
-def options(options: dict[str, Any]) -> Options:
+def options(option_kwargs: dict[str, Any]) -> Options:
     """The wrappers' keyword options, validated once."""
-    return make_options(nn.Module, "nn.Module", "nn.LayerNorm", **options)
+    return make_options(nn.Module, "nn.Module", "nn.LayerNorm", **option_kwargs)
 
 
 def check_module(module: Any) -> None:

@@ -9,10 +9,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-import jmp_policy.linen._modules as m
 from jmp_policy._src import global_state, quantization
 from jmp_policy._src.options import as_policy_or_map
 from jmp_policy._src.policy_map import leaf_path
+from jmp_policy.linen._modules import check_variables, path_of
 
 
 def _seen_shapes(
@@ -29,7 +29,7 @@ def _seen_shapes(
                 params = mod.variables.get("params", {})
             except Exception:  # an unbound module: nothing to see
                 params = {}
-            stem = m.path_of(mod)
+            stem = path_of(mod)
             for kp, leaf in jax.tree_util.tree_flatten_with_path(
                 params, is_leaf=quantization.is_quantized
             )[0]:
@@ -125,15 +125,15 @@ def quantize(
             "`module` must be a flax.linen Module instance. Received: "
             f"module={module!r} (of type {type(module).__name__})"
         )
-    m.check_variables(variables)
+    check_variables(variables)
     if "params" not in variables:
         raise ValueError(
             "`variables` has no 'params' collection: nothing to quantize. Received: "
             f"variables with collections {sorted(variables)}"
         )
-    resolved = as_policy_or_map(policy_or_map)
-    if resolved is None:
-        resolved = global_state.dtype_policy()
+    policies = as_policy_or_map(policy_or_map)
+    if policies is None:
+        policies = global_state.dtype_policy()
     seen = _seen_shapes(module, variables, args, kwargs, method)
     stacked_axes = {}
     for kp, leaf in jax.tree_util.tree_flatten_with_path(
@@ -146,5 +146,5 @@ def quantize(
         if lead > 0 and stored[lead:] == shape:
             stacked_axes[re.escape(path)] = lead
     result = dict(variables)
-    result["params"] = resolved.quantize(variables["params"], stacked_axes=stacked_axes)
+    result["params"] = policies.quantize(variables["params"], stacked_axes=stacked_axes)
     return result

@@ -12,12 +12,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jmp_policy.nnx._modules as m
-import jmp_policy.nnx._quantization as q
 from jmp_policy._src import casting, float8, interception, quantization
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import ModuleInfo, Resolution, Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
+from jmp_policy.nnx._modules import (
+    MATMUL_CLASSES,
+    filled_dtype,
+    is_nnx_object,
+    method_of,
+    methods_for,
+    own_dtype,
+    path_of,
+    prepare,
+)
+from jmp_policy.nnx._quantization import quantized_matmuls, quantized_run, routable, stacked
 
 # The attributes a policy-running subclass keeps its original class and its call under.
 _ORIGINAL = "_jmp_policy_original_class"
@@ -35,13 +44,13 @@ def _policy_method(original: Callable[..., Any]) -> Callable[..., Any]:
         path, resolution, extensions = getattr(type(self), _CALL)
         call = interception.Call(path, self, resolution)
         return interception.run(
-            call, bound, args, kwargs, extensions=extensions, opaque=m.is_nnx_object
+            call, bound, args, kwargs, extensions=extensions, opaque=is_nnx_object
         )
 
     return method
 
 
-def resolver_for(model: nnx.Module, resolved: Any, options: Any) -> Resolver:
+def resolver_for(model: nnx.Module, policies: Any, options: Any) -> Resolver:
     """A resolver that knows every module of ``model`` (classes and own dtypes)."""
     # Every module is recorded before any is resolved: NNX lists children before their
     # parents, and a child inherits its parent's class policy (`type_policies`).
@@ -49,8 +58,8 @@ def resolver_for(model: nnx.Module, resolved: Any, options: Any) -> Resolver:
     modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]) > 0)  # root first
     for parts, module in modules:
         cls = getattr(type(module), _ORIGINAL, type(module))
-        infos.setdefault(m.path_of(parts), ModuleInfo(cls, m.own_dtype(module)))
-    resolver = Resolver(resolved, options, infos)
+        infos.setdefault(path_of(parts), ModuleInfo(cls, own_dtype(module)))
+    resolver = Resolver(policies, options, infos)
     for path in sorted(infos, key=len):  # the root first, parents before children
         resolver.module(path)
     return resolver
@@ -79,7 +88,7 @@ def _policy_subclass(
             "__qualname__": cls.__qualname__,
         }
         for name in methods:
-            original = m.method_of(cls, name)
+            original = method_of(cls, name)
             if original is not None:
                 namespace[name] = _policy_method(original)
         subclass = type(cls)(
@@ -97,80 +106,29 @@ def apply(
 ) -> Callable[..., Any]:
     """Makes a function that runs an NNX ``model`` per submodule under a policy or a map.
 
-    The returned function takes ``method``'s arguments. Each submodule (the root under
-    the path ``""``) runs with the floating leaves of its positional and keyword
-    arguments and its ``nnx.Param`` values in its own compute dtype, under
-    :func:`jmp_policy.current_policy` returning its policy; its outputs are cast only when
-    its policy's output dtype differs from its compute dtype (Keras names leave them as
-    computed), and the carry of every loop (``nnx.scan``, ``nnx.RNN``, ``nnx.fori_loop``)
-    keeps the dtype it entered with. A module's path is its ``'/'``-joined attribute path,
-    integers as digits (``"layers/0"``), the same as its ``State`` paths without
-    ``.value``. A parameter's policy is resolved from its own path (``"embed/embedding"``),
-    so a key may name one variable; otherwise it is its module's. With ``type_policies``,
-    a key matching the module's own path wins over its class's policy, which wins over
-    inheritance from an ancestor. A submodule whose own ``dtype`` attribute is set
-    (``nnx.Linear(..., dtype=jnp.float32)``) computes in that dtype whatever the policy
-    says, unless ``module_dtype="override"``; when that turns the policy off for most of
-    the model, or a key of the map chooses nothing, it warns once.
-
-    **How it works.** Each call splits ``model`` (``nnx.split``), casts the ``nnx.Param``
-    values per variable path and merges a fresh copy of the object graph
-    (``nnx.merge``), so ``model`` keeps its stored parameters and ``nnx.grad`` through
-    the call gives gradients in their stored dtype (float32 master weights get float32
-    gradients). In the copy, each submodule's class is swapped for a cached subclass
-    whose ``__call__`` (and ``method``, when a name) hands the call to the one
-    per-submodule hook (inputs, ``current_policy()``, the output rule). The call is a
-    class attribute, so NNX transforms used inside the model (which re-merge submodules
-    into new instances) keep it. After the call, every non-``Param`` variable of the copy
-    (``BatchStat``, RNG counts, ``Cache``, sown ``Intermediate``) is written back into
-    ``model`` with ``nnx.update``, cast to its stored dtype.
-
-    **Quantized layers.** An ``nnx.Linear``, ``nnx.LinearGeneral`` or ``nnx.Einsum``
-    with NNX's own matmul runs it on int8 operands under an int8 policy, and through
-    float8 with delayed scaling under a float8 policy, reading its state from the
-    ``Float8State`` that :func:`jmp_policy.nnx.init_float8` gave it (one call per layer
-    and run; see :func:`jmp_policy.nnx.split_gradients` for the training step).
-
-    Works under ``nnx.jit``, ``nnx.grad``/``nnx.value_and_grad``, ``nnx.vmap`` and
-    ``nnx.scan`` over a model and ``jax.jit`` of a ``split``/``merge`` function: call
-    ``apply`` inside the transformed function, on the model it receives.
-
-    **Not covered.** Only ``__call__`` (and ``method``) of submodules is wrapped: other
-    methods a parent calls on a submodule (``self.embed.attend(x)``) and code that reads
-    a submodule's parameters directly (``x @ self.linear.kernel``) run with the caller's
-    inputs and ``current_policy()``, on parameters already cast for their owner. A module
-    or parameter shared at several paths (tied weights) gets the policy of the first path
-    NNX's graph traversal finds. Changes to ``nnx.Param`` values made inside the call are
-    not written back. Modules created inside the call run unwrapped. Non-``Param``
-    variables (batch statistics, caches) are not cast to the compute dtype: create caches
-    in the compute dtype. Plain JAX arrays kept as attributes (``self.w =
-    jax.random.normal(...)``, Flax's ``07_array_leaves`` toy example) are not
-    ``nnx.Param``s for Flax either (``nnx.grad`` and ``nnx.Optimizer`` leave them out by
-    default): they are state, left in their stored dtype (changes written back), and a
-    warning names the floating ones the policy would otherwise have cast; wrap them in
-    ``nnx.Param`` to have them cast.
+    The returned function takes ``method``'s arguments. Each submodule (the root: path
+    ``""``; a module's path is its ``'/'``-joined attribute path, ``"layers/0"``) runs
+    under :func:`jmp_policy.current_policy` set to its policy, the floating leaves of its
+    arguments and its ``nnx.Param`` values cast to its compute dtype; its outputs are cast
+    only when its policy's output dtype differs from its compute dtype, and loop carries
+    keep their dtype. A parameter's policy is resolved from its own path
+    (``"embed/embedding"``), otherwise its module's. The rules are those of
+    :func:`jmp_policy.linen.apply`, warnings included. Each call runs a copy of the model
+    (``nnx.split``, cast, ``nnx.merge``): ``model`` keeps its stored parameters,
+    ``nnx.grad`` gives gradients in their stored dtype, and the copy's non-``Param`` state
+    (batch statistics, caches, RNG counts) is written back in its stored dtype. Int8 and
+    float8 policies run ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` matmuls
+    quantized (float8 state: :func:`jmp_policy.nnx.init_float8`). Works under
+    ``nnx.jit``, ``nnx.grad``, ``nnx.vmap`` and ``nnx.scan`` over a model: call
+    ``apply`` inside the transformed function. The README's "How the Flax wrappers work"
+    gives the details and what is not covered.
 
     Args:
         model: an ``nnx.Module``; never modified except for its non-``Param`` state.
-        policy_or_map: a policy, a policy name, a ``DTypePolicyMap``, a ``dict`` of keys
-            to policies (a map whose default is the global policy) or ``None`` (the
-            global policy). Only floating compute dtypes.
+        policy_or_map: as for :func:`jmp_policy.linen.apply`.
         method: the name of the model's method to run (``"__call__"``), or a function
             ``fn(model, *args, **kwargs)`` that runs under the root policy.
-        **options: keyword options, the same for every wrapper:
-
-            * ``type_policies``: ``{ModuleClass: policy or name}``: every instance of a
-              class (or a subclass) gets that policy, unless a key of the map matches its
-              own path; it wins over inheritance from an ancestor. A class matches by
-              module and qualified name too, so it follows ``importlib.reload``. See
-              ``NORM_FLOAT32``.
-            * ``module_dtype``: ``"respect"`` (the default: a module's own ``dtype=``
-              wins, as an explicit layer dtype does in Keras) or ``"override"`` (the
-              policy wins everywhere: the module runs with its ``dtype`` set to the
-              policy's compute dtype).
-            * ``autocast_exclude``: module classes and/or path regular expressions whose
-              modules receive their inputs uncast (a diffusion timestep, float
-              positions).
+        **options: as for :func:`jmp_policy.linen.apply`.
 
     Returns:
         A function ``(*args, **kwargs)`` returning the method's outputs.
@@ -204,8 +162,8 @@ def apply(
         >>> {x.dtype for x in jax.tree.leaves(grads)}
         {dtype('float32')}
     """
-    resolved, opts = m.prepare(model, policy_or_map, options)
-    return apply_with(model, resolved, opts, method)
+    policies, opts = prepare(model, policy_or_map, options)
+    return apply_with(model, policies, opts, method)
 
 
 def _warn_plain_arrays(model: str, paths: list[str]) -> None:
@@ -222,25 +180,25 @@ def _warn_plain_arrays(model: str, paths: list[str]) -> None:
 
 
 def apply_with(
-    model: nnx.Module, resolved: Any, opts: Any, method: str | Callable[..., Any]
+    model: nnx.Module, policies: Any, opts: Any, method: str | Callable[..., Any]
 ) -> Callable[..., Any]:
     """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
-    methods = m.methods_for(model, method)
-    extensions = (*opts.extensions, q.quantized_matmuls)  # quantized layers: innermost
+    methods = methods_for(model, method)
+    extensions = (*opts.extensions, quantized_matmuls)  # quantized layers: innermost
     warned: set[str] = set()  # what this wrapper has warned about
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        resolver = resolver_for(model, resolved, opts)
+        resolver = resolver_for(model, policies, opts)
         copy, casts = _cast_copy(model, resolver)
         _dress(copy, resolver, methods, extensions)
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
-        compute = compute_modules(resolver, nnx.state(model), m.MATMUL_CLASSES)
+        compute = compute_modules(resolver, nnx.state(model), MATMUL_CLASSES)
         warn_once(resolver, type(model).__name__, warned, compute)
         if casts.plain and "plain" not in warned:
             warned.add("plain")
             _warn_plain_arrays(type(model).__name__, casts.plain)
-        with interception.model_run(opts), q.model_run(casts.whole):
+        with interception.model_run(opts), quantized_run(casts.whole):
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
             else:
@@ -251,7 +209,7 @@ def apply_with(
                     args,
                     kwargs,
                     extensions=extensions,
-                    opaque=m.is_nnx_object,
+                    opaque=is_nnx_object,
                 )
         _write_back(model, copy, casts.stored)
         return out
@@ -277,18 +235,18 @@ def _cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, _Cast
     casts = _Casts({}, {}, [])
     # A stacked layer (nnx.vmap'd, run under nnx.scan) sees a slice of its kernel:
     # its QuantizedArray is dequantized ahead of the model, not passed whole.
-    routable = {
-        m.path_of(parts)
+    whole_paths = {
+        path_of(parts)
         for parts, module in nnx.iter_modules(model)
-        if q.routable(module) and not q.stacked(module)
+        if routable(module) and not stacked(module)
     }
 
     def cast_variable(key_path: Any, variable: Any) -> Any:
         path = leaf_path(key_path)
         if not isinstance(variable, nnx.Variable):
-            # A plain array attribute (Flax's `07_array_leaves` toy example): not an
-            # `nnx.Param` for Flax (`nnx.grad` and `nnx.Optimizer` leave it out by
-            # default), so it is state, kept in its dtype like a `BatchStat`.
+            # A plain array attribute: not an `nnx.Param` for Flax (`nnx.grad` and
+            # `nnx.Optimizer` leave it out by default), so it is state, kept in its
+            # dtype like a `BatchStat`.
             if isinstance(variable, (jax.Array, np.ndarray)):
                 casts.stored[path] = variable.dtype
                 compute = resolver.module(parent_path(path) or "").policy.compute_dtype
@@ -302,7 +260,7 @@ def _cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, _Cast
             if (
                 quantization.is_quantized(value)
                 and name == "kernel"
-                and module_path in routable
+                and module_path in whole_paths
                 and not float8.is_float8(policy)
             ):
                 # The layer's matmul reads the QuantizedArray itself (see
@@ -330,13 +288,13 @@ def _dress(
     """Each module of the copy computes in its policy's dtype (where its ``dtype`` is not
     the user's) and runs its methods through the hook (a policy subclass)."""
     for parts, module in list(nnx.iter_modules(copy)):
-        path = m.path_of(parts)
+        path = path_of(parts)
         resolution = resolver.module(path)
         if resolution.set_dtype is not None:
             object.__setattr__(module, "dtype", resolution.set_dtype)
-        elif m.filled_dtype(module):  # not the user's: computes in the policy's dtype
+        elif filled_dtype(module):  # not the user's: computes in the policy's dtype
             object.__setattr__(module, "dtype", resolution.policy.compute_dtype)
-        wrapped = tuple(name for name in methods if m.method_of(type(module), name))
+        wrapped = tuple(name for name in methods if method_of(type(module), name))
         if wrapped:
             subclass = _policy_subclass(type(module), path, resolution, extensions, wrapped)
             object.__setattr__(module, "__class__", subclass)

@@ -9,9 +9,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-import jmp_policy.nnx._modules as m
 from jmp_policy._src import diagnostics
 from jmp_policy.nnx._apply import apply_with
+from jmp_policy.nnx._modules import is_nnx_object, prepare
 
 
 def diagnose(
@@ -26,8 +26,9 @@ def diagnose(
     """Makes a function that runs ``model`` as :func:`apply` does and also returns a report.
 
     The NNX counterpart of :func:`jmp_policy.linen.diagnose`: the returned function takes
-    ``method``'s arguments plus keywords ``probe`` and ``step`` and returns ``(outputs, report)``; the
-    report holds, per submodule path, the statistics of the floating leaves of its inputs
+    ``method``'s arguments plus keywords ``probe`` and ``step`` and returns
+    ``(outputs, report)``; the report holds, per submodule path, the statistics of the
+    floating leaves of its inputs
     and outputs (NNX objects passed as arguments are not data, and not measured), and,
     through the gradient with respect to ``probe``, of the cotangents reaching its outputs
     (``report.with_gradients(probe_gradient)``). It works under ``nnx.jit``/``jax.jit``,
@@ -75,10 +76,10 @@ def diagnose(
         ('body', 'float16')
     """
     select = diagnostics.selection(every, paths)
-    resolved, opts = m.prepare(model, policy_or_map, options)
-    taps = diagnostics.Taps(opaque=m.is_nnx_object)
+    policies, opts = prepare(model, policy_or_map, options)
+    taps = diagnostics.Taps(opaque=is_nnx_object)
     opts = dataclasses.replace(opts, extensions=(taps, *opts.extensions))
-    run = apply_with(model, resolved, opts, method)
+    run = apply_with(model, policies, opts, method)
 
     def diagnose_fn(*args: Any, probe: Any = None, step: Any = None, **kwargs: Any) -> Any:
         with diagnostics.collecting(probe, select, step) as collector:
@@ -92,7 +93,7 @@ def diagnose(
 
         def shapes(state: Any) -> diagnostics.Report:
             copy = nnx.merge(graphdef, state)
-            fn = diagnose(copy, resolved, method, every=every, paths=paths, **options)
+            fn = diagnose(copy, policies, method, every=every, paths=paths, **options)
             return fn(*args, step=step, **kwargs)[1]
 
         return jax.eval_shape(shapes, state).probe()

@@ -6,11 +6,11 @@ from typing import Any
 
 from flax import nnx
 
-import jmp_policy.nnx._apply as _apply
-import jmp_policy.nnx._modules as m
 from jmp_policy._src import matmuls
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.run_report import resolved_rows
+from jmp_policy.nnx._apply import apply_with, resolver_for
+from jmp_policy.nnx._modules import prepare
 
 
 def explain(
@@ -59,12 +59,12 @@ def explain(
         norm    LayerNorm  float32         type LayerNorm       f32          32       32
         total                                                               136      104
     """
-    resolved, opts = m.prepare(model, policy_or_map, options)
-    resolver = _apply.resolver_for(model, resolved, opts)
+    policies, opts = prepare(model, policy_or_map, options)
+    resolver = resolver_for(model, policies, opts)
     table = format_rows(resolved_rows(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     if not args:
         return table
-    run = _apply.apply_with(model, resolved, opts, "__call__")
+    run = apply_with(model, policies, opts, "__call__")
     with matmuls.recording() as forms:
         nnx.eval_shape(lambda model, *a: run(*a), model, *args)
     return table + format_matmuls(forms)

@@ -9,18 +9,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import jmp_policy.nnx._modules as m
 from jmp_policy._src import float8, global_state
 from jmp_policy._src.options import as_policy_or_map
 from jmp_policy.nnx._apply import resolver_for
-from jmp_policy.nnx._quantization import ATTR, Float8State, routable
-from jmp_policy.nnx._quantization import stacked as _stacked
+from jmp_policy.nnx._modules import check_model, path_of, prepare
+from jmp_policy.nnx._quantization import ATTR, Float8State, routable, stacked
 
 M = TypeVar("M", bound=nnx.Module)
 
 
 def _state(policy: Any, module: Any) -> Float8State:
-    lead = _stacked(module)
+    lead = stacked(module)
     state = float8.init_state(policy.amax_history_length)
     return Float8State(jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), state))
 
@@ -37,9 +36,10 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
     the policy's ``amax_history_length`` (float32). A state already there is replaced by
     a fresh one. Other layers get nothing. A layer created stacked (``nnx.vmap`` of its
     constructor, to run under ``nnx.scan`` over layers) gets its state stacked the same
-    way (over its kernel's leading axes), so each scanned layer has its own. :func:`jmp_policy.nnx.apply` with the same
-    ``policy_or_map`` then runs those layers' matmuls through float8 with delayed scaling
-    (inputs and kernels in ``float8_e4m3fn``, output gradients in ``float8_e5m2``).
+    way (over its kernel's leading axes), so each scanned layer has its own.
+    :func:`jmp_policy.nnx.apply` with the same ``policy_or_map`` then runs those layers'
+    matmuls through float8 with delayed scaling (inputs and kernels in ``float8_e4m3fn``,
+    output gradients in ``float8_e5m2``).
 
     **One state per layer.** NNX keeps a float8 layer's state on the layer, so a float8
     layer may run once per :func:`~jmp_policy.nnx.apply` run: calling a shared layer twice
@@ -86,12 +86,12 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
         >>> jp.nnx.apply(fp8_model, policy_map)(jnp.ones((2, 3))).dtype
         dtype('float32')
     """
-    resolved, opts = m.prepare(model, policy_or_map, options)
+    policies, opts = prepare(model, policy_or_map, options)
     copy = nnx.clone(model)
-    resolver = resolver_for(copy, resolved, opts)
+    resolver = resolver_for(copy, policies, opts)
     found = 0
     for parts, module in list(nnx.iter_modules(copy)):
-        path = m.path_of(parts)
+        path = path_of(parts)
         policy: Any = resolver.module(path).policy
         if not (float8.is_float8(policy) and routable(module)):
             continue
@@ -172,17 +172,17 @@ def quantize(model: M, policy_or_map: Any) -> M:
         >>> jp.nnx.apply(q, "int8_from_float32")(jnp.ones((2, 8))).shape
         (2, 8)
     """
-    m.check_model(model)
-    resolved = as_policy_or_map(policy_or_map)
-    if resolved is None:
-        resolved = global_state.dtype_policy()
+    check_model(model)
+    policies = as_policy_or_map(policy_or_map)
+    if policies is None:
+        policies = global_state.dtype_policy()
     copy = nnx.clone(model)
     stacked_axes = {}
     for parts, module in nnx.iter_modules(copy):
-        lead = len(_stacked(module))
+        lead = len(stacked(module))
         if lead:
-            path = m.path_of(parts)
+            path = path_of(parts)
             stacked_axes[re.escape(f"{path}/" if path else "") + "[^/]+"] = lead
     state = nnx.state(copy, nnx.Param)
-    nnx.update(copy, resolved.quantize(state, stacked_axes=stacked_axes))
+    nnx.update(copy, policies.quantize(state, stacked_axes=stacked_axes))
     return copy

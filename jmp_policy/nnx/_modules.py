@@ -32,15 +32,15 @@ Extend it as ``{**NORM_FLOAT32, MyNorm: NORM_FLOAT32[nnx.LayerNorm]}``.
 MATMUL_CLASSES: tuple[type, ...] = (nnx.MultiHeadAttention,)
 
 
-def options(options: dict[str, Any]) -> Options:
+def options(option_kwargs: dict[str, Any]) -> Options:
     """The wrappers' keyword options, validated once."""
-    return make_options(nnx.Module, "nnx.Module", "nnx.LayerNorm", **options)
+    return make_options(nnx.Module, "nnx.Module", "nnx.LayerNorm", **option_kwargs)
 
 
-def prepare(model: Any, policy_or_map: Any, options_: dict[str, Any]) -> tuple[Any, Options]:
+def prepare(model: Any, policy_or_map: Any, option_kwargs: dict[str, Any]) -> tuple[Any, Options]:
     """Checks a wrapper's arguments once: ``(policy or map, options)`` (as Linen's)."""
     check_model(model)
-    return floating_policy_or_map(policy_or_map), options(options_)
+    return floating_policy_or_map(policy_or_map), options(option_kwargs)
 
 
 def is_nnx_object(x: Any) -> bool:

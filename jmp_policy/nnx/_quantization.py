@@ -44,9 +44,10 @@ class Float8State(nnx.Variable):
     """The float8 delayed-scaling state of one NNX layer (a ``dict`` value).
 
     Its value holds the float32 scales (shape ``()``) and amax histories (shape
-    ``(amax_history_length,)``, the peers' ring: newest at index 0) of the layer's input, kernel and output
-    gradient, under the names ``input_scale``, ``input_amax_history``, ``kernel_scale``,
-    ``kernel_amax_history``, ``output_grad_scale`` and ``output_grad_amax_history``.
+    ``(amax_history_length,)``, the peers' ring: newest at index 0) of the layer's input,
+    kernel and output gradient, under the names ``input_scale``, ``input_amax_history``,
+    ``kernel_scale``, ``kernel_amax_history``, ``output_grad_scale`` and
+    ``output_grad_amax_history``.
     :func:`jmp_policy.nnx.init_float8` creates it, as the attribute ``float8`` of each
     float8 layer. It is not an ``nnx.Param``: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``
     leaves it alone, and its gradient (taken with a filter that includes it, such as
@@ -107,7 +108,7 @@ def routable(module: Any) -> bool:
 
 
 @contextlib.contextmanager
-def model_run(whole: Mapping[str, Any] | None = None) -> Iterator[None]:
+def quantized_run(whole: Mapping[str, Any] | None = None) -> Iterator[None]:
     """One model run: each float8 layer may be called once inside; ``whole`` maps module
     paths to the ``QuantizedArray`` kernels they receive whole."""
     token = _CALLED.set({})
