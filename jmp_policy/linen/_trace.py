@@ -9,22 +9,20 @@ their model through it.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax.core.scope import Scope
 
-import jmp_policy.linen._modules as m
 from jmp_policy._src import casting, float8, interception, quantization
 from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import ModuleInfo, Resolver
+from jmp_policy.linen._modules import own_dtype, path_of
 from jmp_policy.linen._quantization import KernelRun, kernel_run, quantized_matmuls
+from jmp_policy.linen._reads import Stale, read_fix, reading
 
 _MAX_RETRACES = 8
 
@@ -46,15 +44,15 @@ def interceptor(
         module = context.module
         name = context.method_name
         if name == "setup":  # known before `setup` reads its parameters
-            path = m.path_of(module)
+            path = path_of(module)
             if path not in resolver.infos:
-                resolver.infos[path] = ModuleInfo(type(module), m.own_dtype(module))
+                resolver.infos[path] = ModuleInfo(type(module), own_dtype(module))
             return next_fun(*args, **kwargs)
         if name != "__call__" and not (name == root_method and not module.path):
             return next_fun(*args, **kwargs)
-        path = m.path_of(module)
+        path = path_of(module)
         new = on_new is not None and path not in resolver.infos
-        resolution = resolver.module(path, type(module), m.own_dtype(module))
+        resolution = resolver.module(path, type(module), own_dtype(module))
         if new:
             on_new(path)  # type: ignore[misc]
         call = interception.Call(path, module, resolution)
@@ -79,7 +77,7 @@ def _cast_params(
     """Parameters in their compute dtypes; the kernels of the module paths in ``whole``
     as their quantized integer values (the layer's matmul reads them with the scales).
     With ``floats=False`` only QuantizedArrays are cast: plain arrays are cast as they
-    are read (:func:`_read_fix`)."""
+    are read (:func:`~jmp_policy.linen._reads.read_fix`)."""
     flat, treedef = flat_params(params)
     leaves = []
     for kp, leaf in flat:
@@ -178,91 +176,6 @@ def _learn_shapes(
     known.update(learner.infos)
 
 
-class _Stale(Exception):
-    """A module met during a run changes how its parameters should have been cast."""
-
-
-# The parameter reads of the run in progress: fix(path, value) -> value.
-_READS: contextvars.ContextVar[Callable[[str, Any], Any] | None] = contextvars.ContextVar(
-    "jmp_policy_linen_reads", default=None
-)
-
-
-def _get_variable(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def get_variable(scope: Any, col: str, name: str, default: Any = None) -> Any:
-        value = original(scope, col, name, default)
-        fix = _READS.get() if _PARAM_READS.inside() else None
-        if fix is None or col != "params" or value is default:
-            return value
-        return fix("/".join(str(p) for p in (*scope.path, name)), value)
-
-    return get_variable
-
-
-def _variables(original: Any) -> Any:
-    def variables(module: nn.Module) -> Any:
-        value = original.fget(module)
-        fix = _READS.get() if _PARAM_READS.inside() else None
-        scope = module.scope
-        if fix is None or scope is None or not isinstance(value, Mapping):
-            return value
-        if "params" not in value:
-            return value
-        stem = tuple(str(p) for p in scope.path)
-
-        def fixed(key_path: Any, leaf: Any) -> Any:
-            return fix("/".join((*stem, leaf_path(key_path))), leaf)
-
-        result = dict(value)
-        result["params"] = jax.tree_util.tree_map_with_path(
-            fixed, value["params"], is_leaf=quantization.is_quantized
-        )
-        return result
-
-    return property(variables, doc=original.__doc__)
-
-
-_PARAM_READS = interception.ThreadPatch(Scope, {"get_variable": _get_variable})
-_MODULE_READS = interception.ThreadPatch(nn.Module, {"variables": _variables})
-
-
-def _read_fix(
-    chosen: Resolver, resolver: Resolver, stored: dict[str, Any], early: set[str]
-) -> Callable[[str, Any], Any]:
-    """Casts each parameter as the model reads it, to the compute dtype of its module's
-    policy (known by then: the interceptor records a module before it runs), so each is
-    cast once, in the dtype it is used in, and one never read is never cast.
-
-    A parameter read before its module is met (a parent reading a child's variables) is
-    cast as ``chosen`` (what earlier runs knew) and its path added to ``early``, checked
-    after the run. QuantizedArrays reach Flax already cast (as ``chosen``): one whose
-    module wants another dtype is read cast from its stored value; a stored value that is
-    not the one read (a layer of an ``nn.scan`` stack) stops the run instead."""
-    done: dict[tuple[str, int], tuple[Any, Any]] = {}  # a value read twice is cast once
-
-    def fix(path: str, value: Any) -> Any:
-        module = parent_path(path) or ""
-        if module in resolver.infos:
-            want = resolver.variable(path)[0].compute_dtype
-        else:
-            early.add(path)  # not met yet: read as chosen, checked after the run
-            want = chosen.variable(path)[0].compute_dtype
-        original = stored.get(path)
-        if quantization.is_quantized(original):
-            if chosen.variable(path)[0].compute_dtype == want:
-                return value
-            if getattr(original, "shape", None) != getattr(value, "shape", ()):
-                raise _Stale(path)
-            return casting.compute_leaf(original, want)
-        key = (path, id(value))
-        if key not in done:
-            done[key] = (value, casting.compute_tree(value, want))
-        return done[key][1]
-
-    return fix
-
-
 def root_method(method: Any) -> str:
     return "__call__" if method is None else method if isinstance(method, str) else ""
 
@@ -303,17 +216,15 @@ def run_traced(
         resolver = Resolver(resolved, options, dict(known))
         error: Exception | None = None
         early: set[str] = set()
-        token = _READS.set(_read_fix(chosen, resolver, stored, early))
         try:
             with (
                 nn.intercept_methods(interceptor(resolver, root_method(method))),
                 interception.model_run(options),
                 kernel_run(KernelRun(whole)),
-                _PARAM_READS.active(),
-                _MODULE_READS.active(),
+                reading(read_fix(chosen, resolver, stored, early)),
             ):
                 result = call(cast_variables, resolver)
-        except _Stale:
+        except Stale:
             # Cut short: a module met changes a cast. Learn the whole model shape-only
             # (nothing computed, nothing added to the caller's trace), then run again.
             known.update(resolver.infos)
@@ -321,8 +232,6 @@ def run_traced(
             continue
         except Exception as e:
             error = e
-        finally:
-            _READS.reset(token)
         resolver.used_keys |= chosen.used_keys
         learnt = Resolver(resolved, options, dict(resolver.infos))
         # Parameters read after their module was met were read in the right dtype; a
@@ -352,7 +261,7 @@ def method_for(resolver: Resolver, method: Any) -> Any:
         return method
 
     def run_root(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        resolution = resolver.module("", type(module), m.own_dtype(module))
+        resolution = resolver.module("", type(module), own_dtype(module))
         call = interception.Call("", module, resolution)
         return interception.run(
             call,

@@ -1,0 +1,117 @@
+"""Parameters cast as a Linen model reads them: a hook on Flax's parameter reads
+(``Scope.get_variable`` and ``Module.variables``) active for one traced run.
+
+:func:`read_fix` decides each read's dtype; :func:`reading` runs a block with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax.core.scope import Scope
+
+from jmp_policy._src import casting, interception, quantization
+from jmp_policy._src.policy_map import leaf_path, parent_path
+from jmp_policy._src.resolution import Resolver
+
+
+class Stale(Exception):
+    """A module met during a run changes how its parameters should have been cast."""
+
+
+# The parameter reads of the run in progress: fix(path, value) -> value.
+_READS: contextvars.ContextVar[Callable[[str, Any], Any] | None] = contextvars.ContextVar(
+    "jmp_policy_linen_reads", default=None
+)
+
+
+def _get_variable(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_variable(scope: Any, col: str, name: str, default: Any = None) -> Any:
+        value = original(scope, col, name, default)
+        fix = _READS.get() if _PARAM_READS.inside() else None
+        if fix is None or col != "params" or value is default:
+            return value
+        return fix("/".join(str(p) for p in (*scope.path, name)), value)
+
+    return get_variable
+
+
+def _variables(original: Any) -> Any:
+    def variables(module: nn.Module) -> Any:
+        value = original.fget(module)
+        fix = _READS.get() if _PARAM_READS.inside() else None
+        scope = module.scope
+        if fix is None or scope is None or not isinstance(value, Mapping):
+            return value
+        if "params" not in value:
+            return value
+        stem = tuple(str(p) for p in scope.path)
+
+        def fixed(key_path: Any, leaf: Any) -> Any:
+            return fix("/".join((*stem, leaf_path(key_path))), leaf)
+
+        result = dict(value)
+        result["params"] = jax.tree_util.tree_map_with_path(
+            fixed, value["params"], is_leaf=quantization.is_quantized
+        )
+        return result
+
+    return property(variables, doc=original.__doc__)
+
+
+_PARAM_READS = interception.ThreadPatch(Scope, {"get_variable": _get_variable})
+_MODULE_READS = interception.ThreadPatch(nn.Module, {"variables": _variables})
+
+
+def read_fix(
+    chosen: Resolver, resolver: Resolver, stored: dict[str, Any], early: set[str]
+) -> Callable[[str, Any], Any]:
+    """Casts each parameter as the model reads it, to the compute dtype of its module's
+    policy (known by then: the interceptor records a module before it runs), so each is
+    cast once, in the dtype it is used in, and one never read is never cast.
+
+    A parameter read before its module is met (a parent reading a child's variables) is
+    cast as ``chosen`` (what earlier runs knew) and its path added to ``early``, checked
+    after the run. QuantizedArrays reach Flax already cast (as ``chosen``): one whose
+    module wants another dtype is read cast from its stored value; a stored value that is
+    not the one read (a layer of an ``nn.scan`` stack) stops the run instead."""
+    done: dict[tuple[str, int], tuple[Any, Any]] = {}  # a value read twice is cast once
+
+    def fix(path: str, value: Any) -> Any:
+        module = parent_path(path) or ""
+        if module in resolver.infos:
+            want = resolver.variable(path)[0].compute_dtype
+        else:
+            early.add(path)  # not met yet: read as chosen, checked after the run
+            want = chosen.variable(path)[0].compute_dtype
+        original = stored.get(path)
+        if quantization.is_quantized(original):
+            if chosen.variable(path)[0].compute_dtype == want:
+                return value
+            if getattr(original, "shape", None) != getattr(value, "shape", ()):
+                raise Stale(path)
+            return casting.compute_leaf(original, want)
+        key = (path, id(value))
+        if key not in done:
+            done[key] = (value, casting.compute_tree(value, want))
+        return done[key][1]
+
+    return fix
+
+
+@contextlib.contextmanager
+def reading(fix: Callable[[str, Any], Any]) -> Iterator[None]:
+    """Every parameter read in the block goes through ``fix(path, value)``."""
+    token = _READS.set(fix)
+    try:
+        with _PARAM_READS.active(), _MODULE_READS.active():
+            yield
+    finally:
+        _READS.reset(token)
