@@ -331,7 +331,7 @@ def test_at_a_large_learning_rate_current_scaling_tracks_bf16_where_delayed_dive
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     import float8_bench as bench
 
     args = bench.parse_args(["--tokens", "256", "--width", "64", "--hidden", "256", "--lr", "0.1"])
