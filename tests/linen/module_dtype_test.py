@@ -13,6 +13,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from flax_examples import gemma_nnx
@@ -273,3 +274,87 @@ def test_a_module_with_its_own_dtype_is_traced_once_in_the_callers_jaxpr():
         # the float32 head's kernel reaches it unrounded, eagerly and under jit
         out = fn(variables, x)
         assert out.dtype == F32
+
+
+def _param_converts(closed, n_params):
+    """``{param index: [target dtypes]}``: the converts applied straight to each of the
+    first ``n_params`` inputs of a jaxpr (the parameters)."""
+    params = closed.jaxpr.invars[:n_params]
+    out = {}
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type" and eqn.invars[0] in params:
+            index = params.index(eqn.invars[0])
+            out.setdefault(index, []).append(str(eqn.params["new_dtype"]))
+    return out
+
+
+def test_parameters_are_cast_once_as_read_and_float32_norms_never():
+    """On a fresh wrapper's first trace (which learns of NORM_FLOAT32's norms while it
+    traces), each bfloat16 parameter is converted once, where it is read, and the float32
+    norms' parameters are not converted at all: no dead bfloat16 copy for a module met
+    later, no copy rounded through bfloat16."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = nn.Dense(8, name=f"dense_{i}")(nn.LayerNorm(name=f"norm_{i}")(x))
+            return x
+
+    x = jnp.ones((2, 8))
+    params = Net().init(jax.random.key(0), x)["params"]
+    names = [jax.tree_util.keystr(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    for jit in (False, True):
+        fn = jp.linen.apply(Net(), "mixed_bfloat16", type_policies=jp.linen.NORM_FLOAT32)
+
+        def call(p, x, fn=fn):
+            return fn({"params": p}, x)
+
+        run = jax.jit(call) if jit else call
+        closed = jax.make_jaxpr(lambda p, x, run=run: run(p, x))(params, x)
+        if jit:  # the converts are inside the jit's own jaxpr
+            closed = closed.eqns[0].params["jaxpr"]
+        converts = _param_converts(closed, len(names))
+        by_name = {names[i]: dtypes for i, dtypes in converts.items()}
+        assert by_name == {n: ["bfloat16"] for n in names if "dense" in n}
+        assert fn({"params": params}, x).dtype == jnp.bfloat16
+
+
+def test_a_scanned_stack_met_first_is_traced_once():
+    """An ``nn.scan`` stack of norm + dense layers under NORM_FLOAT32, on a fresh wrapper:
+    the scan body's Python runs as often as under Flax alone (no learn-and-rerun for the
+    stack), its matmul is bfloat16, and the result is Flax's to bfloat16 precision."""
+    import flax.linen as nn
+
+    calls = []
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            calls.append(self.path)
+            return nn.Dense(8, name="dense")(nn.LayerNorm(name="norm")(x)), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            stack = nn.scan(
+                Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+            )
+            return stack(name="layers")(x, None)[0]
+
+    x = jnp.ones((2, 8))
+    variables = Net().init(jax.random.key(0), x)
+    calls.clear()
+    jax.make_jaxpr(Net().apply)(variables, x)
+    flax_calls = len(calls)
+    assert flax_calls >= 1
+    fn = jp.linen.apply(Net(), "mixed_bfloat16", type_policies=jp.linen.NORM_FLOAT32)
+    calls.clear()
+    closed = jax.make_jaxpr(fn)(variables, x)
+    assert len(calls) == flax_calls
+    assert _dots(closed) == {"bfloat16": 1}
+    want = Net().apply(variables, x)
+    out = fn(variables, x)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=0.1)
