@@ -28,7 +28,7 @@ import numpy as np
 
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.int4_layout import blocked, dequantize_int4
-from jmp_policy._src.quantized_array_checks import MODES, check_stacked, is_bad_block, validate
+from jmp_policy._src.quantized_array_checks import MODES, check_stacked, int4_block, validate
 from jmp_policy._src.stacked_axes import stacked_axes_of
 from jmp_policy._src.tree_paths import leaf_path
 
@@ -228,14 +228,7 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
             f"axes the array needs rank >= {stacked + 2}. Received: an array of shape "
             f"{tuple(x.shape)} and stacked={stacked!r}"
         )
-    block: int | None = None
-    if mode == "int4":
-        block = -1 if block_size is None else block_size
-        if is_bad_block(block):
-            raise ValueError(
-                "`block_size` must be -1 (per channel) or a positive integer. "
-                f"Received: block_size={block_size!r}"
-            )
+    block = int4_block(block_size) if mode == "int4" else None
     x32 = jnp.asarray(x).astype(jnp.float32)
     shape, dtype = tuple(x.shape), np.dtype(x.dtype)
     if x.size == 0:  # nothing to scale: zero-size values, scales of 1

@@ -25,6 +25,17 @@ def is_bad_block(block: Any) -> bool:
     return isinstance(block, bool) or not isinstance(block, int) or block == 0 or block < -1
 
 
+def int4_block(block_size: Any) -> int:
+    """int4's block size, checked: ``None`` is -1 (per channel)."""
+    block = -1 if block_size is None else block_size
+    if is_bad_block(block):
+        raise ValueError(
+            "`block_size` must be -1 (per channel) or a positive integer. "
+            f"Received: block_size={block_size!r}"
+        )
+    return block  # type: ignore[no-any-return]
+
+
 def check_stacked(stacked: Any) -> None:
     """``stacked`` must be a non-negative int."""
     if isinstance(stacked, bool) or not isinstance(stacked, int) or stacked < 0:
