@@ -103,12 +103,15 @@ def quantized_kernel_dot_general(
         form = "dequantized" if kernel is None else kernel_form(kernel, dims, rows, int8_compute)
         if record is not None:
             record(form)
-        if kernel is None or form == "dequantized":
+        if kernel is None:  # reshaped by its layer, in a layout no fast form covers
             w = q.dequantize(compute).reshape(shape)
-            return jax.lax.dot_general(
-                lhs.astype(compute), w, dims, precision=precision, preferred_element_type=out
-            )
-        return _fast(form, lhs, kernel, dims, compute, out, precision)
+        elif form == "dequantized":
+            w = kernel.dequantize(compute)
+        else:
+            return _fast(form, lhs, kernel, dims, compute, out, precision)
+        return jax.lax.dot_general(
+            lhs.astype(compute), w, dims, precision=precision, preferred_element_type=out
+        )
 
     return dot_general
 
