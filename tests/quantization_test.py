@@ -12,7 +12,7 @@ from flax_examples.measure import dot_kinds as _dots
 from flax_examples.measure import equations
 
 import jmp_policy as jp
-from jmp_policy._src import quantization, quantized_matmul
+from jmp_policy._src import int4_layout, quantization, quantized_matmul
 
 INT8 = jp.QuantizedDTypePolicy("int8", "mixed_bfloat16")
 
@@ -61,7 +61,7 @@ def test_int4_values_are_exact_and_the_old_packed_layout_still_loads():
     np.testing.assert_array_equal(np.asarray(q.dequantize()), np.asarray(x))
     # A checkpoint of the earlier layout: two values per uint8 byte along axis 0.
     old = quantization.QuantizedArray(
-        quantization.pack_int4(q.values), q.scale, "int4", -1, (15, 3), np.dtype("float32")
+        int4_layout.pack_int4(q.values), q.scale, "int4", -1, (15, 3), np.dtype("float32")
     )
     assert old.values.shape == (8, 3) and old.values.dtype == jnp.uint8 and old.packed
     np.testing.assert_array_equal(np.asarray(old.dequantize()), np.asarray(x))

@@ -206,58 +206,17 @@ def format_rows(rows: Iterable[ExplainRow]) -> str:
         total                                                      4.0M     2.0M
     """
     rows = list(rows)
-    cells = []
-    for r in rows:
-        leafy = bool(r.stored)
-        cells.append(
-            [
-                r.path or "<root>",
-                r.module_class,
-                r.policy,
-                r.source,
-                short_dtype(r.own_dtype),
-                _dtype_cell(r),
-                _human_bytes(r.nbytes) if leafy else "",
-                _human_bytes(r.compute_nbytes) if leafy else "",
-            ]
-        )
+    cells = [_cells(r) for r in rows]
     keep = [_PATH] + [c for c in range(1, len(_HEADERS)) if any(row[c] for row in cells)]
-    total = None
+    shown = cells
     if _FIRST_NUMERIC in keep:
         total = ["total"] + [""] * (len(_HEADERS) - 3)
         total += [_human_bytes(sum(r.nbytes for r in rows))]
         total += [_human_bytes(sum(r.compute_nbytes for r in rows))]
-    shown = [*cells, total] if total else cells
-
-    def natural(c: int) -> int:
-        return max([len(_HEADERS[c])] + [len(row[c]) for row in shown])
-
-    widths = {c: natural(c) for c in keep}
-    legend: dict[str, str] = {}
-    if sum(widths.values()) + len(_SEP) * (len(keep) - 1) > WIDTH and _SOURCE in keep:
-        for row in cells:
-            if len(row[_SOURCE]) > _SOURCE_WIDTH:
-                row[_SOURCE] = legend.setdefault(row[_SOURCE], f"[{len(legend) + 1}]")
-        widths[_SOURCE] = natural(_SOURCE)
-    elastic = {c: widths[c] for c in _MIN_WIDTH if c in keep}
-    fixed = sum(widths[c] for c in keep if c not in elastic) + len(_SEP) * (len(keep) - 1)
-    widths.update(_fill(elastic, WIDTH - fixed))
-    if widths[_PATH] < elastic[_PATH]:  # some paths go under their parent path
-        tails = [
-            len(_INDENT) + len(p.rpartition("/")[2]) if len(p) > widths[_PATH] else len(p)
-            for p in (row[_PATH] for row in shown)
-        ]
-        elastic[_PATH] = max([len(_HEADERS[_PATH]), *tails])
-        widths.update(_fill(elastic, WIDTH - fixed))
-
-    def line(row: list[str], path: str) -> str:
-        out = []
-        for c in keep:
-            cell = _ellipsize(path if c == _PATH else row[c], widths[c])
-            out.append(cell.rjust(widths[c]) if c >= _FIRST_NUMERIC else cell.ljust(widths[c]))
-        return _SEP.join(out).rstrip()
-
-    lines = [line(list(_HEADERS), _HEADERS[_PATH])]
+        shown = [*cells, total]
+    legend = _legend(cells, shown, keep)
+    widths = _widths(shown, keep)
+    lines = [_line(list(_HEADERS), _HEADERS[_PATH], keep, widths)]
     group = None
     for row in shown:
         path = row[_PATH]
@@ -269,10 +228,66 @@ def format_rows(rows: Iterable[ExplainRow]) -> str:
             path = _INDENT + tail
         else:
             group = None
-        lines.append(line(row, path))
+        lines.append(_line(row, path, keep, widths))
     for source, ref in legend.items():
         lines.append(_ellipsize(f"{ref} {source}", WIDTH))
     return "\n".join(lines)
+
+
+def _cells(r: ExplainRow) -> list[str]:
+    """A row's display cells, one per header (byte cells blank for a row without leaves)."""
+    leafy = bool(r.stored)
+    return [
+        r.path or "<root>",
+        r.module_class,
+        r.policy,
+        r.source,
+        short_dtype(r.own_dtype),
+        _dtype_cell(r),
+        _human_bytes(r.nbytes) if leafy else "",
+        _human_bytes(r.compute_nbytes) if leafy else "",
+    ]
+
+
+def _natural(shown: list[list[str]], c: int) -> int:
+    return max([len(_HEADERS[c])] + [len(row[c]) for row in shown])
+
+
+def _legend(cells: list[list[str]], shown: list[list[str]], keep: list[int]) -> dict[str, str]:
+    """When the table at natural widths is too wide, long sources become references
+    ``[n]`` (in ``cells``, in place): ``{source: reference}``."""
+    legend: dict[str, str] = {}
+    natural = sum(_natural(shown, c) for c in keep) + len(_SEP) * (len(keep) - 1)
+    if natural > WIDTH and _SOURCE in keep:
+        for row in cells:
+            if len(row[_SOURCE]) > _SOURCE_WIDTH:
+                row[_SOURCE] = legend.setdefault(row[_SOURCE], f"[{len(legend) + 1}]")
+    return legend
+
+
+def _widths(shown: list[list[str]], keep: list[int]) -> dict[int, int]:
+    """The columns' widths: natural where the table fits, else the elastic columns
+    shrunk (:func:`_fill`), with room for grouped paths' last segments."""
+    widths = {c: _natural(shown, c) for c in keep}
+    elastic = {c: widths[c] for c in _MIN_WIDTH if c in keep}
+    fixed = sum(widths[c] for c in keep if c not in elastic) + len(_SEP) * (len(keep) - 1)
+    widths.update(_fill(elastic, WIDTH - fixed))
+    if widths[_PATH] < elastic[_PATH]:  # some paths go under their parent path
+        tails = [
+            len(_INDENT) + len(p.rpartition("/")[2]) if len(p) > widths[_PATH] else len(p)
+            for p in (row[_PATH] for row in shown)
+        ]
+        elastic[_PATH] = max([len(_HEADERS[_PATH]), *tails])
+        widths.update(_fill(elastic, WIDTH - fixed))
+    return widths
+
+
+def _line(row: list[str], path: str, keep: list[int], widths: dict[int, int]) -> str:
+    out = []
+    for c in keep:
+        cell = _ellipsize(path if c == _PATH else row[c], widths[c])
+        out.append(cell.rjust(widths[c]) if c >= _FIRST_NUMERIC else cell.ljust(widths[c]))
+    return _SEP.join(out).rstrip()
 
 
 def format_matmuls(forms: dict[str, str]) -> str:

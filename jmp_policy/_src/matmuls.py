@@ -8,7 +8,7 @@ kernel, or ``None`` when the layer runs as written:
 * a float8 policy: :func:`jmp_policy._src.float8_matmul.dot_general` (explicit float8 GEMMs,
   delayed scaling with ``state``, current scaling without);
 * a ``QuantizedArray`` kernel (int8 or int4 weights, any non-float8 policy):
-  :func:`jmp_policy._src.quantized_matmul.quantized_kernel_dot_general`, which reads the
+  :func:`jmp_policy._src.kernel_matmul.quantized_kernel_dot_general`, which reads the
   quantized kernel itself (weight-only with the scale after the matmul, int4 blocks, or
   int8 x int8 under an int8 policy at enough rows);
 * an int8 policy with a float kernel (quantization-aware training):
@@ -31,15 +31,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import float8, float8_matmul, quantization, quantized_matmul, run_report
+from jmp_policy._src import (
+    float8,
+    float8_matmul,
+    kernel_matmul,
+    quantization,
+    quantized_matmul,
+    run_report,
+)
 
 JNP_EINSUM = quantized_matmul.JNP_EINSUM
 
 # Below this many rows, contracted or output features, a float8 GEMM is not expected to
-# beat bf16 once its quantization passes are paid: on an H100, float8 lost at width 768
-# (a GPT-2-small step 0.89x bf16, Flax's op and ours alike) and won at 8192 (1.36x);
-# where in between it starts to pay is still to be measured (benchmarks/float8_bench.py
-# --sweep), so this is the conservative middle.
+# beat bf16 once its quantization passes are paid: float8 lost at width 768 and won at
+# 8192 (the README's measurements), and this is the conservative middle.
 FLOAT8_MIN_DIM = 4096
 
 # path -> form, for the model run being explained (None: nobody is recording).
@@ -168,7 +173,7 @@ def pick(
                 )
                 _record(path, f"{mode} weights: {form}")
 
-            return quantized_matmul.quantized_kernel_dot_general(kernel, int8, record)
+            return kernel_matmul.quantized_kernel_dot_general(kernel, int8, record)
 
         return as_einsum(quantized_for) if kind == "einsum" else quantized_for(None)
     if quantized_matmul.is_int8(policy):

@@ -174,26 +174,47 @@ def make_options(
             f"Unknown option(s) {unknown}. The apply wrappers take {', '.join(OPTION_DEFAULTS)}."
         )
     values = {**OPTION_DEFAULTS, **options}
-    type_policies = values["type_policies"]
+    checks = (module_base, base_name, example)
+    types = _type_policies(values["type_policies"], *checks)
     module_dtype = values["module_dtype"]
-    autocast_exclude = values["autocast_exclude"]
-    types: dict[type, DTypePolicy | Island] = {}
-    if type_policies is not None:
-        if not isinstance(type_policies, Mapping):
-            raise TypeError(
-                "`type_policies` must be a mapping from module classes to policies, such "
-                f"as {{{example or 'LayerNorm'}: 'float32'}}. Received: "
-                f"type_policies={type_policies!r}"
-            )
-        for cls, value in type_policies.items():
-            _check_class(cls, "type_policies", module_base, base_name, example)
-            types[cls] = as_entry(value, cls.__name__)
     if not isinstance(module_dtype, str) or module_dtype not in MODULE_DTYPE_MODES:
         raise ValueError(
             "`module_dtype` must be 'respect' (a module's own `dtype` attribute wins over "
             "the policy, as an explicit layer dtype does in Keras) or 'override' (the "
             f"policy wins everywhere). Received: module_dtype={module_dtype!r}"
         )
+    exclude_types, patterns = _exclusions(values["autocast_exclude"], *checks)
+    return Options(
+        type_policies=types,
+        module_dtype=module_dtype,
+        exclude_types=exclude_types,
+        exclude_patterns=patterns,
+    )
+
+
+def _type_policies(
+    type_policies: Any, module_base: type | None, base_name: str, example: str
+) -> dict[type, DTypePolicy | Island]:
+    """``type_policies`` checked: module classes to policies (or Islands)."""
+    types: dict[type, DTypePolicy | Island] = {}
+    if type_policies is None:
+        return types
+    if not isinstance(type_policies, Mapping):
+        raise TypeError(
+            "`type_policies` must be a mapping from module classes to policies, such "
+            f"as {{{example or 'LayerNorm'}: 'float32'}}. Received: "
+            f"type_policies={type_policies!r}"
+        )
+    for cls, value in type_policies.items():
+        _check_class(cls, "type_policies", module_base, base_name, example)
+        types[cls] = as_entry(value, cls.__name__)
+    return types
+
+
+def _exclusions(
+    autocast_exclude: Any, module_base: type | None, base_name: str, example: str
+) -> tuple[tuple[type, ...], tuple[re.Pattern[str], ...]]:
+    """``autocast_exclude`` checked, as the module classes and the path patterns it names."""
     if isinstance(autocast_exclude, (str, type)):
         autocast_exclude = (autocast_exclude,)
     try:
@@ -221,12 +242,7 @@ def make_options(
                 "`autocast_exclude` entries must be module classes or path regular "
                 f"expressions (strings). Received: {entry!r} (of type {type(entry).__name__})"
             )
-    return Options(
-        type_policies=types,
-        module_dtype=module_dtype,
-        exclude_types=tuple(exclude_types),
-        exclude_patterns=tuple(patterns),
-    )
+    return tuple(exclude_types), tuple(patterns)
 
 
 def _check_class(cls: Any, argument: str, base: type | None, base_name: str, example: str) -> None:

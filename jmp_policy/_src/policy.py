@@ -16,11 +16,8 @@ T = TypeVar("T")
 
 
 def global_name() -> str:
-    """The global policy's name (for a quantized global, its source's): what ``None`` means.
-
-    Read from ``context``, under everything, so that this module never imports the global
-    state (which imports it).
-    """
+    """The global policy's name (a quantized global's source's): what ``None`` means. Read
+    from ``context``, so that this module never imports the global state (which imports it)."""
     policy = context.global_policy_or_none()
     if policy is None:
         return "float32"
@@ -31,17 +28,11 @@ class DTypePolicy:
     """A float dtype policy: the dtypes of variables, of computation and of outputs.
 
     Accepts every name of Keras (``"float32"``, ``"mixed_bfloat16"``), jmp
-    (``"p=f32,c=bf16,o=f32"``) and any numpy dtype name. tf.keras's ``"_infer"`` (dtypes
-    follow the inputs) makes a policy whose three dtypes are ``None``: its casts return
-    their input, it serializes to ``None``, and it can be neither global nor applied
-    (recognise it by ``policy.compute_dtype is None``). Policies are immutable, compare
-    and hash by value (so they can be ``jax.jit`` static arguments and dict keys),
-    pickle and deep-copy. Two policies are equal when their kinds and their three dtypes
-    are equal, whatever their names.
-
-    jmp's constructor works too: ``DTypePolicy(param_dtype, compute_dtype, output_dtype)``
-    (or the keywords ``param_dtype=``/``variable_dtype=``, ``compute_dtype=``,
-    ``output_dtype=``), with jmp's defaults for what is left out.
+    (``"p=f32,c=bf16,o=f32"``), any numpy dtype name, tf.keras's ``"_infer"`` (its three
+    dtypes are ``None``: its casts return their input) and jmp's constructor
+    ``DTypePolicy(param_dtype, compute_dtype, output_dtype)``. Policies are immutable and
+    compare and hash by their kind and three dtypes, whatever their names (so they can be
+    ``jax.jit`` static arguments and dict keys).
 
     Args:
         name: the policy name; ``None`` takes the current global policy's name. With
@@ -106,9 +97,8 @@ class DTypePolicy:
     def _init_from_dtypes(
         self, first: Any, compute: Any, output: Any, param: Any, variable: Any
     ) -> None:
-        # jmp's constructor: Policy(param_dtype, compute_dtype, output_dtype), with jmp's
-        # defaults for what is left out (params float32, compute follows params, output
-        # follows compute).
+        # jmp's constructor, with jmp's defaults for what is left out: params float32,
+        # compute follows params, output follows compute.
         given = [
             (n, v)
             for n, v in (("name", first), ("param_dtype", param), ("variable_dtype", variable))
@@ -192,13 +182,11 @@ class DTypePolicy:
 
     @property
     def variable_dtype(self) -> np.dtype:
-        """The dtype variables (parameters) are stored in (``None`` for ``"_infer"``)."""
+        """The dtype variables (parameters) are stored in (``None`` for ``"_infer"``);
+        ``param_dtype`` is jmp's and Flax's name for it."""
         return self._variable_dtype
 
-    @property
-    def param_dtype(self) -> np.dtype:
-        """jmp's and Flax's name for :attr:`variable_dtype`."""
-        return self._variable_dtype
+    param_dtype = variable_dtype
 
     @property
     def output_dtype(self) -> np.dtype:

@@ -1,4 +1,4 @@
-"""Quantization: int8 and int4 weights (:class:`QuantizedArray`) and the int8 matmul.
+"""Quantization: int8 and int4 weights (:class:`QuantizedArray`).
 
 Weights: symmetric abs-max, ``real ≈ values * scale``. int8 keeps one float32 scale per
 index of the last axis (the output channel of a Flax kernel), abs-max over every other
@@ -6,21 +6,12 @@ axis. int4 cuts axis 0 (the input axis of a Flax kernel) into blocks of ``block_
 rows (``-1``: one block, per channel), one scale per block and last-axis index; a block
 size that does not divide axis 0 leaves the last block shorter (no padding is stored).
 int4 values are stored as ``jnp.int4`` (XLA packs them two per byte and its GEMM fusions
-read them natively); the packed ``uint8`` layout of earlier versions (row ``2i`` in the
-low nibble) still loads and dequantizes.
+read them natively); the packed ``uint8`` layout of earlier versions still loads
+(:mod:`jmp_policy._src.int4_layout`).
 
-The matmuls that read quantized values (int8 compute, and a ``QuantizedArray`` kernel
-reaching its layer) are :mod:`jmp_policy._src.quantized_matmul`.
-
-Compute: :func:`int8_dot_general` is a drop-in ``jax.lax.dot_general`` that quantizes
-each operand to int8 by abs-max over its own contracting dimensions (per row for
-activations, per output channel for kernels), multiplies the integers exactly (a GEMM of
-the compute dtype on them, float32 accumulation), and rescales by the product of the two
-scales (itself computed with the
-same dimension numbers, so any layout works: several contracting axes, batch axes). Its
-gradient is straight-through: the gradient of the float matmul, so a float kernel keeps
-training (quantization-aware training). :func:`int8_einsum` is ``jnp.einsum`` on it.
-
+The fields' checks are :mod:`jmp_policy._src.quantized_array_checks`; the matmuls that
+read quantized values are :mod:`jmp_policy._src.quantized_matmul` (int8 compute) and
+:mod:`jmp_policy._src.kernel_matmul` (a ``QuantizedArray`` kernel reaching its layer).
 Nothing here knows Flax: the glue decides which module calls use these.
 """
 
@@ -29,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -37,11 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src.int4_layout import blocked, dequantize_int4
+from jmp_policy._src.quantized_array_checks import MODES, check_stacked, int4_block, validate
+from jmp_policy._src.stacked_axes import stacked_axes_of
 from jmp_policy._src.tree_paths import leaf_path
 
 INT8_MAX = 127.0
 INT4_MAX = 7.0
-MODES = ("int8", "int4")
 
 
 @functools.partial(
@@ -104,7 +96,7 @@ class QuantizedArray:
     stacked: int = 0
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate(self)
 
     @property
     def ndim(self) -> int:
@@ -147,7 +139,7 @@ class QuantizedArray:
         else:
 
             def one(values: jax.Array, s: jax.Array) -> jax.Array:
-                return _int4_dequantize(values, s, self.block_size, layer)
+                return dequantize_int4(values, s, self.block_size, layer)
 
             for _ in range(self.stacked):  # each stacked layer on its own
                 one = jax.vmap(one)
@@ -169,106 +161,6 @@ class QuantizedArray:
         )
 
 
-def _concrete(x: Any) -> bool:
-    """A concrete array, not a tracer, and not ``float0`` (the cotangent of integer values
-    that ``jax.grad(..., allow_int=True)`` builds a QuantizedArray of)."""
-    concrete = isinstance(x, np.ndarray) or (
-        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    )
-    return concrete and np.dtype(x.dtype) != np.dtype(jax.dtypes.float0)
-
-
-def _validate(q: QuantizedArray) -> None:
-    """The checks of a QuantizedArray's fields: the static ones always, the arrays when
-    they are concrete (tree operations and transforms rebuild it from tracers and other
-    leaves, which are left alone)."""
-    if q.mode not in MODES:
-        raise ValueError(f"`mode` must be one of {MODES}. Received: mode={q.mode!r}")
-    block = q.block_size
-    if q.mode == "int8" and block is not None:
-        raise ValueError(f"`block_size` must be None for int8. Received: block_size={block!r}")
-    if q.mode == "int4" and (
-        isinstance(block, bool) or not isinstance(block, int) or block == 0 or block < -1
-    ):
-        raise ValueError(
-            "`block_size` must be -1 (per channel) or a positive integer for int4. "
-            f"Received: block_size={block!r}"
-        )
-    k = q.stacked
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise ValueError(
-            "`stacked` must be a non-negative int (the number of leading stacked-layer "
-            f"axes). Received: stacked={k!r}"
-        )
-    if (
-        not isinstance(q.shape, tuple)
-        or len(q.shape) < 2 + k
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in q.shape)
-    ):
-        raise ValueError(
-            f"`shape` must be a tuple of {2 + k} or more non-negative ints (a kernel's shape, "
-            f"after its {k} stacked axes). Received: shape={q.shape!r}, stacked={k!r}"
-        )
-    original: np.dtype | None = None
-    if not isinstance(q.original_dtype, (jax.Array, np.ndarray, np.generic, bool, int, float)):
-        try:
-            original = np.dtype(q.original_dtype)
-        except (TypeError, ValueError):
-            original = None
-    if original is None or not dt.is_floating(original):
-        raise ValueError(
-            "`original_dtype` must be a floating dtype (the kernel's). "
-            f"Received: original_dtype={q.original_dtype!r}"
-        )
-    values, scale = q.values, q.scale
-    if _concrete(values):
-        allowed = ("int8",) if q.mode == "int8" else ("int4", "uint8")
-        if np.dtype(values.dtype).name not in allowed:
-            raise TypeError(
-                f"`values` of a {q.mode} QuantizedArray must be of dtype {' or '.join(allowed)}. "
-                f"Received: values of dtype {values.dtype}"
-            )
-        packed = np.dtype(values.dtype) == np.dtype(np.uint8)
-        if packed and k:
-            raise TypeError(
-                "`values` of a stacked int4 QuantizedArray must be of dtype int4 (the packed "
-                f"uint8 layout of earlier versions has no stacked form). Received: stacked={k!r} "
-                "and values of dtype uint8"
-            )
-        want = ((q.shape[0] + 1) // 2, *q.shape[1:]) if packed else q.shape
-        if tuple(values.shape) != want:
-            raise ValueError(
-                f"`values` must have shape {want} for a kernel of `shape` {q.shape}. "
-                f"Received: values of shape {tuple(values.shape)} and shape={q.shape!r}"
-            )
-    elif not hasattr(values, "shape") and isinstance(
-        values, (str, bytes, int, float, complex, list, tuple, dict)
-    ):
-        raise TypeError(f"`values` must be an integer array. Received: values={values!r}")
-    if _concrete(scale):
-        if not dt.is_floating(np.dtype(scale.dtype)):
-            raise TypeError(
-                f"`scale` must be a floating array. Received: scale of dtype {scale.dtype}"
-            )
-        n = q.shape[-1]
-        lead = q.shape[:k]
-        ok = (
-            tuple(scale.shape) == (*lead, n)
-            if q.mode == "int8"
-            else (scale.ndim == k + 2 and tuple(scale.shape[:k]) == lead and scale.shape[-1] == n)
-        )
-        if not ok:
-            prefix = "".join(f"{d}, " for d in lead)
-            want_text = f"({prefix}{n})" if q.mode == "int8" else f"({prefix}blocks, {n})"
-            raise ValueError(
-                f"`scale` must have shape {want_text} for a {q.mode} kernel of `shape` "
-                f"{q.shape}. Received: scale of shape {tuple(scale.shape)} and "
-                f"shape={q.shape!r}"
-            )
-    elif isinstance(scale, (str, bytes, int, float, complex, list, tuple, dict)):
-        raise TypeError(f"`scale` must be a floating array. Received: scale={scale!r}")
-
-
 _NOT_AN_ARRAY = (
     "A QuantizedArray is not an array: dequantize it first (`q.dequantize(dtype)`, or a "
     "policy's or map's `cast_to_compute`, which the apply wrappers run for you)."
@@ -288,9 +180,9 @@ def is_quantizable(x: Any) -> bool:
 
 
 def abs_max_scale(x: jax.Array, axes: tuple[int, ...], qmax: float) -> jax.Array:
-    """The symmetric scale ``amax / qmax`` over ``axes`` (1 where the amax is 0); NaN where the slice holds a
-    non-finite value, so a NaN or inf in a kernel stays non-finite (its whole channel or
-    block dequantizes to NaN) instead of silently becoming a finite number."""
+    """The symmetric scale ``amax / qmax`` over ``axes`` (1 where the amax is 0); NaN where
+    the slice holds a non-finite value, so a NaN or inf in a kernel stays non-finite (its
+    whole channel or block dequantizes to NaN) instead of silently becoming a finite number."""
     amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
     scale = jnp.where(amax > 0, amax / qmax, jnp.ones_like(amax))
     return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
@@ -329,25 +221,14 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
             "Only arrays of rank >= 2 (kernels) are quantized; biases and norm scales stay "
             f"float. Received an array of shape {tuple(x.shape)}"
         )
-    if isinstance(stacked, bool) or not isinstance(stacked, int) or stacked < 0:
-        raise ValueError(
-            "`stacked` must be a non-negative int (the number of leading stacked-layer "
-            f"axes). Received: stacked={stacked!r}"
-        )
+    check_stacked(stacked)
     if x.ndim - stacked < 2:
         raise ValueError(
             "Each stacked layer must be of rank >= 2 (a kernel): with `stacked` leading "
             f"axes the array needs rank >= {stacked + 2}. Received: an array of shape "
             f"{tuple(x.shape)} and stacked={stacked!r}"
         )
-    block: int | None = None
-    if mode == "int4":
-        block = -1 if block_size is None else block_size
-        if isinstance(block, bool) or not isinstance(block, int) or block == 0 or block < -1:
-            raise ValueError(
-                "`block_size` must be -1 (per channel) or a positive integer. "
-                f"Received: block_size={block_size!r}"
-            )
+    block = int4_block(block_size) if mode == "int4" else None
     x32 = jnp.asarray(x).astype(jnp.float32)
     shape, dtype = tuple(x.shape), np.dtype(x.dtype)
     if x.size == 0:  # nothing to scale: zero-size values, scales of 1
@@ -367,7 +248,7 @@ def _quantize_layer(x32: jax.Array, mode: str, block: int | None) -> tuple[jax.A
     rows = x32.shape[0]
     size = rows if block == -1 else int(block)  # type: ignore[arg-type]
     blocks = -(-rows // size)
-    xb = _blocked(x32, size, blocks)  # (blocks, size, ..., n)
+    xb = blocked(x32, size, blocks)  # (blocks, size, ..., n)
     scale = abs_max_scale(xb, tuple(range(1, xb.ndim - 1)), INT4_MAX)
     q = round_to_grid(xb, scale, INT4_MAX).astype(jnp.int4)
     q = q.reshape(blocks * size, *x32.shape[1:])[:rows]
@@ -389,100 +270,6 @@ def _empty(
         jnp.zeros(shape, jnp.int4), jnp.ones((*lead, blocks, shape[-1]), jnp.float32), "int4",
         block, shape, dtype, stacked,
     )  # fmt: skip
-
-
-def _blocked(x: jax.Array, size: int, blocks: int) -> jax.Array:
-    """``x`` with axis 0 padded to ``blocks * size`` rows and split into blocks."""
-    pad = blocks * size - x.shape[0]
-    if pad:
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape(blocks, size, *x.shape[1:])
-
-
-def pack_int4(q: Any) -> jax.Array:
-    """int4 values in [-8, 7] to two per ``uint8`` byte along axis 0 (the layout of
-    earlier versions; kept to read and write their checkpoints)."""
-    q = jnp.asarray(q).astype(jnp.int8)
-    if q.shape[0] % 2:
-        q = jnp.pad(q, [(0, 1)] + [(0, 0)] * (q.ndim - 1))
-    low = q[0::2].astype(jnp.uint8) & 0xF
-    high = q[1::2].astype(jnp.uint8) & 0xF
-    return low | (high << 4)
-
-
-def _unpack(packed: jax.Array, rows: int) -> jax.Array:
-    """The inverse of :func:`pack_int4`: int32 values of ``rows`` rows."""
-    v = jnp.asarray(packed).astype(jnp.int32)
-    nibbles = jnp.stack([v & 0xF, (v >> 4) & 0xF], axis=1)
-    nibbles = jnp.where(nibbles >= 8, nibbles - 16, nibbles)
-    return nibbles.reshape(-1, *packed.shape[1:])[:rows]
-
-
-def _int4_dequantize(
-    values: jax.Array, scale: jax.Array, block_size: int | None, shape: tuple[int, ...]
-) -> jax.Array:
-    rows = shape[0]
-    if np.dtype(values.dtype) == np.dtype(np.uint8):  # the packed layout of earlier versions
-        q = _unpack(values, rows).astype(jnp.float32)
-    else:
-        q = jnp.asarray(values).astype(jnp.float32)
-    size = rows if block_size in (None, -1) else int(block_size)  # type: ignore[arg-type]
-    blocks = scale.shape[0]
-    qb = _blocked(q, size, blocks)
-    scale = scale.reshape(blocks, *([1] * (len(shape) - 1)), shape[-1])
-    return (qb * scale).reshape(blocks * size, *shape[1:])[:rows]
-
-
-def stacked_axes_of(stacked_axes: Any) -> Callable[[str], int]:
-    """``stacked_axes`` (``None``, an int, or a mapping from path regex to int, the first
-    key that fully matches a leaf's path wins) as a function of a leaf's path.
-
-    Raises:
-        TypeError: ``stacked_axes`` is none of those, or a key is not a string.
-        ValueError: a count is not a non-negative int, or a key is not a valid regex.
-    """
-
-    def count(n: Any, where: str) -> int:
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-            raise ValueError(
-                "`stacked_axes` must give a non-negative int (the number of leading "
-                f"stacked-layer axes of a kernel). Received: {where}"
-            )
-        return int(n)
-
-    if stacked_axes is None:
-        return lambda path: 0
-    if isinstance(stacked_axes, (int, np.integer)) and not isinstance(stacked_axes, bool):
-        n = count(stacked_axes, f"stacked_axes={stacked_axes!r}")
-        return lambda path: n
-    if not isinstance(stacked_axes, Mapping):
-        raise TypeError(
-            "`stacked_axes` must be None, an int, or a mapping from path regular expression "
-            f"to int (such as {{'layers/.*': 1}}). Received: stacked_axes={stacked_axes!r}"
-        )
-    rules = []
-    for key, n in stacked_axes.items():
-        if not isinstance(key, str):
-            raise TypeError(
-                "The keys of `stacked_axes` must be path regular expressions (strings). "
-                f"Received: key {key!r} in stacked_axes={stacked_axes!r}"
-            )
-        # The map's keys' own check: a pattern that could backtrack without bound is refused.
-        from jmp_policy._src.policy_map._key_cost import compile_key  # imports nothing of ours
-
-        try:
-            pattern = compile_key(key)
-        except ValueError as e:
-            raise ValueError(f"The key {key!r} of `stacked_axes` is not accepted: {e}") from None
-        rules.append((pattern, count(n, f"{n!r} for {key!r} in stacked_axes={stacked_axes!r}")))
-
-    def of(path: str) -> int:
-        for pattern, n in rules:
-            if pattern.fullmatch(path):
-                return n
-        return 0
-
-    return of
 
 
 def quantizable_layers(x: Any, stacked: int) -> bool:

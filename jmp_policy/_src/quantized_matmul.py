@@ -1,20 +1,19 @@
-"""Matmuls on int8 values: int8 compute, and quantized kernels that reach their layer.
+"""Matmuls on int8 values: int8 compute, and int8 x int8 of int8 weights.
 
 :func:`int8_dot_general` (int8 compute, quantization-aware training) quantizes both
-operands to the int8 grid in the step and multiplies them exactly; its gradient is the
-float matmul's. :func:`quantized_kernel_dot_general` is the matmul of a layer whose
-``QuantizedArray`` kernel reaches it whole: weight-only with the per-channel scale
-applied to the result, int4 blocks as a matmul per block and a scaled sum, or int8 x int8
-(an int8 policy with int8 weights, at enough rows) in cuBLAS's int8 GEMM layout.
+operands to the int8 grid in the step, by abs-max over each one's own contracting
+dimensions (per row for activations, per output channel for kernels), and multiplies them
+exactly; its gradient is the float matmul's (straight-through), so a float kernel keeps
+training. :func:`int8_einsum` is ``jnp.einsum`` on it. :func:`int8_weights_dot` is the
+int8 x int8 GEMM of a layer whose int8 ``QuantizedArray`` kernel reaches it
+(:mod:`jmp_policy._src.kernel_matmul` picks it).
 
 Nothing here knows Flax: :mod:`jmp_policy._src.matmuls` picks the layers that run these.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -40,18 +39,13 @@ DimensionNumbers = tuple[
 ]
 
 
-def _normalize(dimension_numbers: Any) -> DimensionNumbers:
+def normalize_dims(dimension_numbers: Any) -> DimensionNumbers:
+    """``dot_general``'s dimension numbers as tuples of ints (hashable: a static argument)."""
     (lc, rc), (lb, rb) = dimension_numbers
     return (
         (tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
         (tuple(int(i) for i in lb), tuple(int(i) for i in rb)),
     )
-
-
-def _quantize_operand(x: jax.Array, contracting: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    x32 = x.astype(jnp.float32)
-    scale = abs_max_scale(x32, contracting, INT8_MAX)
-    return round_to_grid(x32, scale, INT8_MAX).astype(jnp.int8), scale
 
 
 # The name scope of an int8 matmul (its equations in a jaxpr, its ops in a profile).
@@ -67,10 +61,9 @@ def _int8_forward(
     matmul runs as a GEMM of the compute dtype (bfloat16 for a bfloat16 result, float32
     otherwise) with float32 accumulation, the scales applied to the result: the int32
     product exactly while the sums stay below 2**24 (K <= 1040 at worst), float32
-    rounding past that. An int8 x int8 -> int32 GEMM made inside the step is what XLA
-    turns into a slow Triton fusion (0.40x bf16 on an H100), while a GEMM of the compute
-    dtype on integer values runs at its usual speed (fake quantization: 1.09x bf16's
-    step, ``../shared/gpu/README.md``).
+    rounding past that. XLA turns an int8 x int8 -> int32 GEMM made inside the step into a
+    slow fusion, while a GEMM of the compute dtype on integer values runs at its usual
+    speed.
     """
     (lc, rc), _ = dn
     gemm = np.dtype(jnp.bfloat16) if out_dtype == np.dtype(jnp.bfloat16) else np.dtype(jnp.float32)
@@ -88,6 +81,12 @@ def _grid_operand(x: jax.Array, contracting: tuple[int, ...]) -> tuple[jax.Array
     x32 = x.astype(jnp.float32)
     scale = abs_max_scale(x32, contracting, INT8_MAX)
     return round_to_grid(x32, scale, INT8_MAX), scale
+
+
+def _quantize_operand(x: jax.Array, contracting: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """``x`` quantized to int8 by abs-max over ``contracting``, and its scale."""
+    grid, scale = _grid_operand(x, contracting)
+    return grid.astype(jnp.int8), scale
 
 
 def _output_scale(ls: jax.Array, rs: jax.Array, dn: DimensionNumbers) -> jax.Array:
@@ -169,7 +168,7 @@ def int8_dot_general(
             preferred_element_type=preferred_element_type,
             **kwargs,
         )
-    return _int8_dot(lhs, rhs, _normalize(dimension_numbers), out_dtype)  # type: ignore[no-any-return]
+    return _int8_dot(lhs, rhs, normalize_dims(dimension_numbers), out_dtype)  # type: ignore[no-any-return]
 
 
 def int8_einsum(subscripts: str, /, *operands: Any, **kwargs: Any) -> jax.Array:
@@ -188,139 +187,7 @@ def is_int8(policy: Any) -> bool:
     return getattr(policy, "quantization_mode", None) == "int8"
 
 
-# -- matmuls on quantized kernels -----------------------------------------------------------
-
-# Rows (the product of the input's free dimensions) from which an int8 policy's int8 x int8
-# GEMM replaces the weight-only form: below, a matmul is bound by the weight bytes it reads
-# and the weight-only form reads the same int8 bytes without quantizing the activations.
-INT8_GEMM_MIN_ROWS = 128
-
-
-def _per_channel(q: QuantizedArray) -> bool:
-    return q.mode == "int8" or q.block_size in (None, -1) or q.scale.shape[0] == 1
-
-
-def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> str:
-    """The matmul a ``QuantizedArray`` kernel (the right operand) runs, by its layout and
-    the rows of the input: ``"int8 x int8"``, ``"weight-only, scale after"``,
-    ``"int4 blocks"`` or ``"dequantized"`` (a layout no fast form covers)."""
-    (lc, rc), (lb, rb) = _normalize(dims)
-    last_free = q.ndim - 1 not in rc and q.ndim - 1 not in rb
-    if q.packed or q.stacked or lb or rb or not last_free:
-        return "dequantized"
-    if int8_compute and q.mode == "int8" and rows >= INT8_GEMM_MIN_ROWS:
-        return "int8 x int8"
-    if _per_channel(q):
-        return "weight-only, scale after"
-    if q.ndim == 2 and rc == (0,) and len(lc) == 1:
-        return "int4 blocks"
-    return "dequantized"
-
-
-def _rows(lhs: jax.Array, dims: DimensionNumbers) -> int:
-    (lc, _), (lb, _) = dims
-    return int(np.prod([d for i, d in enumerate(lhs.shape) if i not in lc and i not in lb]))
-
-
-def _scaled(y: jax.Array, scale: jax.Array, out: np.dtype) -> jax.Array:
-    """``y`` times per-channel ``scale`` (its last axis), in float32, then ``out``."""
-    return (y.astype(jnp.float32) * scale.reshape(-1)).astype(out)
-
-
-def quantized_kernel_dot_general(
-    q: QuantizedArray, int8_compute: bool = False, record: Any = None
-) -> Any:
-    """A drop-in ``jax.lax.dot_general`` whose right operand is ``q``'s kernel.
-
-    The operand it is handed (the layer's kernel as Flax saw it: ``q``'s values in the
-    compute dtype, unscaled) only gives the shape; the matmul reads ``q`` itself:
-
-    * ``"weight-only, scale after"`` (int8, int4 per channel): ``(x @ convert(values)) *
-      scale``, the integer values exact in the compute dtype, the scale applied to the
-      float32 result;
-    * ``"int4 blocks"`` (a 2-D kernel): one matmul per block of rows and a scaled sum;
-    * ``"int8 x int8"`` (``int8_compute`` and at least :data:`INT8_GEMM_MIN_ROWS` rows):
-      the input quantized per row, ``dot_general(int8, int8) -> int32`` contracting the
-      last dimension of both (the layout cuBLAS's int8 GEMM takes), both scales applied to
-      the result; its gradient with respect to the input is the float matmul's;
-    * ``"dequantized"``: any other layout, the kernel dequantized to the compute dtype.
-
-    ``record(form)``, when given, is told the form at trace time (for ``explain``).
-    """
-
-    def dot_general(
-        lhs: Any,
-        rhs: Any,
-        dimension_numbers: Any,
-        precision: Any = None,
-        preferred_element_type: Any = None,
-        **kwargs: Any,
-    ) -> jax.Array:
-        lhs = jnp.asarray(lhs)
-        dims = _normalize(dimension_numbers)
-        compute = np.dtype(getattr(rhs, "dtype", lhs.dtype))
-        if not dt.is_floating(compute):
-            compute = np.dtype(lhs.dtype)
-        out = np.dtype(preferred_element_type or jnp.result_type(lhs.dtype, compute))
-        kernel = q
-        shape = tuple(getattr(rhs, "shape", q.shape))
-        if shape != q.shape:
-            # A layer that reshapes its kernel before the matmul (Flax's DenseGeneral).
-            if math.prod(shape) != q.size or shape[-1:] != q.shape[-1:]:
-                raise ValueError(
-                    f"A quantized kernel of shape {q.shape} reached a matmul as shape "
-                    f"{shape}: run the model through jmp_policy's apply wrappers, which "
-                    "pass quantized kernels whole."
-                )
-            if q.stacked or not _per_channel(q):
-                if record is not None:
-                    record("dequantized")
-                w = q.dequantize(compute).reshape(shape)
-                return jax.lax.dot_general(
-                    lhs.astype(compute), w, dims, precision=precision, preferred_element_type=out
-                )
-            kernel = dataclasses.replace(q, values=q.values.reshape(shape), shape=shape)
-        form = kernel_form(kernel, dims, _rows(lhs, dims), int8_compute)
-        if record is not None:
-            record(form)
-        if form == "weight-only, scale after":
-            y = jax.lax.dot_general(
-                lhs.astype(compute), kernel.values.astype(compute), dims, precision=precision,
-                preferred_element_type=jnp.float32,
-            )  # fmt: skip
-            return _scaled(y, kernel.scale, out)
-        if form == "int4 blocks":
-            return _int4_blocks(lhs.astype(compute), kernel, out)
-        if form == "int8 x int8":
-            return _int8_weights(lhs, kernel, dims, out)  # type: ignore[no-any-return]
-        w = kernel.dequantize(compute)
-        return jax.lax.dot_general(
-            lhs.astype(compute), w, dims, precision=precision, preferred_element_type=out
-        )
-
-    return dot_general
-
-
-def _int4_blocks(x: jax.Array, q: QuantizedArray, out: np.dtype) -> jax.Array:
-    """``x @ kernel`` for an int4 kernel of blocks of rows: a matmul per block (batched
-    over blocks), then the sum of the blocks' results times their scales."""
-    rows, n = q.shape
-    blocks = q.scale.shape[0]
-    size = -(-rows // blocks)
-    pad = blocks * size - rows
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, rows)
-    values = q.values
-    if pad:
-        x2 = jnp.pad(x2, ((0, 0), (0, pad)))
-        values = jnp.pad(values, ((0, pad), (0, 0)))
-    xb = x2.reshape(x2.shape[0], blocks, size)
-    wb = values.reshape(blocks, size, n).astype(x.dtype)
-    part = jax.lax.dot_general(
-        xb, wb, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32
-    )  # (blocks, m, n)
-    y = JNP_EINSUM("bmn,bn->mn", part, q.scale)  # not the glue's routed jnp.einsum
-    return y.astype(out).reshape(*lead, n)
+# -- int8 x int8 of int8 weights ---------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -359,5 +226,8 @@ def _int8_weights_bwd(dims: Any, out: Any, _: Any, q: Any, g: jax.Array) -> Any:
 _int8_weights_core.defvjp(_int8_weights_fwd, _int8_weights_bwd)
 
 
-def _int8_weights(lhs: jax.Array, q: QuantizedArray, dims: DimensionNumbers, out: Any) -> Any:
+def int8_weights_dot(lhs: jax.Array, q: QuantizedArray, dims: DimensionNumbers, out: Any) -> Any:
+    """``lhs`` quantized per row times int8 weights ``q``: an int8 x int8 -> int32 GEMM in
+    cuBLAS's layout, both scales applied to the result; the input's gradient is the float
+    matmul's."""
     return _int8_weights_core(lhs, q, dims, np.dtype(out), tuple(lhs.shape))

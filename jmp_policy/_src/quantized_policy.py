@@ -10,6 +10,7 @@ import numpy as np
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src import quantization
 from jmp_policy._src.policy import DTypePolicy, T, global_name
+from jmp_policy._src.quantized_array_checks import int4_block
 
 _DEFAULT_INT4_BLOCK = 128
 SCALINGS = ("delayed", "current")
@@ -24,12 +25,9 @@ class QuantizedDTypePolicy(DTypePolicy):
     """A weight-quantized policy (``int8``, ``int4`` or ``int4/<block>``).
 
     Compute, variable and output dtypes come from the source policy. ``int4/<block>``
-    quantizes in blocks of ``<block>`` rows; ``int4`` (like ``int4/-1`` and Keras's legacy
-    ``int4/None``) per channel. ``mode`` is the quantization mode alone (``"int4"``, as in
-    Keras) and ``block_size`` the block; ``QuantizedDTypePolicy("int4/128", source)`` equals
-    :class:`Int4DTypePolicy` ``("int4", source, 128)``. ``str`` writes the mode before jmp's
-    short form of the dtypes (``"int8_from_p=f32,c=bf16,o=bf16"``), which :func:`get` reads
-    back.
+    quantizes in blocks of ``<block>`` rows, ``int4`` (or ``int4/-1``, Keras's legacy
+    ``int4/None``) per channel. ``str`` writes the mode before jmp's short form of the
+    dtypes, which :func:`get` reads back.
 
     Args:
         mode: ``"int8"``, ``"int4"`` or ``"int4/<block>"``.
@@ -114,13 +112,11 @@ class QuantizedDTypePolicy(DTypePolicy):
 
     @property
     def quantization_mode(self) -> str:
-        """``"int8"``, ``"int4"`` or ``"float8"`` (without a block size)."""
+        """``"int8"``, ``"int4"`` or ``"float8"`` (without a block size: see
+        :attr:`block_size`); ``mode`` is Keras's name for it."""
         return self._quantization_mode
 
-    @property
-    def mode(self) -> str:
-        """The quantization mode, as Keras's ``mode``: ``"int4"`` (see :attr:`block_size`)."""
-        return self._quantization_mode
+    mode = quantization_mode
 
     @property
     def block_size(self) -> int | None:
@@ -140,32 +136,22 @@ class QuantizedDTypePolicy(DTypePolicy):
     def quantize(self, tree: T, *, stacked_axes: Any = None) -> T:
         """Every floating leaf of rank >= 2 of ``tree`` as a :class:`~jmp_policy.QuantizedArray`.
 
-        Symmetric abs-max: int8 with one scale per index of the last axis; int4 in blocks
-        of :attr:`block_size` rows along axis 0 (``-1``: per channel; a block size that
-        does not divide axis 0 leaves the last block shorter), values stored as
-        ``jnp.int4``. Biases, norm scales and other rank-1 leaves, non-floating leaves and
-        leaves already quantized are returned as they are. Works under ``jit``.
-
-        **Stacked layers.** A tree cannot tell a layer stack's kernel (``nn.scan``,
-        ``nnx.scan`` or vmapped layers: ``[depth, in, out]``) from a kernel with several
-        axes (``DenseGeneral``'s ``[in, heads, dim]``): ``stacked_axes`` says how many
-        leading axes stack layers, and each layer is then quantized on its own (its own
-        scales, int4 blocks along its own input axis; see
-        :class:`~jmp_policy.QuantizedArray`'s ``stacked``). A leaf whose layers are of
-        rank < 2 (a stacked bias ``[depth, n]``) stays float. ``jmp_policy.linen.quantize``
-        and ``jmp_policy.nnx.quantize`` find the stacked axes from the model.
+        Symmetric abs-max: int8 with one scale per index of the last axis; int4 in blocks of
+        :attr:`block_size` rows along axis 0 (``-1``: per channel), stored as ``jnp.int4``.
+        Other leaves, and leaves already quantized, are returned as they are. Works under ``jit``.
 
         Args:
             tree: a pytree of parameters.
-            stacked_axes: ``None`` (no stacked axes), an int for every leaf, or a mapping
-                from path regular expression (``"layers/.*"``, matched against the whole
-                ``"/"``-joined path of a leaf; the first key that matches wins, no match
-                is 0) to an int.
+            stacked_axes: how many leading axes of a kernel stack layers (``nn.scan``,
+                ``nnx.scan``: ``[depth, in, out]``), each layer then quantized on its own:
+                ``None`` (none), an int for every leaf, or a mapping from path regular
+                expression (``"layers/.*"``, the first key that fully matches a leaf's
+                ``"/"``-joined path wins, no match is 0) to an int. A leaf whose layers are
+                of rank < 2 (a stacked bias) stays float.
 
         Raises:
-            ValueError: a float8 policy (float8 scales at compute time and stores no
-                quantized weights), or a ``stacked_axes`` count that is not a
-                non-negative int.
+            ValueError: a float8 policy (it stores no quantized weights), or a
+                ``stacked_axes`` count that is not a non-negative int.
             TypeError: ``stacked_axes`` is not None, an int or a mapping of strings.
 
         Examples:
@@ -205,12 +191,10 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
     """Keras's int4 class: ``mode == "int4"`` and a separate ``block_size``.
 
     Equal to ``QuantizedDTypePolicy("int4/<block>", source_name)``; :func:`get` returns
-    this class for ``"int4/<block>_from_<source>"`` names, as Keras does. Keras 3's
-    positional form ``Int4DTypePolicy("int4/128", "float32")`` works too, and its legacy
-    ``"int4/None"`` reads as per channel.
+    this class for ``"int4/<block>_from_<source>"`` names, as Keras does.
 
     Args:
-        mode: ``"int4"`` (or ``"int4/<block>"``, whose block is used).
+        mode: ``"int4"`` (or Keras 3's ``"int4/<block>"``, whose block is used).
         source_name: the float policy the dtypes come from; ``None`` takes the global one.
         block_size: rows per block along the input axis; ``-1`` (or ``None``) per channel.
 
@@ -253,15 +237,9 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
                 "`block_size` must be an integer (-1 or None: per channel). "
                 f"Received: block_size={block_size!r} (of type {type(block_size).__name__})"
             )
-        block = -1 if block_size is None else block_size
-        if block == 0 or block < -1:
-            raise ValueError(
-                "`block_size` must be -1 (per channel) or a positive integer. "
-                f"Received: block_size={block_size!r}"
-            )
+        block = int4_block(block_size)
         if "/" in mode:
-            # The block in `mode` (Keras 3's form) wins over the default, never over a
-            # different explicit one.
+            # Keras 3's block in `mode` wins over the default, never over another explicit one.
             if block_size != _DEFAULT_INT4_BLOCK and block != mode_block:
                 raise ValueError(
                     f"`block_size` contradicts the block in `mode`. "
@@ -277,41 +255,30 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
 class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
     """A float8 policy (e4m3 forward, e5m2 for gradients), with delayed or current scaling.
 
-    **Delayed scaling** (``scaling="delayed"``, the default, as in Keras, Flax and
-    Transformer Engine's ``DelayedScaling``): each tensor is scaled by ``fp8_max`` over the
-    largest amax of the last ``amax_history_length`` steps, kept as state (created by
-    ``jmp_policy.linen.init`` / ``jmp_policy.nnx.init_float8``; its gradient is its new
-    value). **Current scaling** (``scaling="current"``, torchao's default dynamic recipe,
-    Transformer Engine's ``Float8CurrentScaling``; the name ``"float8_current_from_…"``):
-    each tensor is scaled by its own amax in the same step, and there is no state. Both
-    cost the same passes over a tensor (its amax, then its quantization); current scaling
-    follows a tensor whose range jumps (large learning rates, the first steps) where a
-    delayed scale lags behind and saturates.
+    Delayed scaling (the default, as in Keras and Flax) scales a tensor by ``fp8_max`` over
+    the largest amax of the last ``amax_history_length`` steps, kept as state (made by
+    ``jmp_policy.linen.init`` / ``jmp_policy.nnx.init_float8``); current scaling
+    (``"float8_current_from_…"``) by its own amax in the step, with no state (see README).
 
     Args:
         mode: ``"float8"`` (or ``"float8_current"``, the same as ``scaling="current"``).
         source_name: the float policy the dtypes come from; ``None`` takes the global one.
-        amax_history_length: length of the amax history window, a positive ``int``
-            (delayed scaling only).
+        amax_history_length: the amax history's length, a positive ``int`` (delayed scaling).
         scaling: ``"delayed"`` or ``"current"``.
 
     Raises:
         TypeError: ``amax_history_length`` is not an ``int`` (bools included).
-        ValueError: another mode or scaling, a bad source name, or
-            ``amax_history_length < 1``.
+        ValueError: another mode or scaling, a bad source name, or ``amax_history_length < 1``.
 
     Examples:
         >>> import jmp_policy as jp
         >>> policy = jp.QuantizedFloat8DTypePolicy("float8", "mixed_bfloat16", 16)
         >>> policy.amax_history_length, policy.scaling
         (16, 'delayed')
-        >>> jp.get("float8_from_mixed_bfloat16").amax_history_length
-        1024
         >>> current = jp.get("float8_current_from_mixed_bfloat16")
         >>> current.scaling, current.quantization_mode
         ('current', 'float8')
-        >>> current == jp.QuantizedFloat8DTypePolicy(
-        ...     "float8", "mixed_bfloat16", scaling="current")
+        >>> current == jp.QuantizedFloat8DTypePolicy("float8", "mixed_bfloat16", scaling="current")
         True
     """
 
@@ -365,14 +332,12 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
 
     @property
     def scaling(self) -> str:
-        """``"delayed"`` (scales from an amax history, kept as state) or ``"current"``
-        (each tensor by its own amax, in the same step; no state)."""
+        """``"delayed"`` (scales from an amax history kept as state) or ``"current"``."""
         return self._scaling
 
     def _rebuild_from(self, source: DTypePolicy) -> QuantizedFloat8DTypePolicy:
-        return QuantizedFloat8DTypePolicy(
-            "float8", source.name, self._amax_history_length, self._scaling
-        )
+        length, scaling = self._amax_history_length, self._scaling
+        return QuantizedFloat8DTypePolicy("float8", source.name, length, scaling)
 
     def get_config(self) -> dict[str, Any]:
         config = {

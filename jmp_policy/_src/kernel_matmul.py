@@ -1,0 +1,175 @@
+"""The matmul of a layer whose ``QuantizedArray`` kernel reaches it whole.
+
+:func:`quantized_kernel_dot_general` reads the quantized kernel itself: weight-only with
+the per-channel scale applied to the result, int4 blocks as a matmul per block and a
+scaled sum, or int8 x int8 (an int8 policy with int8 weights, at enough rows) in cuBLAS's
+int8 GEMM layout (:func:`jmp_policy._src.quantized_matmul.int8_weights_dot`).
+
+Nothing here knows Flax: :mod:`jmp_policy._src.matmuls` picks the layers that run these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_policy._src import dtypes as dt
+from jmp_policy._src.quantization import QuantizedArray
+from jmp_policy._src.quantized_matmul import (
+    JNP_EINSUM,
+    DimensionNumbers,
+    int8_weights_dot,
+    normalize_dims,
+)
+
+# Rows (the product of the input's free dimensions) from which an int8 policy's int8 x int8
+# GEMM replaces the weight-only form: below, a matmul is bound by the weight bytes it reads
+# and the weight-only form reads the same int8 bytes without quantizing the activations.
+INT8_GEMM_MIN_ROWS = 128
+
+
+def _per_channel(q: QuantizedArray) -> bool:
+    return q.mode == "int8" or q.block_size in (None, -1) or q.scale.shape[0] == 1
+
+
+def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> str:
+    """The matmul a ``QuantizedArray`` kernel (the right operand) runs, by its layout and
+    the rows of the input: ``"int8 x int8"``, ``"weight-only, scale after"``,
+    ``"int4 blocks"`` or ``"dequantized"`` (a layout no fast form covers)."""
+    (lc, rc), (lb, rb) = normalize_dims(dims)
+    last_free = q.ndim - 1 not in rc and q.ndim - 1 not in rb
+    if q.packed or q.stacked or lb or rb or not last_free:
+        return "dequantized"
+    if int8_compute and q.mode == "int8" and rows >= INT8_GEMM_MIN_ROWS:
+        return "int8 x int8"
+    if _per_channel(q):
+        return "weight-only, scale after"
+    if q.ndim == 2 and rc == (0,) and len(lc) == 1:
+        return "int4 blocks"
+    return "dequantized"
+
+
+def _rows(lhs: jax.Array, dims: DimensionNumbers) -> int:
+    (lc, _), (lb, _) = dims
+    return int(np.prod([d for i, d in enumerate(lhs.shape) if i not in lc and i not in lb]))
+
+
+def _scaled(y: jax.Array, scale: jax.Array, out: np.dtype) -> jax.Array:
+    """``y`` times per-channel ``scale`` (its last axis), in float32, then ``out``."""
+    return (y.astype(jnp.float32) * scale.reshape(-1)).astype(out)
+
+
+def quantized_kernel_dot_general(
+    q: QuantizedArray, int8_compute: bool = False, record: Any = None
+) -> Any:
+    """A drop-in ``jax.lax.dot_general`` whose right operand is ``q``'s kernel.
+
+    The operand it is handed (the layer's kernel as Flax saw it: ``q``'s values in the
+    compute dtype, unscaled) only gives the shape; the matmul reads ``q`` itself:
+
+    * ``"weight-only, scale after"`` (int8, int4 per channel): ``(x @ convert(values)) *
+      scale``, the integer values exact in the compute dtype, the scale applied to the
+      float32 result;
+    * ``"int4 blocks"`` (a 2-D kernel): one matmul per block of rows and a scaled sum;
+    * ``"int8 x int8"`` (``int8_compute`` and at least :data:`INT8_GEMM_MIN_ROWS` rows):
+      the input quantized per row, ``dot_general(int8, int8) -> int32`` contracting the
+      last dimension of both (the layout cuBLAS's int8 GEMM takes), both scales applied to
+      the result; its gradient with respect to the input is the float matmul's;
+    * ``"dequantized"``: any other layout, the kernel dequantized to the compute dtype.
+
+    ``record(form)``, when given, is told the form at trace time (for ``explain``).
+    """
+
+    # The signature of `jax.lax.dot_general` (what Flax and `jnp.einsum` call); other
+    # keywords have no meaning for a quantized kernel and are dropped.
+    def dot_general(
+        lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
+        preferred_element_type: Any = None, **_: Any,
+    ) -> jax.Array:  # fmt: skip
+        lhs = jnp.asarray(lhs)
+        dims = normalize_dims(dimension_numbers)
+        compute = np.dtype(getattr(rhs, "dtype", lhs.dtype))
+        if not dt.is_floating(compute):
+            compute = np.dtype(lhs.dtype)
+        out = np.dtype(preferred_element_type or jnp.result_type(lhs.dtype, compute))
+        shape = tuple(getattr(rhs, "shape", q.shape))
+        kernel = _as_called(q, shape)
+        rows = _rows(lhs, dims)
+        form = "dequantized" if kernel is None else kernel_form(kernel, dims, rows, int8_compute)
+        if record is not None:
+            record(form)
+        if kernel is None:  # reshaped by its layer, in a layout no fast form covers
+            w = q.dequantize(compute).reshape(shape)
+        elif form == "dequantized":
+            w = kernel.dequantize(compute)
+        else:
+            return _fast(form, lhs, kernel, dims, compute, out, precision)
+        return jax.lax.dot_general(
+            lhs.astype(compute), w, dims, precision=precision, preferred_element_type=out
+        )
+
+    return dot_general
+
+
+def _as_called(q: QuantizedArray, shape: tuple[int, ...]) -> QuantizedArray | None:
+    """``q`` in the ``shape`` its layer handed the matmul: a layer may reshape its kernel
+    before the matmul (Flax's DenseGeneral). ``None``: a reshape only dequantizing covers."""
+    if shape == q.shape:
+        return q
+    if math.prod(shape) != q.size or shape[-1:] != q.shape[-1:]:
+        raise ValueError(
+            f"A quantized kernel of shape {q.shape} reached a matmul as shape "
+            f"{shape}: run the model through jmp_policy's apply wrappers, which "
+            "pass quantized kernels whole."
+        )
+    if q.stacked or not _per_channel(q):
+        return None
+    return dataclasses.replace(q, values=q.values.reshape(shape), shape=shape)
+
+
+def _fast(
+    form: str,
+    lhs: jax.Array,
+    kernel: QuantizedArray,
+    dims: DimensionNumbers,
+    compute: np.dtype,
+    out: np.dtype,
+    precision: Any,
+) -> jax.Array:
+    """The matmul of a fast ``form`` (:func:`kernel_form`) on ``kernel``."""
+    if form == "weight-only, scale after":
+        y = jax.lax.dot_general(
+            lhs.astype(compute), kernel.values.astype(compute), dims, precision=precision,
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        return _scaled(y, kernel.scale, out)
+    if form == "int4 blocks":
+        return _int4_blocks(lhs.astype(compute), kernel, out)
+    return int8_weights_dot(lhs, kernel, dims, out)  # type: ignore[no-any-return]
+
+
+def _int4_blocks(x: jax.Array, q: QuantizedArray, out: np.dtype) -> jax.Array:
+    """``x @ kernel`` for an int4 kernel of blocks of rows: a matmul per block (batched
+    over blocks), then the sum of the blocks' results times their scales."""
+    rows, n = q.shape
+    blocks = q.scale.shape[0]
+    size = -(-rows // blocks)
+    pad = blocks * size - rows
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, rows)
+    values = q.values
+    if pad:
+        x2 = jnp.pad(x2, ((0, 0), (0, pad)))
+        values = jnp.pad(values, ((0, pad), (0, 0)))
+    xb = x2.reshape(x2.shape[0], blocks, size)
+    wb = values.reshape(blocks, size, n).astype(x.dtype)
+    part = jax.lax.dot_general(
+        xb, wb, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32
+    )  # (blocks, m, n)
+    y = JNP_EINSUM("bmn,bn->mn", part, q.scale)  # not the glue's routed jnp.einsum
+    return y.astype(out).reshape(*lead, n)

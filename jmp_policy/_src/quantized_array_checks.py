@@ -1,0 +1,151 @@
+"""The checks of a :class:`~jmp_policy.QuantizedArray`'s fields, and of the settings that
+:func:`~jmp_policy._src.quantization.quantize` shares with it (``stacked``, int4's block).
+
+The static fields are checked always; ``values`` and ``scale`` only when they are concrete
+arrays: tree operations and transforms rebuild a QuantizedArray from tracers and other
+leaves, which are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jmp_policy._src import dtypes as dt
+
+MODES = ("int8", "int4")
+# Python values that are no array at all (an array-like of another kind is left alone).
+_NOT_ARRAYS = (str, bytes, int, float, complex, list, tuple, dict)
+
+
+def is_bad_block(block: Any) -> bool:
+    """Whether ``block`` is no int4 block size (``-1`` or a positive int)."""
+    return isinstance(block, bool) or not isinstance(block, int) or block == 0 or block < -1
+
+
+def int4_block(block_size: Any) -> int:
+    """int4's block size, checked: ``None`` is -1 (per channel)."""
+    block = -1 if block_size is None else block_size
+    if is_bad_block(block):
+        raise ValueError(
+            "`block_size` must be -1 (per channel) or a positive integer. "
+            f"Received: block_size={block_size!r}"
+        )
+    return block  # type: ignore[no-any-return]
+
+
+def check_stacked(stacked: Any) -> None:
+    """``stacked`` must be a non-negative int."""
+    if isinstance(stacked, bool) or not isinstance(stacked, int) or stacked < 0:
+        raise ValueError(
+            "`stacked` must be a non-negative int (the number of leading stacked-layer "
+            f"axes). Received: stacked={stacked!r}"
+        )
+
+
+def _concrete(x: Any) -> bool:
+    """A concrete array, not a tracer, and not ``float0`` (the cotangent of integer values
+    that ``jax.grad(..., allow_int=True)`` builds a QuantizedArray of)."""
+    concrete = isinstance(x, np.ndarray) or (
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    )
+    return concrete and np.dtype(x.dtype) != np.dtype(jax.dtypes.float0)
+
+
+def validate(q: Any) -> None:
+    """Checks the fields of the QuantizedArray ``q``; raises ``ValueError``/``TypeError``."""
+    _check_settings(q)
+    _check_original_dtype(q.original_dtype)
+    _check_values(q)
+    _check_scale(q)
+
+
+def _check_settings(q: Any) -> None:
+    """``mode``, ``block_size``, ``stacked`` and ``shape``."""
+    if q.mode not in MODES:
+        raise ValueError(f"`mode` must be one of {MODES}. Received: mode={q.mode!r}")
+    block = q.block_size
+    if q.mode == "int8" and block is not None:
+        raise ValueError(f"`block_size` must be None for int8. Received: block_size={block!r}")
+    if q.mode == "int4" and is_bad_block(block):
+        raise ValueError(
+            "`block_size` must be -1 (per channel) or a positive integer for int4. "
+            f"Received: block_size={block!r}"
+        )
+    k = q.stacked
+    check_stacked(k)
+    if (
+        not isinstance(q.shape, tuple)
+        or len(q.shape) < 2 + k
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in q.shape)
+    ):
+        raise ValueError(
+            f"`shape` must be a tuple of {2 + k} or more non-negative ints (a kernel's shape, "
+            f"after its {k} stacked axes). Received: shape={q.shape!r}, stacked={k!r}"
+        )
+
+
+def _check_original_dtype(original_dtype: Any) -> None:
+    original: np.dtype | None = None
+    if not isinstance(original_dtype, (jax.Array, np.ndarray, np.generic, bool, int, float)):
+        try:
+            original = np.dtype(original_dtype)
+        except (TypeError, ValueError):
+            original = None
+    if original is None or not dt.is_floating(original):
+        raise ValueError(
+            "`original_dtype` must be a floating dtype (the kernel's). "
+            f"Received: original_dtype={original_dtype!r}"
+        )
+
+
+def _check_values(q: Any) -> None:
+    values, k = q.values, q.stacked
+    if not _concrete(values):
+        if not hasattr(values, "shape") and isinstance(values, _NOT_ARRAYS):
+            raise TypeError(f"`values` must be an integer array. Received: values={values!r}")
+        return
+    allowed = ("int8",) if q.mode == "int8" else ("int4", "uint8")
+    if np.dtype(values.dtype).name not in allowed:
+        raise TypeError(
+            f"`values` of a {q.mode} QuantizedArray must be of dtype {' or '.join(allowed)}. "
+            f"Received: values of dtype {values.dtype}"
+        )
+    packed = np.dtype(values.dtype) == np.dtype(np.uint8)
+    if packed and k:
+        raise TypeError(
+            "`values` of a stacked int4 QuantizedArray must be of dtype int4 (the packed "
+            f"uint8 layout of earlier versions has no stacked form). Received: stacked={k!r} "
+            "and values of dtype uint8"
+        )
+    want = ((q.shape[0] + 1) // 2, *q.shape[1:]) if packed else q.shape
+    if tuple(values.shape) != want:
+        raise ValueError(
+            f"`values` must have shape {want} for a kernel of `shape` {q.shape}. "
+            f"Received: values of shape {tuple(values.shape)} and shape={q.shape!r}"
+        )
+
+
+def _check_scale(q: Any) -> None:
+    scale, k = q.scale, q.stacked
+    if not _concrete(scale):
+        if isinstance(scale, _NOT_ARRAYS):
+            raise TypeError(f"`scale` must be a floating array. Received: scale={scale!r}")
+        return
+    if not dt.is_floating(np.dtype(scale.dtype)):
+        raise TypeError(f"`scale` must be a floating array. Received: scale of dtype {scale.dtype}")
+    n, lead = q.shape[-1], q.shape[:k]
+    if q.mode == "int8":
+        ok = tuple(scale.shape) == (*lead, n)
+    else:
+        ok = scale.ndim == k + 2 and tuple(scale.shape[:k]) == lead and scale.shape[-1] == n
+    if not ok:
+        prefix = "".join(f"{d}, " for d in lead)
+        want = f"({prefix}{n})" if q.mode == "int8" else f"({prefix}blocks, {n})"
+        raise ValueError(
+            f"`scale` must have shape {want} for a {q.mode} kernel of `shape` "
+            f"{q.shape}. Received: scale of shape {tuple(scale.shape)} and "
+            f"shape={q.shape!r}"
+        )

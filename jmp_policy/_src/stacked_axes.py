@@ -1,0 +1,61 @@
+"""``stacked_axes``: how many leading axes of a kernel stack layers (an ``nn.scan``,
+``nnx.scan`` or vmapped layer stack, ``[depth, in, out]``), given per leaf path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+
+def stacked_axes_of(stacked_axes: Any) -> Callable[[str], int]:
+    """``stacked_axes`` (``None``, an int, or a mapping from path regex to int, the first
+    key that fully matches a leaf's path wins) as a function of a leaf's path.
+
+    Raises:
+        TypeError: ``stacked_axes`` is none of those, or a key is not a string.
+        ValueError: a count is not a non-negative int, or a key is not a valid regex.
+    """
+
+    def count(n: Any, where: str) -> int:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(
+                "`stacked_axes` must give a non-negative int (the number of leading "
+                f"stacked-layer axes of a kernel). Received: {where}"
+            )
+        return int(n)
+
+    if stacked_axes is None:
+        return lambda path: 0
+    if isinstance(stacked_axes, (int, np.integer)) and not isinstance(stacked_axes, bool):
+        n = count(stacked_axes, f"stacked_axes={stacked_axes!r}")
+        return lambda path: n
+    if not isinstance(stacked_axes, Mapping):
+        raise TypeError(
+            "`stacked_axes` must be None, an int, or a mapping from path regular expression "
+            f"to int (such as {{'layers/.*': 1}}). Received: stacked_axes={stacked_axes!r}"
+        )
+    rules = []
+    for key, n in stacked_axes.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                "The keys of `stacked_axes` must be path regular expressions (strings). "
+                f"Received: key {key!r} in stacked_axes={stacked_axes!r}"
+            )
+        # The map's keys' own check: a pattern that could backtrack without bound is refused.
+        from jmp_policy._src.policy_map._key_cost import compile_key  # imports nothing of ours
+
+        try:
+            pattern = compile_key(key)
+        except ValueError as e:
+            raise ValueError(f"The key {key!r} of `stacked_axes` is not accepted: {e}") from None
+        rules.append((pattern, count(n, f"{n!r} for {key!r} in stacked_axes={stacked_axes!r}")))
+
+    def of(path: str) -> int:
+        for pattern, n in rules:
+            if pattern.fullmatch(path):
+                return n
+        return 0
+
+    return of
