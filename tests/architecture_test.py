@@ -152,3 +152,64 @@ def test_glue_is_recognised_as_module_or_package():
     assert _is_glue("jmp_policy.nnx._interception")
     assert not _is_glue("jmp_policy._src.linen_helpers")
     assert not _is_glue("jmp_policy")
+
+
+# Sizes (#24): a module holds one concept, a function one step.
+MAX_MODULE_LINES = 350
+MAX_FUNCTION_LINES = 60
+# A module or function may pass its bound with a comment saying why, on its first lines
+# (a module) or its `def` line or the line after (a function): "# long: <reason>".
+LONG = "# long:"
+
+
+def _code_lines(lines: list[str], node: ast.AST) -> int:
+    """Lines of code in ``node``: its docstring, blank lines and comments not counted."""
+    skip: set[int] = set()
+    body = getattr(node, "body", [])
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        skip = set(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(
+        1
+        for i in range(node.lineno, node.end_lineno + 1)
+        if i not in skip and lines[i - 1].strip() and not lines[i - 1].strip().startswith("#")
+    )
+
+
+def oversized(source: str) -> list[str]:
+    """What in ``source`` passes the size bounds without a ``# long:`` reason."""
+    lines = source.splitlines()
+    found = []
+    if len(lines) > MAX_MODULE_LINES and not any(LONG in line for line in lines[:20]):
+        found.append(f"module: {len(lines)} lines")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = _code_lines(lines, node)
+            reason = any(LONG in line for line in lines[node.lineno - 1 : node.lineno + 1])
+            if n > MAX_FUNCTION_LINES and not reason:
+                found.append(f"{node.name} (line {node.lineno}): {n} lines of code")
+    return found
+
+
+def test_size_check_finds_a_long_function_and_module_and_takes_a_reason():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES + 1))
+    long_function = f'def f():\n    """Doc."""\n{body}\n'
+    # the `def` line and the body
+    assert oversized(long_function) == [f"f (line 1): {MAX_FUNCTION_LINES + 2} lines of code"]
+    assert oversized(long_function.replace("def f():", "def f():  # long: a table")) == []
+    short = "def g():\n    return 1\n" + "\n" * MAX_MODULE_LINES
+    assert oversized(short) == [f"module: {MAX_MODULE_LINES + 2} lines"]
+    assert oversized("# long: one table\n" + short) == []
+
+
+def test_no_module_or_function_passes_its_size_without_a_reason():
+    found = {
+        name: problems
+        for name, path in _modules().items()
+        if (problems := oversized(path.read_text()))
+    }
+    assert found == {}
