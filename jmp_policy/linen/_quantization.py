@@ -150,18 +150,19 @@ def float8_state(module: nn.Module, policy: Any, index: int) -> Any:
     return module.variable(COLLECTION, name, float8.init_state, policy.amax_history_length).value
 
 
-def quantized_matmuls() -> Callable[..., Any]:
-    """The hook extension for one model run (it counts float8 layers' calls)."""
+def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
+    """For one model run (it counts float8 layers' calls): ``for_call(call)`` returns the
+    hook extension that runs the call's layer with its picked matmul, or ``None`` when the
+    layer runs as written (then nothing is added between the hook and the layer: each
+    Python frame a module call adds costs trace time in every op it runs)."""
     # id(module) -> (module, calls so far). Flax gives each call a fresh scope, but the
     # same instance; a lifted transform (nn.scan) traces clones, so a body is one call.
     calls: dict[int, tuple[Any, int]] = {}
 
-    def extension(
-        call: Any, next_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
+    def for_call(call: Any) -> Callable[..., Any] | None:
         module, policy = call.module, call.resolution.policy
         if module is None or not _routable(module):
-            return next_fn(*args, **kwargs)
+            return None
         run = _KERNEL_RUN.get()
         if run is not None:
             _learn_route(module, call.path, run)
@@ -174,10 +175,16 @@ def quantized_matmuls() -> Callable[..., Any]:
         kind = "einsum" if isinstance(module, nn.Einsum) else "dot_general"
         matmul = matmuls.pick(policy, kind, call.path, state, kernel)
         if matmul is None:
-            return next_fn(*args, **kwargs)
-        return _run_with(module, matmul, next_fn, args, kwargs)
+            return None
 
-    return extension
+        def extension(
+            call: Any, next_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> Any:
+            return _run_with(module, matmul, next_fn, args, kwargs)
+
+        return extension
+
+    return for_call
 
 
 def split_gradients(grads: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -37,8 +37,9 @@ def interceptor(
     Intercepted: every module's ``__call__``, and the root's ``root_method``. ``on_new``
     is told each module path the resolver had not met, once it is recorded.
     """
-    # Quantized layers' matmuls innermost; one per run (it counts float8 calls).
-    extensions = (*resolver.options.extensions, quantized_matmuls())
+    # Quantized layers' matmuls innermost, only where a layer's matmul is replaced; one
+    # per run (it counts float8 calls).
+    matmul_for = quantized_matmuls()
 
     def intercept(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
@@ -56,6 +57,10 @@ def interceptor(
         if new:
             on_new(path)  # type: ignore[misc]
         call = interception.Call(path, module, resolution)
+        extensions = resolver.options.extensions
+        routed = matmul_for(call)
+        if routed is not None:
+            extensions = (*extensions, routed)
         with (
             contextlib.nullcontext()
             if resolution.set_dtype is None  # module_dtype="override" gives the policy's
