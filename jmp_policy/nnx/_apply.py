@@ -184,13 +184,15 @@ def apply_with(
 ) -> Callable[..., Any]:
     """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
     methods = methods_for(model, method)
-    extensions = (*opts.extensions, quantized_matmuls)  # quantized layers: innermost
+    # Quantized layers' matmuls innermost, and only on the layers they can reach: each
+    # Python frame a module call adds costs trace time in every op it runs.
+    extensions = (*opts.extensions, quantized_matmuls)
     warned: set[str] = set()  # what this wrapper has warned about
 
     def run(*args: Any, **kwargs: Any) -> Any:
         resolver = resolver_for(model, policies, opts)
         copy, casts = _cast_copy(model, resolver)
-        _dress(copy, resolver, methods, extensions)
+        _dress(copy, resolver, methods, opts.extensions)
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
         compute = compute_modules(resolver, nnx.state(model), MATMUL_CLASSES)
@@ -286,7 +288,9 @@ def _dress(
     extensions: tuple[Any, ...],
 ) -> None:
     """Each module of the copy computes in its policy's dtype (where its ``dtype`` is not
-    the user's) and runs its methods through the hook (a policy subclass)."""
+    the user's) and runs its methods through the hook (a policy subclass) with
+    ``extensions``, and the quantized matmuls innermost where a layer's matmul is
+    routable."""
     for parts, module in list(nnx.iter_modules(copy)):
         path = path_of(parts)
         resolution = resolver.module(path)
@@ -296,7 +300,8 @@ def _dress(
             object.__setattr__(module, "dtype", resolution.policy.compute_dtype)
         wrapped = tuple(name for name in methods if method_of(type(module), name))
         if wrapped:
-            subclass = _policy_subclass(type(module), path, resolution, extensions, wrapped)
+            own = (*extensions, quantized_matmuls) if routable(module) else extensions
+            subclass = _policy_subclass(type(module), path, resolution, own, wrapped)
             object.__setattr__(module, "__class__", subclass)
 
 
