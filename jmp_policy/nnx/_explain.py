@@ -9,7 +9,8 @@ from flax import nnx
 from jmp_policy._src import matmuls
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.run_report import resolved_rows
-from jmp_policy.nnx._apply import apply_with, resolver_for
+from jmp_policy.nnx._apply import apply_with
+from jmp_policy.nnx._hook import resolver_for
 from jmp_policy.nnx._modules import prepare
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jmp_policy._src import float8, global_state
 from jmp_policy._src.options import as_policy_or_map
-from jmp_policy.nnx._apply import resolver_for
+from jmp_policy.nnx._hook import resolver_for
 from jmp_policy.nnx._modules import check_model, path_of, prepare
 from jmp_policy.nnx._quantization import ATTR, Float8State, routable, stacked
 

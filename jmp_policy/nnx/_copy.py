@@ -1,0 +1,112 @@
+"""The NNX model's policy-running copy: parameters cast to their compute dtypes going
+in, the non-parameter state written back in its stored dtypes coming out."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmp_policy._src import casting, float8, quantization
+from jmp_policy._src.policy_map import leaf_path, parent_path
+from jmp_policy._src.resolution import Resolver
+from jmp_policy.nnx._modules import path_of
+from jmp_policy.nnx._quantization import routable, stacked
+
+
+class Casts(NamedTuple):
+    """What :func:`cast_copy` did: the stored dtypes of the non-parameter state (to write
+    it back in), the QuantizedArray kernels passed whole, the plain floating arrays the
+    policy would have cast."""
+
+    stored: dict[str, np.dtype]
+    whole: dict[str, Any]
+    plain: list[str]
+
+
+def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]:
+    """The policy-running copy of ``model``: parameters in their compute dtypes (a
+    quantized kernel of a routed layer as its integer values, read whole by the layer's
+    matmul), every other variable a fresh one in its stored dtype."""
+    graphdef, state = nnx.split(model)
+    casts = Casts({}, {}, [])
+    # A stacked layer (nnx.vmap'd, run under nnx.scan) sees a slice of its kernel:
+    # its QuantizedArray is dequantized ahead of the model, not passed whole.
+    whole_paths = {
+        path_of(parts)
+        for parts, module in nnx.iter_modules(model)
+        if routable(module) and not stacked(module)
+    }
+
+    def cast_variable(key_path: Any, variable: Any) -> Any:
+        path = leaf_path(key_path)
+        if not isinstance(variable, nnx.Variable):
+            # A plain array attribute: not an `nnx.Param` for Flax (`nnx.grad` and
+            # `nnx.Optimizer` leave it out by default), so it is state, kept in its
+            # dtype like a `BatchStat`.
+            if isinstance(variable, (jax.Array, np.ndarray)):
+                casts.stored[path] = variable.dtype
+                compute = resolver.module(parent_path(path) or "").policy.compute_dtype
+                if casting.should_cast(variable, compute):
+                    casts.plain.append(path)
+            return variable
+        value = variable.get_value()
+        if isinstance(variable, nnx.Param):
+            policy = resolver.variable(path)[0]
+            module_path, _, name = path.rpartition("/")
+            if (
+                quantization.is_quantized(value)
+                and name == "kernel"
+                and module_path in whole_paths
+                and not float8.is_float8(policy)
+            ):
+                # The layer's matmul reads the QuantizedArray itself (see
+                # jmp_policy._src.matmuls); NNX's promote_dtype gets its integers.
+                casts.whole[module_path] = value
+                ints = value.values
+                return variable.replace(ints.astype(jnp.int8) if ints.dtype == jnp.int4 else ints)
+            return variable.replace(policy.cast_to_compute(value))
+        if isinstance(value, (jax.Array, np.ndarray)):
+            casts.stored[path] = value.dtype
+        return variable.replace(value)  # A fresh variable for the copy.
+
+    copy_state = jax.tree_util.tree_map_with_path(
+        cast_variable, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return nnx.merge(graphdef, copy_state), casts
+
+
+def write_back(model: nnx.Module, copy: nnx.Module, stored: dict[str, np.dtype]) -> None:
+    """The copy's non-parameter state (caches, batch statistics, counters) back into
+    ``model``, in the dtypes it was stored in."""
+
+    def restore(key_path: Any, variable: Any) -> Any:
+        dtype = stored.get(leaf_path(key_path))
+        if dtype is None:  # Created during the call, or not an array: kept as is.
+            return variable
+        if not isinstance(variable, nnx.Variable):  # a plain array attribute
+            return casting.cast_leaf(variable, dtype)
+        return variable.replace(casting.cast_leaf(variable.get_value(), dtype))
+
+    updates = nnx.state(copy, nnx.Not(nnx.Param))
+    updates = jax.tree_util.tree_map_with_path(
+        restore, updates, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    nnx.update(model, updates)
+
+
+def warn_plain_arrays(model: str, paths: list[str]) -> None:
+    shown = ", ".join(paths[:5]) + (f", ... ({len(paths)} in all)" if len(paths) > 5 else "")
+    warnings.warn(
+        f"{model} keeps floating arrays as plain attributes ({shown}). Flax does not count "
+        "plain arrays as `nnx.Param`s (`nnx.grad` and `nnx.Optimizer` leave them out by "
+        "default), so the policy leaves them in their stored dtype, and computations that "
+        "mix them with cast inputs promote to it. Wrap them in `nnx.Param` "
+        "(`self.w = nnx.Param(...)`) to have the policy cast them.",
+        UserWarning,
+        stacklevel=3,
+    )
