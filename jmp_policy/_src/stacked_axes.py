@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from jmp_policy._src.key_cost import compile_key
+
 
 def stacked_axes_of(stacked_axes: Any) -> Callable[[str], int]:
     """``stacked_axes`` (``None``, an int, or a mapping from path regex to int, the first
@@ -44,8 +46,6 @@ def stacked_axes_of(stacked_axes: Any) -> Callable[[str], int]:
                 f"Received: key {key!r} in stacked_axes={stacked_axes!r}"
             )
         # The map's keys' own check: a pattern that could backtrack without bound is refused.
-        from jmp_policy._src.policy_map._key_cost import compile_key  # imports nothing of ours
-
         try:
             pattern = compile_key(key)
         except ValueError as e:

@@ -558,7 +558,6 @@ def test_package_modules_each_hold_one_concept_and_stay_small():
     assert [f.name for f in files] == [
         "__init__.py",
         "_index.py",
-        "_key_cost.py",
         "_mapping.py",
         "_trees.py",
         "_values.py",

@@ -6,11 +6,12 @@ A private package, one module per concept:
 * ``_values``: the values it holds (policies from names or configs, validated);
 * ``_index``: the key index: matching (which stored key names a module or a variable),
   resolution (which key chooses its policy) and the one ancestor walk;
-* ``_key_cost``: the bound on what a regular-expression key may cost to match;
 * ``_trees``: the tree methods (``policy_tree``, ``cast_to_*``, ``quantize``, ``unused_keys``,
   ``explain``), functions of the map that it binds as its methods.
 
-Explain rows and their formatting are ``jmp_policy._src.explain``; the wrappers' resolution
+The bound on what a regular-expression key may cost to match is
+``jmp_policy._src.key_cost`` (the ``stacked_axes=`` keys share it). Explain rows and their
+formatting are ``jmp_policy._src.explain``; the wrappers' resolution
 (per-class policies, modules' own dtypes) is ``jmp_policy._src.resolution``.
 """
 

@@ -33,8 +33,8 @@ import re
 from collections.abc import Collection, Iterator
 from typing import Any
 
-import jmp_policy._src.policy_map._key_cost as _key_cost
 from jmp_policy._src import dtypes as _dt
+from jmp_policy._src import key_cost
 from jmp_policy._src.tree_paths import parent_path
 
 _META = frozenset(".^$*+?{}[]\\|()")
@@ -127,13 +127,13 @@ class KeyIndex:
 
     def add(self, key: str) -> None:
         """Adds ``key``; a bad or unbounded regular expression is a ``ValueError`` naming
-        the key (see ``_key_cost``).
+        the key (see :mod:`jmp_policy._src.key_cost`).
 
         Constant time (amortised): the sorted views are rebuilt once, at the next lookup,
         so building a map of n keys is linear in n (it was quadratic).
         """
         if not is_literal(key):
-            _key_cost.check_key(key)
+            key_cost.check_key(key)
             self._regex[key] = None
             self._by_prefix.setdefault(literal_prefix(key), []).append(key)
         self._order[key] = self._next
@@ -155,7 +155,7 @@ class KeyIndex:
     def _pattern(self, key: str) -> re.Pattern[str]:
         pattern = self._regex[key]
         if pattern is None:
-            pattern = self._regex[key] = _key_cost.compile_key(key)
+            pattern = self._regex[key] = key_cost.compile_key(key)
         return pattern
 
     def _changed(self) -> None:
