@@ -243,7 +243,7 @@ def test_current_policy_scope_sets_policy_and_path_and_restores():
     with global_state.current_policy_scope(policy, path="encoder/mlp"):
         assert jp.current_policy() is policy
         assert global_state.current_path() == "encoder/mlp"
-        assert context.CALL.get() == context.Call(policy, "encoder/mlp")
+        assert context.CALL.get() == context.RunningCall(policy, "encoder/mlp")
         with global_state.current_policy_scope(jp.DTypePolicy("float16")):
             assert global_state.current_path() is None
             assert jp.current_policy().name == "float16"
@@ -255,7 +255,7 @@ def test_current_policy_scope_sets_policy_and_path_and_restores():
 def test_call_is_a_named_tuple_of_policy_and_path():
     from jmp_policy._src import context
 
-    call = context.Call(jp.DTypePolicy("float32"), "a/b")
+    call = context.RunningCall(jp.DTypePolicy("float32"), "a/b")
     assert call.policy == jp.DTypePolicy("float32")
     assert call.path == "a/b"
     assert call._fields == ("policy", "path")

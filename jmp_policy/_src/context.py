@@ -12,7 +12,7 @@ import contextvars
 from typing import Any, NamedTuple
 
 
-class Call(NamedTuple):
+class RunningCall(NamedTuple):
     """The submodule call running now: its policy and its module path (``None``: unknown)."""
 
     policy: Any
@@ -34,7 +34,7 @@ DEFAULT = _DefaultHolder()
 SCOPE: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_policy_scope", default=None)
 
 # The submodule call that apply wrappers run now; None outside any call.
-CALL: contextvars.ContextVar[Call | None] = contextvars.ContextVar("jmp_policy_call", default=None)
+CALL: contextvars.ContextVar[RunningCall | None] = contextvars.ContextVar("jmp_policy_call", default=None)
 
 
 def global_policy_or_none() -> Any:

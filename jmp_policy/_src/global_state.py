@@ -147,7 +147,7 @@ def current_path() -> str | None:
 def current_policy_scope(policy: DTypePolicy, path: str | None = None) -> Iterator[None]:
     """Makes ``policy`` (and ``path``) what :func:`current_policy` (and :func:`current_path`)
     return inside the block; nests and restores (for the glue)."""
-    token = context.CALL.set(context.Call(policy, path))
+    token = context.CALL.set(context.RunningCall(policy, path))
     try:
         yield
     finally:
