@@ -34,7 +34,9 @@ DEFAULT = _DefaultHolder()
 SCOPE: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_policy_scope", default=None)
 
 # The submodule call that apply wrappers run now; None outside any call.
-CALL: contextvars.ContextVar[RunningCall | None] = contextvars.ContextVar("jmp_policy_call", default=None)
+CALL: contextvars.ContextVar[RunningCall | None] = contextvars.ContextVar(
+    "jmp_policy_call", default=None
+)
 
 
 def global_policy_or_none() -> Any:

@@ -15,6 +15,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 from flax.core.scope import Scope
+from flax.core.tracers import current_trace
 
 from jmp_policy._src import casting, interception, quantization
 from jmp_policy._src.policy_map import leaf_path, parent_path
@@ -82,7 +83,9 @@ def read_fix(
     after the run. QuantizedArrays reach Flax already cast (as ``chosen``): one whose
     module wants another dtype is read cast from its stored value; a stored value that is
     not the one read (a layer of an ``nn.scan`` stack) stops the run instead."""
-    done: dict[tuple[str, int], tuple[Any, Any]] = {}  # a value read twice is cast once
+    # A value read twice in one trace is cast once; the trace is checked, so a cast made
+    # inside a JAX transform (`jax.checkpoint` in a module) never leaks out of it.
+    done: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
 
     def fix(path: str, value: Any) -> Any:
         module = parent_path(path) or ""
@@ -98,10 +101,11 @@ def read_fix(
             if getattr(original, "shape", None) != getattr(value, "shape", ()):
                 raise Stale(path)
             return casting.compute_leaf(original, want)
-        key = (path, id(value))
-        if key not in done:
-            done[key] = (value, casting.compute_tree(value, want))
-        return done[key][1]
+        key, trace = (path, id(value)), current_trace()
+        entry = done.get(key)
+        if entry is None or entry[1] != trace:
+            entry = done[key] = (value, trace, casting.compute_tree(value, want))
+        return entry[2]
 
     return fix
 

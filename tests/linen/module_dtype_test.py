@@ -358,3 +358,28 @@ def test_a_scanned_stack_met_first_is_traced_once():
     out = fn(variables, x)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=0.1)
+
+
+def test_a_parameter_read_first_inside_a_jax_transform_does_not_leak_its_cast():
+    """A module that reads its parameter inside `jax.checkpoint` first and outside it
+    afterwards: the cast made inside the transform is not reused outside (that would be a
+    leaked tracer), with and without `jit`, and the result is the hand-cast one."""
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            if self.is_initializing():
+                self.param("w", nn.initializers.normal(), (4, 4))
+            inner = jax.checkpoint(lambda x: x @ self.get_variable("params", "w"))(x)
+            return inner + x @ self.get_variable("params", "w")
+
+    x = jax.random.normal(jax.random.key(1), (2, 4))
+    variables = Net().init(jax.random.key(0), x)
+    half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables)
+    want = Net().apply(half, x.astype(jnp.bfloat16))
+    fn = jp.linen.apply(Net(), "mixed_bfloat16")
+    for run in (fn, jax.jit(fn)):
+        out = run(variables, x)
+        assert out.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
