@@ -3,13 +3,15 @@
 A stack of pre-norm residual MLP blocks (``LayerNorm -> Dense(hidden) -> gelu ->
 Dense(width)``, the matmuls of a transformer's MLP) trained on a fixed regression task
 (random tokens, a random ``tanh`` teacher) with a jitted step: ``value_and_grad``,
-``jp.linen.split_gradients`` and optax adam. Five variants, measured side by side in one
+``jp.linen.split_gradients`` and optax adam. Six variants, measured side by side in one
 run (the same initial parameters and data):
 
 * ``float8``: the Dense layers under ``"float8_from_mixed_bfloat16"`` (explicit float8
   GEMMs: inputs and kernels in e4m3, output gradients in e5m2, delayed scaling), the
   rest ``"mixed_bfloat16"``;
 * ``f8_cur``: the same under ``"float8_current_from_mixed_bfloat16"`` (current scaling);
+* ``int8_qat``: the Dense layers under ``"int8_from_mixed_bfloat16"`` with float kernels
+  (quantization-aware training: both operands rounded to the int8 grid, bf16 matmuls);
 * ``flax_f8``: Flax's own ``nn.Fp8DirectDotGeneralOp`` on every Dense, the peer a user
   would pick;
 * ``bf16``: ``"mixed_bfloat16"`` everywhere;
@@ -57,6 +59,11 @@ VARIANTS = {
     "f8_cur": jp.DTypePolicyMap(
         "mixed_bfloat16", {r"block_\d+/(up|down)": "float8_current_from_mixed_bfloat16"}
     ),
+    # int8 quantization-aware training: float kernels, both operands rounded to the int8
+    # grid in the compute dtype (straight-through gradient), then a bf16 matmul.
+    "int8_qat": jp.DTypePolicyMap(
+        "mixed_bfloat16", {r"block_\d+/(up|down)": "int8_from_mixed_bfloat16"}
+    ),
     # The peer a user would pick: Flax's own explicit float8 op on every Dense.
     "flax_f8": "mixed_bfloat16",
     "bf16": "mixed_bfloat16",
@@ -65,6 +72,7 @@ VARIANTS = {
 SINGLE = {
     "float8": "float8_from_mixed_bfloat16",
     "f8_cur": "float8_current_from_mixed_bfloat16",
+    "int8_qat": "int8_from_mixed_bfloat16",
 }
 
 
@@ -348,7 +356,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def sweep(args: argparse.Namespace) -> None:
     """One row per width: each variant's step time over bf16's, and its float8 GEMMs."""
-    names = [n for n in VARIANTS if n != "float32"]
+    names = [n for n in VARIANTS if n not in ("float32", "int8_qat")]
     print(f"crossover: {args.layers} blocks, hidden 4x width, {args.tokens} tokens, adam")
     print("width  " + "  ".join(f"{n:>14s}" for n in names) + "   f8 GEMMs (float8)")
     for width in (int(w) for w in args.sweep.split(",")):
@@ -374,6 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     results = measure(args)
     print(format_table(results, args.steps))
     print("f8_cur: current scaling; flax_f8: Flax's nn.Fp8DirectDotGeneralOp on every Dense")
+    print("int8_qat: int8 quantization-aware training (float kernels rounded to int8, bf16 GEMMs)")
     print(
         f"-bf16: the loss minus bf16's, over the first loss ({results['bf16']['losses'][0]:.4f}); "
         f"float8 state finite: {results['float8']['state_finite']}"

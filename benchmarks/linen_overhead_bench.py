@@ -6,6 +6,8 @@ A small Flax transformer's `value_and_grad`, compiled three ways:
 * by hand: `jax.tree.map(lambda p: p.astype(bfloat16), params)` and the input cast by hand;
 * Flax's own `dtype=jnp.bfloat16` on every layer (float32 parameters);
 * float32 throughout (what mixed precision is measured against; on a GPU, the speed-up);
+* with `--float8`, every projection under `"float8_current_from_mixed_bfloat16"` (the rest
+  `mixed_bfloat16`): what float8 gives a GPT-2-small-size model on a GPU;
 * `jp.linen.apply` with a map (a float32 head) and `NORM_FLOAT32`, a new wrapper per trace:
   its trace time against Flax's own `dtype=` model (the body is traced once, #21).
 
@@ -28,6 +30,7 @@ import argparse
 import re
 import statistics
 import time
+import warnings
 from typing import Any
 
 import flax.linen as nn
@@ -70,6 +73,8 @@ class Transformer(nn.Module):
 
 MAP_ROW = "jp.linen.apply (map, NORM_FLOAT32)"
 FLAX_ROW = "flax dtype=bfloat16"
+FLOAT8 = "float8_current_from_mixed_bfloat16"
+FLOAT8_ROW = "float8 projections (current)"
 
 
 def _loss(y: jax.Array) -> jax.Array:
@@ -132,6 +137,19 @@ def make_variants(
         "float32 (no policy)": float32,
         MAP_ROW: jmp_policy_map,
     }
+    if getattr(args, "float8", False):
+        # Every projection (attention's query/key/value/out, the MLP's two) in float8,
+        # current scaling (no state to carry), the rest mixed_bfloat16.
+        float8_map = jp.DTypePolicyMap(
+            "mixed_bfloat16",
+            {r"layers_\d+/(attention/(query|key|value|out)|mlp_in|mlp_out)": FLOAT8},
+        )
+        float8_apply = jp.linen.apply(model, float8_map)
+
+        def float8_projections(p, x):
+            return _loss(float8_apply({"params": p}, x))
+
+        variants[FLOAT8_ROW] = float8_projections
     if not grad:
         return variants, params, x
     return {k: jax.value_and_grad(f) for k, f in variants.items()}, params, x
@@ -143,7 +161,12 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     compiled = {}
     for name, fn in variants.items():
-        c = jax.jit(fn).lower(params, x).compile()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            c = jax.jit(fn).lower(params, x).compile()
+        for w in caught:
+            if "float8" in str(w.message):
+                print(f"warning ({name}): {str(w.message)[:160]}...")
         compiled[name] = c
         memory = c.memory_analysis()
         rows.append(
@@ -232,6 +255,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--float8",
+        action="store_true",
+        help=f"add a row with every projection under {FLOAT8!r} (a GPU measure)",
+    )
     args = parser.parse_args()
     print(
         f"Transformer value_and_grad, {args.layers} layers, d={args.dim}, "

@@ -159,14 +159,15 @@ def test_float8_bench_quick_prints_its_table_and_the_loss_gap():
     result = _run("float8_bench.py", "--quick")
     lines = result.stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("variant"))
-    table = {line.split()[0]: line.split() for line in lines[start : start + 6]}
-    assert set(table) == {"variant", "float8", "f8_cur", "flax_f8", "bf16", "float32"}
+    table = {line.split()[0]: line.split() for line in lines[start : start + 7]}
+    assert set(table) == {"variant", "float8", "f8_cur", "int8_qat", "flax_f8", "bf16", "float32"}
     # columns: variant, step ms, /, fwd ms, /, temp MB, /, f8 cvt, f8 dots, f8 GEMMs, loss, -bf16
     assert table["bf16"][7] == table["float32"][7] == "0"
     # Every dot of the step (4 Dense: forward and two backward) on float8 operands.
     for name in ("float8", "f8_cur", "flax_f8"):
         assert table[name][8] == "12/12", table[name]
-    assert table["bf16"][8] == "0/12"
+    assert table["bf16"][8] == table["int8_qat"][8] == "0/12"
+    assert table["int8_qat"][7] == "0"  # QAT rounds in the compute dtype: no float8
     if jax.default_backend() == "cpu":  # no float8 GEMMs there
         assert table["float8"][9] == "0/12"
     assert lines[-1].endswith("float8 state finite: True")

@@ -1,0 +1,129 @@
+"""int4 weights in blocks of 128 rows: which JAX form serves them fastest (a GPU measure).
+
+``--layers`` Dense layers of ``--dim`` x ``--dim`` (no bias), the weights int4 in blocks of
+128 rows along the contracted axis (``"int4/128_from_float32"``), bf16 activations at batch
+1, 16 and 256, jitted, side by side in one run against bf16 weights:
+
+* ``library``: what ``jp.linen.apply`` runs today (``_int4_blocks``: one matmul per block,
+  batched over blocks, float32 partial results, then their sum times the scales);
+* ``bf16 partials``: the same with bf16 partial results (half the intermediate bytes);
+* ``dequant bf16``: the kernel dequantized in bf16 (``convert(int4) * scale``), then one
+  bf16 matmul (the form XLA may fuse into the GEMM's operand);
+* ``dequant bf16 + flag``: the same compiled with XLA's experimental
+  ``xla_gpu_experimental_enable_subchannel_dequantisation_fusion`` (per compile);
+* ``per channel``: int4 with one scale per output channel (scale after the matmul), for
+  reference: the fastest int4 form, with a larger error.
+
+For each: the median time of ``--repeats`` interleaved runs, its ratio to bf16, and the
+output error against the float32 dequantized weights. On a CPU the times mean nothing.
+
+Run: ``JAX_PLATFORMS=cuda python benchmarks/int4_block_forms.py --dim 8192``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jmp_policy as jp
+from jmp_policy._src import kernel_matmul
+
+FLAG = "xla_gpu_experimental_enable_subchannel_dequantisation_fusion"
+
+
+def _dequant_bf16(x: jax.Array, q: Any) -> jax.Array:
+    rows, n = q.shape
+    blocks = q.scale.shape[0]
+    w = q.values.astype(jnp.bfloat16).reshape(blocks, rows // blocks, n)
+    w = (w * q.scale.astype(jnp.bfloat16)[:, None, :]).reshape(rows, n)
+    return x @ w
+
+
+def _bf16_partials(x: jax.Array, q: Any) -> jax.Array:
+    rows, n = q.shape
+    blocks = q.scale.shape[0]
+    xb = x.reshape(x.shape[0], blocks, rows // blocks)
+    wb = q.values.reshape(blocks, rows // blocks, n).astype(x.dtype)
+    part = jax.lax.dot_general(xb, wb, (((2,), (1,)), ((1,), (0,))))  # (blocks, m, n), bf16
+    return jnp.einsum("bmn,bn->mn", part.astype(jnp.float32), q.scale).astype(x.dtype)
+
+
+def _library(x: jax.Array, q: Any) -> jax.Array:
+    return kernel_matmul._int4_blocks(x, q, np.dtype(jnp.bfloat16))
+
+
+def _per_channel(x: jax.Array, q: Any) -> jax.Array:
+    y = jnp.dot(x, q.values.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * q.scale.reshape(-1)).astype(x.dtype)
+
+
+def _stack(layer: Any) -> Any:
+    def run(x: jax.Array, ws: list[Any]) -> jax.Array:
+        for w in ws:
+            x = layer(x, w)
+        return x
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--repeats", type=int, default=50)
+    args = parser.parse_args()
+    keys = jax.random.split(jax.random.key(0), args.layers)
+    f32 = [jax.random.normal(k, (args.dim, args.dim)) / np.sqrt(args.dim) for k in keys]
+    blocked = [jp.get("int4/128_from_float32").quantize(w) for w in f32]
+    channel = [jp.get("int4_from_float32").quantize(w) for w in f32]
+    reference = [q.dequantize(jnp.float32) for q in blocked]
+    bf16 = [w.astype(jnp.bfloat16) for w in f32]
+    forms: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+        "bf16": (_stack(lambda x, w: x @ w), bf16, {}),
+        "library": (_stack(_library), blocked, {}),
+        "bf16 partials": (_stack(_bf16_partials), blocked, {}),
+        "dequant bf16": (_stack(_dequant_bf16), blocked, {}),
+        "dequant bf16 + flag": (_stack(_dequant_bf16), blocked, {FLAG: True}),
+        "per channel": (_stack(_per_channel), channel, {}),
+    }
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.layers} layers of "
+        f"{args.dim}x{args.dim}, int4 blocks of 128; median of {args.repeats} runs"
+    )
+    print(f"{'batch':>5}  {'form':<20} {'time us':>9} {'bf16/this':>9} {'rel err':>8}")
+    for batch in args.batches:
+        x = jax.random.normal(jax.random.key(batch), (batch, args.dim)).astype(jnp.bfloat16)
+        ref = np.asarray(_stack(lambda x, w: x @ w)(x.astype(jnp.float32), reference))
+        runs = {}
+        for name, (fn, ws, options) in forms.items():
+            try:
+                runs[name] = (jax.jit(fn).lower(x, ws).compile(compiler_options=options), ws)
+            except Exception as e:  # an option this jaxlib does not know
+                print(f"{batch:5d}  {name:<20} failed to compile: {type(e).__name__}: {e}"[:160])
+        errors = {
+            n: float(np.abs(np.asarray(c(x, ws), np.float32) - ref).max() / np.abs(ref).max())
+            for n, (c, ws) in runs.items()
+        }
+        times: dict[str, list[float]] = {n: [] for n in runs}
+        for c, ws in runs.values():
+            jax.block_until_ready(c(x, ws))
+        for _ in range(args.repeats):
+            for name, (c, ws) in runs.items():
+                start = time.perf_counter()
+                jax.block_until_ready(c(x, ws))
+                times[name].append(time.perf_counter() - start)
+        base = statistics.median(times["bf16"])
+        for name in runs:
+            t = statistics.median(times[name])
+            print(f"{batch:5d}  {name:<20} {t * 1e6:9.1f} {base / t:9.3f} {errors[name]:8.4f}")
+
+
+if __name__ == "__main__":
+    main()
