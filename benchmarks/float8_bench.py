@@ -227,12 +227,17 @@ def _time(fns: dict[str, Any], repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def measure(
+    args: argparse.Namespace, names: tuple[str, ...] | None = None
+) -> dict[str, dict[str, Any]]:
+    """Each variant's figures (all of :data:`VARIANTS`, or those ``names``, which must
+    include ``"float32"``: every variant starts from its parameters)."""
+    variants = VARIANTS if names is None else {n: VARIANTS[n] for n in names}
     x, y = make_data(args)
     tx = optax.adam(args.lr)
     results: dict[str, dict[str, Any]] = {}
     steps, states = {}, {}
-    for name, policy in VARIANTS.items():
+    for name, policy in variants.items():
         model = model_for(name, args)
         variables = jax.jit(jp.linen.init(model, policy))(jax.random.key(1), x[:8])
         opt_state = tx.init(variables["params"])
@@ -251,7 +256,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         }
     # The same initial parameters for every variant (init casts "params" to float32).
     first = jax.tree.leaves(states["float32"][0]["params"])
-    for name in VARIANTS:
+    for name in variants:
         leaves = jax.tree.leaves(states[name][0]["params"])
         assert all(bool(jnp.array_equal(a, b)) for a, b in zip(first, leaves, strict=True))
 
@@ -259,22 +264,22 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         compiled, (variables, opt_state) = steps[name], states[name]
         return lambda: compiled(variables, opt_state, x, y)
 
-    times = _time({name: run_step(name) for name in VARIANTS}, args.repeats)
-    for name in VARIANTS:
+    times = _time({name: run_step(name) for name in variants}, args.repeats)
+    for name in variants:
         results[name]["times"] = times[name]
     # The forward matmul of one Dense (tokens x width -> width) alone.
     forwards = {}
-    for name, policy in VARIANTS.items():
+    for name, policy in variants.items():
         dense = nn.Dense(args.width, dot_general_cls=model_for(name, args).op)
         single = SINGLE.get(name, policy)
         variables = jax.jit(jp.linen.init(dense, single))(jax.random.key(2), x[:8])
         fwd = jax.jit(jp.linen.apply(dense, single)).lower(variables, x).compile()
         forwards[name] = lambda fwd=fwd, variables=variables: fwd(variables, x)
     times = _time(forwards, args.repeats)
-    for name in VARIANTS:
+    for name in variants:
         results[name]["forward"] = times[name]
     # Training: the loss after `steps` steps of each variant from the same start.
-    for name in VARIANTS:
+    for name in variants:
         compiled, (variables, opt_state) = steps[name], states[name]
         losses = []
         for _ in range(args.steps):
@@ -362,7 +367,7 @@ def sweep(args: argparse.Namespace) -> None:
     for width in (int(w) for w in args.sweep.split(",")):
         sub = argparse.Namespace(**{**vars(args), "width": width, "hidden": 4 * width})
         sub.steps = 1
-        results = measure(sub)
+        results = measure(sub, (*names, "float32"))
         base = statistics.median(results["bf16"]["times"])
         cells = [f"{statistics.median(results[n]['times']) / base:14.3f}" for n in names]
         r = results["float8"]

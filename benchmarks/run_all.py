@@ -167,7 +167,7 @@ def float8_rows(quick: bool) -> Section:
     with warnings.catch_warnings():
         # Its small sizes trip the "float8 will not pay at this size" warning on purpose.
         warnings.filterwarnings("ignore", message="The float8 layer")
-        results = float8_bench.measure(args)
+        results = float8_bench.measure(args, ("float8", "bf16", "float32"))
     f8, bf16, f32 = results["float8"], results["bf16"], results["float32"]
     med = statistics.median
     ours = "float8 Dense"

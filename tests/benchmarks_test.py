@@ -16,7 +16,6 @@ def _run(script, *flags):
         [sys.executable, str(ROOT / "benchmarks" / script), *flags],
         capture_output=True,
         text=True,
-        timeout=300,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's jmp_policy
     )

@@ -134,9 +134,7 @@ def test_all_finite_survives_fast_math_compilation():
     env.update(
         XLA_FLAGS="--xla_cpu_enable_fast_math=true", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT)
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     checks, identity = result.stdout.split("\n")[:2]
     assert checks == "False False"

@@ -139,7 +139,7 @@ def _run_python(code):
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root, env=env
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env
     )
 
 
