@@ -111,9 +111,15 @@ def test_no_tracked_file_links_outside_the_repository():
     assert not outside, outside
 
 
-def test_readme_links_to_files_that_exist():
-    readme = (ROOT / "README.md").read_text()
-    links = re.findall(r"\]\(((?!https?:|#)[^)\s]+)\)", readme)
-    assert links
-    missing = [link for link in links if not (ROOT / link.split("#")[0]).exists()]
+def test_readme_and_docs_link_to_files_that_exist():
+    missing, count = [], 0
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        links = re.findall(r"\]\(((?!https?:|#)[^)\s]+)\)", page.read_text())
+        count += len(links)
+        missing += [
+            f"{page.name}: {link}"
+            for link in links
+            if not (page.parent / link.split("#")[0]).exists()
+        ]
+    assert count >= 10
     assert not missing, missing

@@ -1,4 +1,4 @@
-"""The README's Python examples run as written."""
+"""The README's and the docs pages' Python examples run as written, without a warning."""
 
 import pathlib
 import re
@@ -8,36 +8,61 @@ import sys
 import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+DOCS = sorted((README.parent / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
+
+BLOCKS = [
+    (f"{page.relative_to(README.parent)}#{i}", block)
+    for page in PAGES
+    for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
+]
+# A Python warning as the interpreter prints it: "file.py:12: UserWarning: ...".
+WARNING_LINE = re.compile(r"^.*:\d+: \w*Warning: ", re.M)
 
 
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+def test_readme_and_docs_have_python_blocks():
+    assert len(BLOCKS) >= 9
+    assert sum(name.startswith("README.md#") for name, _ in BLOCKS) == 2  # the quick start
 
 
-def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 7
+def test_readme_stays_short_and_links_every_docs_page():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 155  # "about 150"
+    for page in DOCS:
+        assert f"(docs/{page.name})" in text, page.name
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_each_readme_python_block_runs_on_its_own(index):
+@pytest.mark.parametrize("name, block", BLOCKS, ids=[name for name, _ in BLOCKS])
+def test_each_python_block_runs_on_its_own_without_a_warning(name, block):
     """A reader copies one block into a fresh interpreter: its imports come with it."""
     result = subprocess.run(
-        [sys.executable, "-c", BLOCKS[index]],
+        [sys.executable, "-W", "default", "-c", block],
         capture_output=True,
         text=True,
-        timeout=300,
         cwd=README.parent,  # imports this checkout's jmp_policy
     )
-    assert result.returncode == 0, BLOCKS[index][:200] + "\n" + result.stderr[-3000:]
+    assert result.returncode == 0, block[:200] + "\n" + result.stderr[-3000:]
     assert result.stdout.strip()  # every block shows what it did
-    if index == 0:
+    assert not WARNING_LINE.search(result.stderr), result.stderr[-3000:]
+    if name == "README.md#0":
         assert "bfloat16" in result.stdout
 
 
+def test_the_warning_check_sees_a_warning():
+    code = "import warnings; warnings.warn('x'); print(1)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert WARNING_LINE.search(result.stderr)
+
+
 def _section(title):
-    text = README.read_text()
-    start = text.index(f"## {title}")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else None]
+    """The section `## title` of the README or of the docs page that has it."""
+    for page in PAGES:
+        text = page.read_text()
+        start = text.find(f"## {title}")
+        if start != -1:
+            end = text.find("\n## ", start + 1)
+            return text[start : end if end != -1 else None]
+    raise AssertionError(f"no page has a section {title!r}")
 
 
 def test_names_table_has_a_row_per_peer_and_the_kept_differences():

@@ -6,10 +6,10 @@ import warnings
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import pytest
 from flax import nnx
 
 import jmp_policy as jp
+from jmp_policy._src import matmuls
 
 
 class MLP(nn.Module):
@@ -82,11 +82,13 @@ def test_nnx_typo_warning_is_attributed_to_the_users_line():
 def test_float8_size_warning_is_attributed_to_the_users_line():
     policy_map = jp.DTypePolicyMap("mixed_bfloat16", {"head": "float8_from_mixed_bfloat16"})
     model = MLP()
+    matmuls._WARNED.clear()  # given once per process: as if this were the first
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         variables = jp.linen.init(model, policy_map)(jax.random.key(0), jnp.ones((3, 4)))
         jp.linen.apply(model, policy_map)(variables, jnp.ones((3, 4)))
+        jp.linen.apply(model, policy_map)(variables, jnp.ones((5, 4)))  # another shape
     found = [w for w in record if "float8 layer" in str(w.message)]
-    if not found:
-        pytest.skip("this layer's shape was warned about earlier in the process")
+    assert len(found) == 1, [str(w.message) for w in found]  # once, not per shape
+    assert "this warning is given once" in str(found[0].message)
     assert {w.filename for w in found} == {__file__}

@@ -76,14 +76,15 @@ def _float8_form(path: str, m: int, k: int, n: int, scaling: str) -> None:
     form = f"float8 ({scaling}), e4m3 x e4m3 GEMM {m}x{k}x{n}"
     if small:
         form += f"; below {FLOAT8_MIN_DIM}: bf16 may be faster"
-        if (m, k, n) not in _WARNED:
+        if not _WARNED:  # once per process: `explain` lists every such layer
             _WARNED.add((m, k, n))
             run_report.warn(
                 f"The float8 layer {path or '<root>'!r} runs a {m}x{k}x{n} matmul: below "
                 f"{FLOAT8_MIN_DIM} rows or features a float8 GEMM is not expected to be "
                 "faster than bfloat16 once its quantization passes are paid (on an H100, "
                 "float8 lost at width 768 and won at 8192). Give such layers a bfloat16 "
-                "policy in the map unless you measured a gain; `explain` lists them.",
+                "policy in the map unless you measured a gain; `explain` lists every such layer "
+                "(this warning is given once).",
             )
     if k % 16 or n % 16:
         form += "; dims not multiples of 16: XLA pads them"
