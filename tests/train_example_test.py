@@ -58,8 +58,9 @@ def test_short_float16_run_prints_the_table_and_writes_the_plot(tmp_path):
         "final train loss",
         "test accuracy",
         "step time (median",
-        "activation bytes (backward)",
-        "parameter copies (backward)",
+        "kept for backward, total",
+        "  activations (x batch)",
+        "  fixed (parameter copies)",
         "parameter bytes",
         "skipped steps",
         "final loss scale",
@@ -86,11 +87,22 @@ def test_16_bit_policies_keep_fewer_activation_bytes_even_on_a_cpu(tmp_path, pol
     16-bit arithmetic in float32): 16-bit activations are smaller on every device."""
     result = _train(tmp_path, "--steps=3", f"--policy={policy}", "--no-progress")
     out = result.stdout
-    assert _ratio(out, "activation bytes (backward)") < 0.8
+    assert _ratio(out, "activations (x batch)") < 0.8
+
+    # The total is the activations plus the fixed copies, and the legend says so.
+    def mb(row, column):  # the row's MB figure in column 0 (ours) or 1 (float32)
+        line = next(line for line in out.splitlines() if row in line)
+        return float(re.findall(r"([\d.]+) MB", line)[column])
+
+    for column in (0, 1):
+        total = mb("total", column)
+        assert abs(total - mb("x batch", column) - mb("fixed (", column)) < 2e-3
+    assert "kept for backward = activations, which grow with the batch, + a fixed part" in out
     assert _ratio(out, "parameter bytes") == 1.0  # float32 master weights
     if "on CPU" in out:
         assert "step time (median, CPU)" in out
-        assert "No speed-up on a CPU: XLA's CPU backend upcasts 16-bit arithmetic" in out
+        assert "No 16-bit speed-up on a CPU: XLA's CPU backend upcasts 16-bit arithmetic" in out
+    assert "float8:" not in out and "int8:" not in out
     # Not into the working directory: into the temporary one, and it says where.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["temp"]
     plot = tmp_path / "temp" / "jmp_policy_train_loss.png"
@@ -144,20 +156,16 @@ def _results(scale):
     return {"history": history, "scale": scale}
 
 
-def test_plot_without_loss_scaling_notes_it_inside_the_empty_panel():
+def test_plot_without_loss_scaling_is_one_panel_that_says_so():
     train = _load_script()
     fig = train.figure("mixed_bfloat16", _results(None), _results(None))
     try:
-        fig.canvas.draw()
-        renderer = fig.canvas.get_renderer()
-        panel = fig.axes[1]
-        (note,) = panel.texts
-        assert note.get_text() == "mixed_bfloat16: no loss scaling (no float16)"
-        box = note.get_window_extent(renderer)
-        assert panel.get_window_extent(renderer).contains(*box.min)
-        assert panel.get_window_extent(renderer).contains(*box.max)
-        assert not box.overlaps(panel.yaxis.label.get_window_extent(renderer))
-        assert panel.get_yticks().size == 0  # an empty panel has no scale to read
+        (panel,) = fig.axes  # no empty half
+        assert panel.get_title() == "mixed_bfloat16: no loss scaling (no float16)"
+        ours, base = panel.lines
+        # float32 drawn last, dashed and thinner: visible where the two curves agree.
+        assert base.get_label() == "float32" and base.get_linestyle() == "--"
+        assert base.get_linewidth() < ours.get_linewidth()
     finally:
         train.plt.close(fig)
 
@@ -229,6 +237,11 @@ def test_float8_policy_trains_with_its_state_split_off_the_gradients(tmp_path):
         f"--plot={tmp_path / 'loss.png'}",
     )
     table = result.stdout[result.stdout.index("30 steps of batch 128") :]
+    assert result.stdout.startswith("policy map: <DTypePolicyMap default_policy=mixed_bfloat16")
+    assert "float8: the float8 layers ran explicit float8 matmuls" in result.stdout
+    assert "int8:" not in result.stdout
+    # One warning at most (the size warning is given once, not per layer and shape).
+    assert len([line for line in result.stderr.splitlines() if "Warning: " in line]) <= 1
     accuracy = next(line for line in table.splitlines() if "test accuracy" in line).split()
     assert float(accuracy[2]) > 0.8 and abs(float(accuracy[2]) - float(accuracy[3])) < 0.05
 
@@ -252,3 +265,15 @@ def test_policy_map_option_rejects_an_item_without_a_policy():
     train = _load_script()
     with pytest.raises(ValueError, match="expected JSON or 'key=policy"):
         train.parse_policy_map("head", "mixed_bfloat16")
+
+
+def test_int8_policy_says_int8_matmuls_ran_and_how_weights_shrink(tmp_path):
+    result = _train(tmp_path, "--steps=3", "--policy=int8_from_mixed_bfloat16", "--no-progress")
+    assert "int8: the int8 layers ran int8 matmuls" in result.stdout
+    assert "`jp.linen.quantize` stores them" in result.stdout
+    assert "float8:" not in result.stdout
+
+
+def test_progress_bar_writes_the_scale_as_the_table_does(tmp_path):
+    result = _train(tmp_path, "--steps=3", "--policy=mixed_float16", "--plot=loss.png")
+    assert "scale=2**15" in result.stderr and "e+" not in result.stderr
