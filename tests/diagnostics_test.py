@@ -229,6 +229,7 @@ def test_format_report_sorts_by_risk_within_100_columns():
         "path", "dtype", "where", "max|x|", "non-finite", "underflow", "near-max"
     ]  # fmt: skip
     assert lines[2].split()[:3] == ["head", "float16", "gradient"]  # non-finite first
+    assert lines[2].split()[3:5] == ["none", "1"]  # no finite value: no largest one
     assert lines[3].split()[:3] == ["head", "float16", "input"]  # then near-overflow
     assert lines[3].split()[-1] == "50.00%"
     assert lines[4].startswith("...") and lines[4].split()[-2] == "50.00%"  # underflow
@@ -239,6 +240,22 @@ def test_format_report_sorts_by_risk_within_100_columns():
     ]
     assert max(len(line) for line in lines) <= 100
     assert jp.format_report(report, max_rows=1).splitlines()[-3] == "... 3 more row(s)"
+
+
+def test_format_report_shows_a_largest_value_only_where_some_value_is_finite():
+    def row(values):
+        report = Report(
+            inputs={"layer": stats_of([jnp.asarray(values)], "float16")},
+            outputs={},
+            gradients={},
+            paths=(diagnostics.PathInfo("layer", "float16", 1, 0, 1),),
+            skipped=(),
+        )
+        return jp.format_report(report).splitlines()[2].split()
+
+    assert row([jnp.inf] * 64)[3:5] == ["none", "64"]
+    assert row([jnp.inf, 3.0])[3:5] == ["3", "1"]
+    assert row([0.0, 0.0])[3:5] == ["0", "0"]
 
 
 def test_format_report_rejects_other_values():

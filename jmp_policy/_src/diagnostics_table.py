@@ -80,8 +80,10 @@ def format_report(report: Report, max_rows: int | None = None) -> str:
     (so they show how the values spread), then by the fraction of values within a factor
     2 of the compute dtype's largest value (``near-max``: about to overflow), then by the
     fraction of nonzero values below its smallest normal (``underflow``: precision lost,
-    then flushed to zero; gradients without loss scaling), ties in execution order. ``max|x|`` is the largest finite absolute value. Lines are
-    at most 100 columns; long paths keep their end. This reads the report's values, so
+    then flushed to zero; gradients without loss scaling), ties in execution order.
+    ``max|x|`` is the largest finite absolute value (``none`` when every value is
+    non-finite). Lines are at most 100 columns; long paths keep their end. This reads the
+    report's values, so
     it synchronises with the device: call it outside ``jit``. A report stacked over steps
     (the output of ``scan``) is summarised over them. With ``every > 1`` it says on how
     many steps the statistics were computed, and the paths a ``paths`` filter left out
@@ -148,9 +150,11 @@ def format_report(report: Report, max_rows: int | None = None) -> str:
     lines.append(_HEADER)
     shown = rows if max_rows is None else rows[:max_rows]
     for _, info, site, v, under, near in shown:
+        # No finite value at all: its largest finite value is not 0, it does not exist.
+        largest = "none" if v["size"] and v["non_finite"] >= v["size"] else f"{v['max_abs']:.3g}"
         lines.append(
             f"{_short(info.path):<{_PATH_WIDTH}} {info.dtype:<8} {_WHERE[site]:<8} "
-            f"{v['max_abs']:>10.3g} {int(v['non_finite']):>10d} {_percent(under):>9} "
+            f"{largest:>10} {int(v['non_finite']):>10d} {_percent(under):>9} "
             f"{_percent(near):>9}"
         )
     if len(shown) < len(rows):
