@@ -6,9 +6,17 @@ import numpy as np
 import pytest
 
 import jmp_policy as jp
-from jmp_policy._src.explain import ExplainRow, format_rows, short_dtype, with_leaf
+from jmp_policy._src.explain import UNITS, ExplainRow, format_rows, short_dtype, with_leaf
 
 WIDTH = 100
+
+
+def test_tables_with_bytes_end_with_their_units_and_others_do_not():
+    rows = [ExplainRow("m", "Dense", "float32", "default", "", "float32", "float32", 2048, 2048)]
+    assert format_rows(rows).splitlines()[-1] == UNITS
+    assert "K = 1024" in UNITS and "c.bytes" in UNITS
+    no_leaves = [ExplainRow("m", "Dense", "float32", "default")]
+    assert UNITS not in format_rows(no_leaves)
 
 
 def _split_rows(text):
@@ -16,7 +24,7 @@ def _split_rows(text):
     rows = []
     group = ""
     for line in text.splitlines()[1:]:
-        if line.startswith("["):  # the legend
+        if line.startswith("[") or line == UNITS:  # the legend, the units line
             continue
         if line.endswith("/") and "  " not in line:  # a group line: the parent path
             group = line

@@ -23,6 +23,8 @@ _SEP = "  "
 _INDENT = "  "
 # Display columns: ExplainRow's stored and compute dtypes share one ("f32→bf16").
 _HEADERS = ("path", "class", "policy", "source", "own", "dtype", "bytes", "c.bytes")
+# Under a table with byte columns: what they count.
+UNITS = "bytes: as stored; c.bytes: as the compute reads them (K = 1024, M = 1024 K)"
 _PATH, _CLASS, _POLICY, _SOURCE, _OWN, _DTYPE = range(6)
 _FIRST_NUMERIC = 6
 # Narrowest widths the elastic columns are shortened to (with "…") when space runs out.
@@ -174,7 +176,8 @@ def format_rows(rows: Iterable[ExplainRow]) -> str:
 
     Columns: ``path``, ``class``, ``policy``, ``source``, ``own`` (the module's own
     dtype), ``dtype`` (stored dtypes, then ``→`` and the compute dtypes when they differ:
-    ``f32→bf16``), ``bytes`` and ``c.bytes`` (bytes stored and in compute, 1K = 1024). A
+    ``f32→bf16``), ``bytes`` and ``c.bytes`` (bytes stored and in compute, 1K = 1024, said
+    in a line under the table). A
     column empty in every row is dropped (the byte columns and the total line when no row
     has leaves); a row without leaves leaves its byte cells blank. When the table would
     be wider than 100 columns, a source longer than 16 characters becomes a reference
@@ -204,6 +207,7 @@ def format_rows(rows: Iterable[ExplainRow]) -> str:
         encoder/mlp  Dense  mixed_bfloat16  default     f32→bf16   4.0M     2.0M
         head         Dense  float32         key 'head'  f32        2.0K     2.0K
         total                                                      4.0M     2.0M
+        bytes: as stored; c.bytes: as the compute reads them (K = 1024, M = 1024 K)
     """
     rows = list(rows)
     cells = [_cells(r) for r in rows]
@@ -231,6 +235,8 @@ def format_rows(rows: Iterable[ExplainRow]) -> str:
         lines.append(_line(row, path, keep, widths))
     for source, ref in legend.items():
         lines.append(_ellipsize(f"{ref} {source}", WIDTH))
+    if _FIRST_NUMERIC in keep:
+        lines.append(UNITS)
     return "\n".join(lines)
 
 

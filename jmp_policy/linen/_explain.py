@@ -77,6 +77,7 @@ def explain(
         norm    LayerNorm  float32         type LayerNorm       f32          32       32
         head    Dense      mixed_bfloat16  default         f32  f32          40       40
         total                                                               136      104
+        bytes: as stored; c.bytes: as the compute reads them (K = 1024, M = 1024 K)
     """
     check_module(module)
     check_variables(variables)

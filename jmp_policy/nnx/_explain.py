@@ -59,6 +59,7 @@ def explain(
         head    Linear     mixed_bfloat16  default         f32  f32          40       40
         norm    LayerNorm  float32         type LayerNorm       f32          32       32
         total                                                               136      104
+        bytes: as stored; c.bytes: as the compute reads them (K = 1024, M = 1024 K)
     """
     policies, opts = prepare(model, policy_or_map, options)
     resolver = resolver_for(model, policies, opts)

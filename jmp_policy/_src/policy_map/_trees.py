@@ -316,6 +316,7 @@ def explain(policy_map: PolicyMap, tree: Any) -> str:
         encoder/mlp  mixed_bfloat16  key 'encoder/.*'  f32→bf16     64       32
         head         float32         default           f32          32       32
         total                                                       96       64
+        bytes: as stored; c.bytes: as the compute reads them (K = 1024, M = 1024 K)
     """
     rows: dict[str, explain_rows.ExplainRow] = {}
     for module, name, leaf in leaves(tree)[0]:
