@@ -211,7 +211,10 @@ def test_keras_quantized_configs_drive_the_same_layers(linen_mlp):
     assert quantized["head"]["kernel"].block_size == 128
     assert not isinstance(quantized["merge"]["kernel"], jp.QuantizedArray)
     fn = jp.linen.apply(model, policy_map)
-    assert _int8_dots(lambda p: fn({"params": p}, X), quantized)[0] == 1  # "up" only
+    # From 128 rows on, int8 weights under an int8 policy run int8 x int8: "up" only.
+    rows = jnp.tile(X, (8, 1))
+    assert _int8_dots(lambda p: fn({"params": p}, rows), quantized)[0] == 1
+    assert _int8_dots(lambda p: fn({"params": p}, X), quantized)[0] == 0  # weight-only
     out = fn({"params": quantized}, X)
     assert out.dtype == jnp.float32  # the int4 head computes in float32
     assert _rel(out, model.apply(variables, X)) < 0.1
