@@ -1,7 +1,6 @@
 """Keras 3 reads what `serialize(obj, format="keras")` writes, and we read what Keras writes.
 
-Runs against the real `keras` package (JAX backend); skipped only where keras cannot be
-imported.
+Runs against the real `keras` package (JAX backend), which the `test` extra installs.
 """
 
 import json
@@ -10,9 +9,9 @@ import os
 import pytest
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
-keras = pytest.importorskip("keras")
+import keras  # the `test` extra installs it: these tests never skip
 
-import jmp_policy as jp  # noqa: E402
+import jmp_policy as jp
 
 POLICIES = [
     lambda: jp.DTypePolicy("mixed_bfloat16"),

@@ -193,7 +193,8 @@ def test_nnx_linear_with_its_own_dot_general_is_left_alone():
 
 def test_keras_quantized_configs_drive_the_same_layers(linen_mlp):
     os.environ.setdefault("KERAS_BACKEND", "jax")
-    keras = pytest.importorskip("keras")
+    import keras  # the `test` extra installs it
+
     model, variables = linen_mlp
     theirs = keras.dtype_policies.DTypePolicyMap(
         "mixed_bfloat16",
