@@ -52,7 +52,6 @@ _MIXED: dict[str, str] = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat1
 # tf.keras's policy whose dtypes follow the inputs (its TF1 leftover).
 INFER = "_infer"
 
-INT_QUANTIZATION_MODES = ("int8", "int4")
 QUANTIZATION_MODES = ("int8", "int4", "float8")
 
 VALID_FORMS = (

@@ -288,8 +288,3 @@ def quantize_tree(tree: Any, mode: str, block_size: int | None, stacked_axes: An
         return quantize(x, mode, block_size, k) if quantizable_layers(x, k) else x
 
     return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=is_quantized)
-
-
-def dequantize_leaf(x: Any, dtype: Any) -> Any:
-    """``x.dequantize(dtype)`` for a QuantizedArray, ``x`` otherwise."""
-    return x.dequantize(dtype) if isinstance(x, QuantizedArray) else x

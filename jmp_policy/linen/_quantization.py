@@ -3,9 +3,9 @@
 Under an int8 or float8 policy, a ``Dense`` or ``DenseGeneral`` whose user set neither
 ``dot_general`` nor ``dot_general_cls`` runs with a replacement ``dot_general`` for the
 duration of the call (Flax reads the attribute at call time; it is restored after):
-:func:`~jmp_policy._src.quantized_matmul.int8_dot_general`, or a float8 quantize-dequantize
-around ``jax.lax.dot_general`` with the call's delayed-scaling state
-(:mod:`jmp_policy._src.float8`). An ``nn.Einsum`` has no such attribute and calls
+the matmul :func:`jmp_policy._src.matmuls.pick` chooses for the layer's policy and kernel
+(int8 compute, a quantized kernel read whole, or explicit float8 matmuls with delayed
+scaling, reading the call's state, or current scaling: :mod:`jmp_policy._src.float8_matmul`). An ``nn.Einsum`` has no such attribute and calls
 ``jnp.einsum`` itself: while one runs under such a policy, ``jax.numpy.einsum`` is
 replaced by a router that sends the calls of that thread to the replacement (and every
 other thread's calls to the original), restored when the last such call ends.
