@@ -157,13 +157,3 @@ def step_scale(
 def scale_limit(compute: Any) -> float:
     """The largest power of two the compute dtype holds (2**15 for float16)."""
     return float(2.0 ** np.floor(np.log2(float(jnp.finfo(compute).max))))
-
-
-def is_delayed(policy: Any) -> bool:
-    """Whether a float8 ``policy`` keeps delayed-scaling state (not current scaling)."""
-    return getattr(policy, "scaling", "delayed") == "delayed"
-
-
-def is_float8(policy: Any) -> bool:
-    """Whether ``policy`` is a float8 policy (``quantization_mode == "float8"``)."""
-    return getattr(policy, "quantization_mode", None) == "float8"

@@ -6,12 +6,9 @@ from __future__ import annotations
 import functools
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src import schemes
 from jmp_policy._src.policy import DTypePolicy
-from jmp_policy._src.quantized_policy import (
-    Int4DTypePolicy,
-    QuantizedDTypePolicy,
-    QuantizedFloat8DTypePolicy,
-)
+from jmp_policy._src.quantized_policy import CLASSES
 
 
 def policy_from_name(name: str, argument: str = "name") -> DTypePolicy:
@@ -25,13 +22,13 @@ def policy_from_name(name: str, argument: str = "name") -> DTypePolicy:
 def _policy_from_name(name: str, argument: str) -> DTypePolicy:
     """Any accepted name to the right policy class, as Keras picks it.
 
+    A quantized name's format (:mod:`jmp_policy._src.schemes`) picks the class:
     ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"int4_from_…"`` and
     ``"int8_from_…"`` a :class:`QuantizedDTypePolicy`, ``"float8_from_…"`` (delayed
     scaling) and ``"float8_current_from_…"`` (current scaling) a
-    :class:`QuantizedFloat8DTypePolicy`, every other name a :class:`DTypePolicy`.
+    :class:`QuantizedFloat8DTypePolicy`; every other name gives a :class:`DTypePolicy`.
     ``argument`` names the caller's argument in error messages.
     """
-    dt.check_name_type(name, argument)
     split = dt.split_quantized_name(name, argument)
     if split is None:
         if name.strip() == dt.INFER:
@@ -40,11 +37,12 @@ def _policy_from_name(name: str, argument: str) -> DTypePolicy:
         return DTypePolicy(name)
     mode, source = split
     try:
-        if mode in ("float8", "float8_current"):
-            return QuantizedFloat8DTypePolicy(mode, source)
-        if mode.startswith("int4/"):
-            return Int4DTypePolicy(mode, source)
-        return QuantizedDTypePolicy(mode, source)
+        scheme_cls = schemes.lookup(mode)
+        scheme = None if scheme_cls is None else scheme_cls.parse(mode)
+        cls = CLASSES[
+            scheme.policy_class_for(mode) if scheme is not None else "QuantizedDTypePolicy"
+        ]
+        return cls(mode, source)
     except ValueError as e:  # about the source or the mode: say which name held it
         raise ValueError(f"{e} Received: {argument}={name!r}") from e
 

@@ -171,11 +171,6 @@ def int8_dot_general(
     return _int8_dot(lhs, rhs, normalize_dims(dimension_numbers), out_dtype)  # type: ignore[no-any-return]
 
 
-def is_int8(policy: Any) -> bool:
-    """Whether ``policy`` asks for int8 compute (an int8 quantized policy)."""
-    return getattr(policy, "quantization_mode", None) == "int8"
-
-
 # -- int8 x int8 of int8 weights ---------------------------------------------------------
 
 

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jmp_policy._src import float8, interception, matmuls, state_collections
+from jmp_policy._src import interception, matmuls, state_collections
 
 COLLECTION = state_collections.OVERWRITE_WITH_GRADIENT
 
@@ -147,7 +147,7 @@ def float8_state(module: nn.Module, policy: Any, index: int) -> Any:
             "gradient: see `jmp_policy.linen.split_gradients`). Under `nn.scan`, list "
             f"{COLLECTION!r} in `variable_axes` (like 'params').{twice}"
         )
-    return module.variable(COLLECTION, name, float8.init_state, policy.amax_history_length).value
+    return module.variable(COLLECTION, name, policy.scheme.init_state).value
 
 
 def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
@@ -168,7 +168,7 @@ def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
             _learn_route(module, call.path, run)
         kernel = None if run is None else run.kernels.get(call.path)
         state = None
-        if float8.is_float8(policy) and float8.is_delayed(policy):
+        if policy.scheme is not None and policy.scheme.stateful:
             index = calls.get(id(module), (module, 0))[1]
             calls[id(module)] = (module, index + 1)
             state = float8_state(module, policy, index)

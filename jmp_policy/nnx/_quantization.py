@@ -26,7 +26,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jmp_policy._src import float8, interception, matmuls, quantized_matmul
+from jmp_policy._src import interception, matmuls, quantized_matmul
 
 ATTR = "float8"  # the attribute of a float8 layer that holds its Float8State
 
@@ -172,7 +172,7 @@ def quantized_matmuls(
     if name is None:
         return next_fn(*args, **kwargs)
     state = None
-    if float8.is_float8(policy) and float8.is_delayed(policy):
+    if policy.scheme is not None and policy.scheme.stateful:
         state = _float8_state(call)
     kind = "einsum" if name == "einsum_op" else "dot_general"
     whole = _WHOLE.get()
