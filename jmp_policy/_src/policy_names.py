@@ -8,7 +8,7 @@ import functools
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src import schemes
 from jmp_policy._src.policy import DTypePolicy
-from jmp_policy._src.quantized_policy import CLASSES
+from jmp_policy._src.quantized_policy import CLASSES, QuantizedDTypePolicy
 
 
 def policy_from_name(name: str, argument: str = "name") -> DTypePolicy:
@@ -33,16 +33,20 @@ def _policy_from_name(name: str, argument: str) -> DTypePolicy:
     if split is None:
         if name.strip() == dt.INFER:
             return DTypePolicy(name)
-        dt.parse_float_name(name, argument)  # errors that name the caller's argument
-        return DTypePolicy(name)
+        parsed = dt.parse_float_name(name, argument)  # errors name the caller's argument
+        # Built from the parsed value: the name is not parsed a second time.
+        policy = object.__new__(DTypePolicy)
+        policy._init(name.strip(), parsed.params, parsed.compute, parsed.output)
+        return policy
     mode, source = split
     try:
         scheme_cls = schemes.lookup(mode)
         scheme = None if scheme_cls is None else scheme_cls.parse(mode)
-        cls = CLASSES[
-            scheme.policy_class_for(mode) if scheme is not None else "QuantizedDTypePolicy"
-        ]
-        return cls(mode, source)
+        if scheme is None:  # a token's mode with a bad setting ("int8/128"): the class says why
+            return QuantizedDTypePolicy(mode, source)
+        quantized = object.__new__(CLASSES[scheme.policy_class_for(mode)])
+        quantized._init_quantized(scheme.mode_text(mode), scheme, source)
+        return quantized
     except ValueError as e:  # about the source or the mode: say which name held it
         raise ValueError(f"{e} Received: {argument}={name!r}") from e
 
