@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -211,5 +212,48 @@ def test_no_module_or_function_passes_its_size_without_a_reason():
         name: problems
         for name, path in _modules().items()
         if (problems := oversized(path.read_text()))
+    }
+    assert found == {}
+
+
+# Formats as values (#29): what differs between quantization formats is asked of the policy's
+# scheme; no module outside the scheme modules tests a mode's text or reaches for a format's
+# setting by name.
+_MODE_TEST = re.compile(
+    r"quantization_mode\s*(==|!=|\bin\b|\bnot\s+in\b)"
+    r"|getattr\([^)]*[\"'](quantization_mode|scaling|block_size)[\"']"
+)
+
+
+def _is_scheme_module(name: str) -> bool:
+    return "scheme" in name.rsplit(".", 1)[-1]
+
+
+def mode_tests(source: str) -> list[str]:
+    """The lines of ``source`` that test a quantization mode's text."""
+    return [
+        f"{i}: {line.strip()}"
+        for i, line in enumerate(source.splitlines(), 1)
+        if _MODE_TEST.search(line)
+    ]
+
+
+def test_mode_test_finder_finds_string_tests_of_a_mode():
+    assert mode_tests('if policy.quantization_mode == "int8":\n    pass\n') == [
+        '1: if policy.quantization_mode == "int8":'
+    ]
+    assert mode_tests('x = getattr(policy, "scaling", "delayed")') != []
+    assert mode_tests('b = getattr(p, "block_size", None)') != []
+    assert mode_tests("if p.quantization_mode not in MODES:") != []
+    assert mode_tests("mode = policy.quantization_mode") == []
+    assert _is_scheme_module("jmp_policy._src.int_schemes")
+    assert not _is_scheme_module("jmp_policy._src.matmuls")
+
+
+def test_no_quantization_mode_string_test_outside_the_scheme_modules():
+    found = {
+        name: lines
+        for name, path in _modules().items()
+        if not _is_scheme_module(name) and (lines := mode_tests(path.read_text()))
     }
     assert found == {}

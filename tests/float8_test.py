@@ -54,6 +54,49 @@ SEQ1 = [
 ]
 
 
+STATE_KEYS = tuple(
+    f"{t}_{k}" for t in ("input", "kernel", "output_grad") for k in ("scale", "amax_history")
+)
+
+
+# A quantize-dequantize around one tensor, built from the package's scaling (`step_scale`,
+# `update`) and the float8 matmul's quantization: the scaling steps tested on one tensor.
+def qdq(x, scale, dtype):
+    q, applied = float8_matmul._quantize(x, scale, dtype)
+    return q.astype(x.dtype) * (1.0 / applied).astype(x.dtype)
+
+
+@jax.custom_vjp
+def in_qdq(x, scale, history):
+    """``x`` through e4m3 with delayed scaling; the state's "gradient" is the new state."""
+    return _in_fwd(x, scale, history)[0]
+
+
+def _in_fwd(x, scale, history):
+    a = float8.amax(x)
+    y = qdq(x, float8.step_scale(scale, history, a, E4M3), E4M3)
+    return y, float8.update(scale, history, a, E4M3)
+
+
+in_qdq.defvjp(_in_fwd, lambda res, g: (g, *res))
+
+
+@jax.custom_vjp
+def out_qdq(y, scale, history):
+    """``y`` as it is; the gradient reaching it goes through e5m2 with delayed scaling."""
+    return y
+
+
+def _out_bwd(res, g):
+    scale, history = res
+    a = float8.amax(g)
+    g_q = qdq(g, float8.step_scale(scale, history, a, E5M2), E5M2)
+    return (g_q, *float8.update(scale, history, a, E5M2))
+
+
+out_qdq.defvjp(lambda y, scale, history: (y, (scale, history)), _out_bwd)
+
+
 def reference_qdq(x, scale, dtype):
     """What a float8 quantize-dequantize is, in numpy and ml_dtypes (float32)."""
     x = np.asarray(x, np.float32)
@@ -72,7 +115,7 @@ def input_with_amax(a):
 
 def test_init_state_names_shapes_and_dtypes():
     state = float8.init_state(5)
-    assert sorted(state) == sorted(float8.STATE_KEYS)
+    assert sorted(state) == sorted(STATE_KEYS)
     assert set(state) == {
         "input_scale",
         "input_amax_history",
@@ -134,7 +177,7 @@ def test_in_qdq_steps_through_the_sequence_with_the_state_as_its_gradient(maybe_
     """``in_qdq``'s forward uses the scale before this step; its state gradient is the new state."""
 
     def step(x, scale, history):
-        y, vjp = jax.vjp(float8.in_qdq, x, scale, history)
+        y, vjp = jax.vjp(in_qdq, x, scale, history)
         gx, new_scale, new_history = vjp(jnp.ones_like(y))
         return y, gx, new_scale, new_history
 
@@ -152,7 +195,7 @@ def test_in_qdq_steps_through_the_sequence_with_the_state_as_its_gradient(maybe_
 def test_out_qdq_quantizes_the_gradient_to_e5m2_with_delayed_scaling(maybe_jit):
     def step(g, scale, history):
         y = jnp.full((3,), 7.0)
-        out, vjp = jax.vjp(float8.out_qdq, y, scale, history)
+        out, vjp = jax.vjp(out_qdq, y, scale, history)
         return out, *vjp(g)
 
     step = maybe_jit(step)
@@ -171,10 +214,10 @@ def test_out_qdq_quantizes_the_gradient_to_e5m2_with_delayed_scaling(maybe_jit):
 
 def test_qdq_saturates_finite_values_and_keeps_non_finite_ones(maybe_jit):
     x = jnp.array([1000.0, -1000.0, 0.3, INF, -INF, NAN], jnp.float32)
-    e4 = maybe_jit(lambda x: float8.qdq(x, jnp.float32(1.0), E4M3))(x)
+    e4 = maybe_jit(lambda x: qdq(x, jnp.float32(1.0), E4M3))(x)
     assert e4[:3].tolist() == [448.0, -448.0, 0.3125]
     assert np.isnan(np.asarray(e4[3:])).all()  # e4m3fn has no inf: nan, never finite
-    e5 = maybe_jit(lambda x: float8.qdq(x, jnp.float32(1.0), E5M2))(x * 100)
+    e5 = maybe_jit(lambda x: qdq(x, jnp.float32(1.0), E5M2))(x * 100)
     assert e5[:2].tolist() == [57344.0, -57344.0]
     assert e5[3:5].tolist() == [INF, -INF] and np.isnan(float(e5[5]))
 
@@ -182,11 +225,11 @@ def test_qdq_saturates_finite_values_and_keeps_non_finite_ones(maybe_jit):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_qdq_computes_in_the_tensors_dtype_and_converts_only_to_and_from_float8(dtype):
     x = jnp.linspace(-3, 3, 64, dtype=dtype).reshape(8, 8)
-    found = measure.converts(lambda x: float8.in_qdq(x, jnp.float32(2.0), jnp.ones(4)), x)
+    found = measure.converts(lambda x: in_qdq(x, jnp.float32(2.0), jnp.ones(4)), x)
     name = np.dtype(dtype).name
     full = [(a, b) for a, b, shape in found if shape == (8, 8)]
     assert full == [(name, "float8_e4m3fn"), ("float8_e4m3fn", name)]
-    y = float8.in_qdq(x, jnp.float32(2.0), jnp.ones(4))
+    y = in_qdq(x, jnp.float32(2.0), jnp.ones(4))
     assert y.dtype == np.dtype(dtype)
 
 

@@ -232,8 +232,16 @@ def test_new_policies_follow_scope():
 # -- the current call: what glue sets and `current_policy` / `current_path` read --------------
 
 
+def current_path():
+    """The module path of the call running now (what the glue sets), ``None`` outside one."""
+    from jmp_policy._src import context
+
+    call = context.CALL.get()
+    return None if call is None else call.path
+
+
 def test_current_path_is_none_outside_a_call():
-    assert jp._src.global_state.current_path() is None
+    assert current_path() is None
 
 
 def test_current_policy_scope_sets_policy_and_path_and_restores():
@@ -242,13 +250,13 @@ def test_current_policy_scope_sets_policy_and_path_and_restores():
     policy = jp.DTypePolicy("mixed_bfloat16")
     with global_state.current_policy_scope(policy, path="encoder/mlp"):
         assert jp.current_policy() is policy
-        assert global_state.current_path() == "encoder/mlp"
+        assert current_path() == "encoder/mlp"
         assert context.CALL.get() == context.RunningCall(policy, "encoder/mlp")
         with global_state.current_policy_scope(jp.DTypePolicy("float16")):
-            assert global_state.current_path() is None
+            assert current_path() is None
             assert jp.current_policy().name == "float16"
-        assert global_state.current_path() == "encoder/mlp"
-    assert global_state.current_path() is None
+        assert current_path() == "encoder/mlp"
+    assert current_path() is None
     assert jp.current_policy() == jp.dtype_policy()
 
 

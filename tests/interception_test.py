@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jmp_policy as jp
-from jmp_policy._src import global_state, interception
+from jmp_policy._src import context, global_state, interception
 from jmp_policy._src.options import Island, Options, make_options
 from jmp_policy._src.resolution import Resolver
 
@@ -21,11 +21,15 @@ def _call(policy, path="m", options=None, cls=None):
     return interception.Call(path, None, resolution)
 
 
+def current_path():
+    """The module path of the call running now (what the glue sets), ``None`` outside one."""
+    call = context.CALL.get()
+    return None if call is None else call.path
+
+
 def _probe(seen):
     def fn(x, *, y):
-        seen.update(
-            x=x.dtype, y=y.dtype, policy=jp.current_policy(), path=global_state.current_path()
-        )
+        seen.update(x=x.dtype, y=y.dtype, policy=jp.current_policy(), path=current_path())
         return x.astype(jnp.float32) * y.astype(jnp.float32)
 
     return fn
@@ -50,7 +54,7 @@ def test_inputs_cast_context_set_and_output_rule(use_jit):
         _call("p=f32,c=bf16,o=f16"), _probe(seen), (jnp.ones(3),), {"y": jnp.ones(3)}
     )
     assert out.dtype == F16  # output differs from compute: cast
-    assert global_state.current_path() is None
+    assert current_path() is None
 
 
 def test_autocast_exclude_passes_inputs_as_given():

@@ -393,10 +393,18 @@ def test_int8_dot_general_leaves_integer_matmuls_alone():
     assert out.dtype == jnp.int32 and int(out[0, 0]) == 3
 
 
+def int8_einsum(subscripts, *operands):
+    """``jnp.einsum`` whose contractions run through ``int8_dot_general`` (JAX's own
+    ``_dot_general`` route, the one the glue's einsum takes)."""
+    return quantized_matmul.JNP_EINSUM(
+        subscripts, *operands, _dot_general=quantized_matmul.int8_dot_general
+    )
+
+
 def test_int8_einsum_matches_einsum():
     x, w = _kernel((4, 8, 16), 1), _kernel((16, 2, 8), 2)
-    y = quantized_matmul.int8_einsum("bti,ihd->bthd", x, w)
+    y = int8_einsum("bti,ihd->bthd", x, w)
     ref = jnp.einsum("bti,ihd->bthd", x, w)
     assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02
-    jaxpr = jax.make_jaxpr(lambda x, w: quantized_matmul.int8_einsum("bti,ihd->bthd", x, w))(x, w)
+    jaxpr = jax.make_jaxpr(lambda x, w: int8_einsum("bti,ihd->bthd", x, w))(x, w)
     assert [d[1] for d in _dots(jaxpr.jaxpr)] == ["int32"]  # the int8 matmul's scope

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import jax
 
-from jmp_policy._src import float8, global_state, interception
+from jmp_policy._src import global_state, interception
 from jmp_policy._src.options import Options, floating_policy_or_map
 from jmp_policy._src.policy_map import DTypePolicyMap
 from jmp_policy._src.resolution import Resolver
@@ -64,7 +64,7 @@ def cast_apply(policy_or_map: Any) -> Callable[[F], F]:
     every_policy = [] if policies is None else [policies]
     if hasattr(policies, "values"):  # a map
         every_policy = [policies.default_policy, *policies.values()]
-    named = sorted({p.name for p in every_policy if float8.is_float8(p)})
+    named = sorted({p.name for p in every_policy if p.scheme and p.scheme.needs_routed_layers})
     if named:
         warnings.warn(
             f"cast_apply runs a plain function, whose matmuls it cannot route: the float8 "

@@ -18,6 +18,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_policy._src import schemes
+
 # jmp's value spellings. ``half`` is always bfloat16 here: jmp makes it depend on the
 # default device (float16 off TPU), which would make a policy name mean different things
 # on different machines.
@@ -51,9 +53,6 @@ _MIXED: dict[str, str] = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat1
 
 # tf.keras's policy whose dtypes follow the inputs (its TF1 leftover).
 INFER = "_infer"
-
-INT_QUANTIZATION_MODES = ("int8", "int4")
-QUANTIZATION_MODES = ("int8", "int4", "float8")
 
 VALID_FORMS = (
     "a dtype name ('float16', 'bfloat16', 'float32', 'float64'), "
@@ -231,7 +230,8 @@ def parse_float_name(name: str, argument: str = "name") -> ParsedName:
         dtype = _dtype_from_value(text)
         if dtype is None:
             if "_from_" in text:
-                hint = did_you_mean(text.partition("_from_")[0], QUANTIZATION_MODES)
+                modes = [scheme.mode for scheme in schemes.registered()]
+                hint = did_you_mean(text.partition("_from_")[0], modes)
                 raise _unknown(
                     name, f"A quantized name is not a float policy name.{hint}", argument
                 )
@@ -279,7 +279,8 @@ def float_policy_name(params: np.dtype, compute: np.dtype, output: np.dtype) -> 
 
 
 def split_quantized_name(name: str, argument: str = "policy") -> tuple[str, str] | None:
-    """``"int8_from_mixed_bfloat16"`` -> ``("int8", "mixed_bfloat16")``; None if not quantized.
+    """``"int8_from_mixed_bfloat16"`` -> ``("int8", "mixed_bfloat16")``; None if not quantized
+    (no registered format's token starts its mode).
 
     Raises:
         ValueError: a name that starts like a quantized one (``"int8_abc"``) without
@@ -288,8 +289,9 @@ def split_quantized_name(name: str, argument: str = "policy") -> tuple[str, str]
     mode, sep, source = name.strip().partition("_from_")
     if not sep:
         # "float8_e4m3fn" is a dtype name, not a quantized name without its "_from_".
-        if mode not in (*DTYPE_NAMES, "float8_current") and re.match(
-            r"(int8|int4|float8)(/-?\d+)?_", mode
+        tokens = schemes.tokens()
+        if mode not in (*DTYPE_NAMES, *tokens) and re.match(
+            rf"({'|'.join(map(re.escape, tokens))})(/-?\d+)?_", mode
         ):
             raise ValueError(
                 "Cannot convert `policy` into a valid pair (`mode`, `source_name`): a quantized "
@@ -297,39 +299,6 @@ def split_quantized_name(name: str, argument: str = "policy") -> tuple[str, str]
                 f"'int8_from_mixed_bfloat16'. Received: {argument}={name!r}"
             )
         return None
-    if mode.split("/")[0] not in (*QUANTIZATION_MODES, "float8_current"):
+    if schemes.lookup(mode) is None:
         return None
     return mode, source
-
-
-def parse_int_mode(mode: Any) -> tuple[str, int | None]:
-    """Validates an integer quantization mode.
-
-    Returns ``("int8", None)`` or ``("int4", block)`` where ``block`` is -1 for per channel
-    (``"int4"``, ``"int4/-1"`` and Keras's legacy ``"int4/None"``).
-    """
-    if not isinstance(mode, str):
-        raise TypeError(
-            f"`mode` must be a string such as 'int8', 'int4' or 'int4/128'. "
-            f"Received: mode={mode!r} (of type {type(mode).__name__})"
-        )
-    base, sep, block_text = mode.partition("/")
-    if base == "int8" and not sep:
-        return "int8", None
-    if base == "int4":
-        if not sep or block_text == "None":
-            return "int4", -1
-        try:
-            block = int(block_text)
-        except ValueError:
-            block = 0
-        if block == 0 or block < -1 or str(block) != block_text:
-            raise ValueError(
-                f"Invalid quantization mode. The block size of `mode` must be -1 "
-                f"(per channel) or a positive integer, as in 'int4/128'. Received: mode={mode!r}"
-            )
-        return "int4", block
-    raise ValueError(
-        "Invalid quantization mode. Expected one of 'int8', 'int4', 'int4/<block>' "
-        f"(use QuantizedFloat8DTypePolicy for 'float8'). Received: mode={mode!r}"
-    )

@@ -1,10 +1,12 @@
-"""float8 with delayed scaling: quantize-dequantize around a matmul, and its state.
+"""float8 scaling (delayed or current) for explicit float8 matmuls, and its state.
 
 The recipe of Transformer Engine, Keras and Flax: a matmul's two operands (the layer's
 input and kernel) are quantized to ``float8_e4m3fn`` in the forward pass and the gradient
-reaching its output to ``float8_e5m2`` in the backward pass, each through a
-quantize-dequantize (``dequant(quant(x))``) that XLA can fold into a native float8 matmul
-on GPUs that have one (H100 and later); elsewhere it is exact emulation.
+reaching its output to ``float8_e5m2`` in the backward pass, and each of the three matmuls
+is a ``dot_general`` of two float8 operands (:mod:`jmp_policy._src.float8_matmul`), which
+XLA runs as a native float8 GEMM on GPUs that have one (H100 and later). This module holds
+the scaling: how a tensor's scale is computed (delayed, from a history kept as state, or
+current, from the tensor's own amax) and the state it keeps.
 
 **State.** Each of the three tensors has a float32 ``scale`` (shape ``()``, a multiplier
 applied before the cast: ``fp8 = cast(clip(x * scale))`` and ``x ≈ fp8 / scale``) and a
@@ -32,12 +34,11 @@ The arithmetic runs in the tensor's own dtype (the compute dtype): nothing is up
 In float16 a scale above ``2**15`` is applied as ``2**15`` (float16 holds no larger
 power of two); that loses nothing float16 itself could represent.
 
-**New state as a gradient.** :func:`in_qdq` and :func:`out_qdq` are ``jax.custom_vjp``
-functions whose "gradient" with respect to the state is the new state (Flax's
-``_overwrite_with_gradient`` convention): ``jax.grad`` of a loss with respect to the
-variables returns the updated state where the state was, and the optimizer must
-replace, not update, it. Under ``jit`` a forward pass without ``grad`` computes no new
-state.
+**New state as a gradient.** The float8 matmul's "gradient" with respect to the state
+is the new state (Flax's ``_overwrite_with_gradient`` convention): ``jax.grad`` of a loss
+with respect to the variables returns the updated state where the state was, and the
+optimizer must replace, not update, it. Under ``jit`` a forward pass without ``grad``
+computes no new state.
 
 The explicit float8 matmul that layers run is :mod:`jmp_policy._src.float8_matmul`.
 Nothing here imports Flax: :mod:`jmp_policy._src.matmuls` picks the layers that run it,
@@ -56,7 +57,6 @@ import numpy as np
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 TENSORS = ("input", "kernel", "output_grad")
-STATE_KEYS = tuple(f"{t}_{k}" for t in TENSORS for k in ("scale", "amax_history"))
 
 
 def max_value(dtype: Any) -> float:
@@ -157,87 +157,3 @@ def step_scale(
 def scale_limit(compute: Any) -> float:
     """The largest power of two the compute dtype holds (2**15 for float16)."""
     return float(2.0 ** np.floor(np.log2(float(jnp.finfo(compute).max))))
-
-
-def qdq(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """``x`` quantized to float8 ``dtype`` with ``scale`` and back, in ``x``'s dtype.
-
-    Saturates finite values at the float8 maximum; ``inf`` and ``nan`` stay non-finite.
-    The scale is applied in ``x``'s dtype; one larger than that dtype holds (float16: a
-    tensor whose amax is below ``fp8_max / 2**15``) is applied as the largest power of two
-    it holds, which loses nothing float16 itself could keep.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> from jmp_policy._src import float8
-        >>> x = jnp.array([1.0, 0.3, 1000.0, jnp.inf], jnp.float32)
-        >>> float8.qdq(x, jnp.float32(1.0), float8.E4M3).tolist()
-        [1.0, 0.3125, 448.0, nan]
-        >>> tiny = jnp.array([1e-6, 3e-7], jnp.float16)   # scale 448 / 1e-6 > float16's max
-        >>> float8.qdq(tiny, jnp.float32(4.48e8), float8.E4M3).tolist()
-        [9.5367431640625e-07, 2.980232238769531e-07]
-    """
-    compute = x.dtype
-    fp8_max = jnp.asarray(max_value(dtype), compute)
-    scale = jnp.minimum(scale.astype(jnp.float32), scale_limit(compute))
-    scaled = x * scale.astype(compute)
-    clipped = jnp.clip(scaled, -fp8_max, fp8_max)
-    clipped = jnp.where(jnp.isfinite(scaled), clipped, scaled)
-    return clipped.astype(dtype).astype(compute) * (1.0 / scale).astype(compute)
-
-
-def _straight_through(x: jax.Array) -> Any:
-    return x
-
-
-@jax.custom_vjp
-def in_qdq(x: jax.Array, scale: jax.Array, history: jax.Array) -> jax.Array:
-    """``x`` through e4m3 with delayed scaling; its gradient passes straight through,
-    the state's "gradient" is the new state (see the module docstring)."""
-    return _in_fwd(x, scale, history)[0]
-
-
-def _in_fwd(x: jax.Array, scale: jax.Array, history: jax.Array) -> Any:
-    a = amax(x)
-    y = qdq(x, step_scale(scale, history, a, E4M3), E4M3)
-    return y, update(scale, history, a, E4M3)
-
-
-def _in_bwd(res: Any, g: jax.Array) -> Any:
-    new_scale, new_history = res
-    return g, new_scale, new_history
-
-
-in_qdq.defvjp(_in_fwd, _in_bwd)
-
-
-@jax.custom_vjp
-def out_qdq(y: jax.Array, scale: jax.Array, history: jax.Array) -> jax.Array:
-    """``y`` as it is; the gradient reaching it goes through e5m2 with delayed scaling,
-    and the state's "gradient" is the new state (see the module docstring)."""
-    return y
-
-
-def _out_fwd(y: jax.Array, scale: jax.Array, history: jax.Array) -> Any:
-    return y, (scale, history)
-
-
-def _out_bwd(res: Any, g: jax.Array) -> Any:
-    scale, history = res
-    a = amax(g)
-    g_q = qdq(g, step_scale(scale, history, a, E5M2), E5M2)
-    new_scale, new_history = update(scale, history, a, E5M2)
-    return g_q, new_scale, new_history
-
-
-out_qdq.defvjp(_out_fwd, _out_bwd)
-
-
-def is_delayed(policy: Any) -> bool:
-    """Whether a float8 ``policy`` keeps delayed-scaling state (not current scaling)."""
-    return getattr(policy, "scaling", "delayed") == "delayed"
-
-
-def is_float8(policy: Any) -> bool:
-    """Whether ``policy`` is a float8 policy (``quantization_mode == "float8"``)."""
-    return getattr(policy, "quantization_mode", None) == "float8"

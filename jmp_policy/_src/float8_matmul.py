@@ -4,7 +4,8 @@ A layer's input and kernel are quantized to e4m3 and the gradient reaching its o
 e5m2 (:mod:`jmp_policy._src.float8` holds the scaling and its state); each of the three
 matmuls (the forward and both gradients) is a ``dot_general`` of two float8 operands, the
 form XLA's GEMM rewriter turns into one native float8 GEMM on GPUs that have one (H100 and
-later). The state's "gradient" is its new value, as for :func:`~jmp_policy._src.float8.in_qdq`.
+later). The state's "gradient" is its new value (Flax's ``_overwrite_with_gradient``
+convention).
 """
 
 from __future__ import annotations

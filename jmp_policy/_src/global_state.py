@@ -127,26 +127,10 @@ def current_policy() -> DTypePolicy:
     return dtype_policy() if call is None else call.policy
 
 
-def current_path() -> str | None:
-    """The module path of the submodule call running now; ``None`` when none is known.
-
-    Examples:
-        >>> from jmp_policy._src import global_state
-        >>> import jmp_policy as jp
-        >>> with global_state.current_policy_scope(jp.DTypePolicy("float32"), path="mlp"):
-        ...     global_state.current_path()
-        'mlp'
-        >>> global_state.current_path() is None
-        True
-    """
-    call = context.CALL.get()
-    return None if call is None else call.path
-
-
 @contextlib.contextmanager
 def current_policy_scope(policy: DTypePolicy, path: str | None = None) -> Iterator[None]:
-    """Makes ``policy`` (and ``path``) what :func:`current_policy` (and :func:`current_path`)
-    return inside the block; nests and restores (for the glue)."""
+    """Makes ``policy`` what :func:`current_policy` returns inside the block, and ``path``
+    the path of the running call; nests and restores (for the glue)."""
     token = context.CALL.set(context.RunningCall(policy, path))
     try:
         yield

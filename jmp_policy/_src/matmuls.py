@@ -1,18 +1,12 @@
-"""Which matmul a layer runs: the one place that picks it, for the Linen and NNX glue.
+"""Which matmul a layer runs: the glue's entry point, and the pieces formats build it from.
 
 A layer (a Flax ``Dense``/``DenseGeneral``/``Einsum``, an NNX ``Linear``/``LinearGeneral``/
 ``Einsum``, with Flax's own matmul) hands its matmul to :func:`pick`, which returns the
-replacement ``dot_general`` (or ``einsum``) for its policy, its float8 state and its
-kernel, or ``None`` when the layer runs as written:
-
-* a float8 policy: :func:`jmp_policy._src.float8_matmul.dot_general` (explicit float8 GEMMs,
-  delayed scaling with ``state``, current scaling without);
-* a ``QuantizedArray`` kernel (int8 or int4 weights, any non-float8 policy):
-  :func:`jmp_policy._src.kernel_matmul.quantized_kernel_dot_general`, which reads the
-  quantized kernel itself (weight-only with the scale after the matmul, int4 blocks, or
-  int8 x int8 under an int8 policy at enough rows);
-* an int8 policy with a float kernel (quantization-aware training):
-  :func:`jmp_policy._src.quantized_matmul.int8_dot_general`.
+replacement ``dot_general`` (or ``einsum``) for its policy, its state and its kernel, or
+``None`` when the layer runs as written. The policy's scheme chooses
+(:meth:`jmp_policy._src.schemes.Scheme.matmul`: explicit float8 GEMMs, int8 compute, a
+``QuantizedArray`` kernel read whole); under a float policy a ``QuantizedArray`` kernel
+that reaches its layer is read whole (:func:`stored_kernel`).
 
 What each layer runs is recorded, at trace time, for ``explain`` (:func:`recording`), and
 a float8 layer whose matmul is below the size where float8 pays warns once.
@@ -31,14 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import (
-    float8,
-    float8_matmul,
-    kernel_matmul,
-    quantization,
-    quantized_matmul,
-    run_report,
-)
+from jmp_policy._src import kernel_matmul, quantization, quantized_matmul, user_warnings
 
 JNP_EINSUM = quantized_matmul.JNP_EINSUM
 
@@ -65,20 +52,22 @@ def recording() -> Iterator[dict[str, str]]:
         _FORMS.reset(token)
 
 
-def _record(path: str, form: str) -> None:
+def record(path: str, form: str) -> None:
+    """Records the form of ``path``'s matmul for the ``explain`` in progress, if any."""
     forms = _FORMS.get()
     if forms is not None:
         forms[path] = form
 
 
-def _float8_form(path: str, m: int, k: int, n: int, scaling: str) -> None:
+def record_float8(path: str, m: int, k: int, n: int, scaling: str) -> None:
+    """Records a float8 GEMM's form; warns once for a size below :data:`FLOAT8_MIN_DIM`."""
     small = min(m, k, n) < FLOAT8_MIN_DIM
     form = f"float8 ({scaling}), e4m3 x e4m3 GEMM {m}x{k}x{n}"
     if small:
         form += f"; below {FLOAT8_MIN_DIM}: bf16 may be faster"
         if not _WARNED:  # once per process: `explain` lists every such layer
             _WARNED.add((m, k, n))
-            run_report.warn(
+            user_warnings.warn(
                 f"The float8 layer {path or '<root>'!r} runs a {m}x{k}x{n} matmul: below "
                 f"{FLOAT8_MIN_DIM} rows or features a float8 GEMM is not expected to be "
                 "faster than bfloat16 once its quantization passes are paid (on an H100, "
@@ -88,10 +77,11 @@ def _float8_form(path: str, m: int, k: int, n: int, scaling: str) -> None:
             )
     if k % 16 or n % 16:
         form += "; dims not multiples of 16: XLA pads them"
-    _record(path, form)
+    record(path, form)
 
 
-def _shapes(lhs: Any, rhs: Any, dims: Any) -> tuple[int, int, int]:
+def shapes(lhs: Any, rhs: Any, dims: Any) -> tuple[int, int, int]:
+    """``(m, k, n)`` of a ``dot_general``: rows, contracted and output features."""
     (lc, rc), (lb, rb) = dims
     m = int(np.prod([d for i, d in enumerate(lhs.shape) if i not in lc and i not in lb]))
     k = int(np.prod([lhs.shape[i] for i in lc]))
@@ -132,6 +122,21 @@ def as_einsum(dot_general_for: Callable[[Any], Callable[..., Any]]) -> Callable[
     return einsum
 
 
+def stored_kernel(kind: str, path: str, kernel: Any, int8_compute: bool) -> Callable[..., Any]:
+    """The matmul of a layer whose ``QuantizedArray`` ``kernel`` reaches it whole
+    (:func:`jmp_policy._src.kernel_matmul.quantized_kernel_dot_general`), recorded."""
+
+    def quantized_for(_: Any) -> Callable[..., Any]:
+        def record_form(form: str) -> None:
+            block = kernel.block_size
+            mode = kernel.mode if block in (None, -1) else f"int4/{block}"
+            record(path, f"{mode} weights: {form}")
+
+        return kernel_matmul.quantized_kernel_dot_general(kernel, int8_compute, record_form)
+
+    return as_einsum(quantized_for) if kind == "einsum" else quantized_for(None)
+
+
 def pick(
     policy: Any,
     kind: str,
@@ -146,42 +151,12 @@ def pick(
         kind: ``"dot_general"`` (a drop-in ``jax.lax.dot_general``) or ``"einsum"`` (a
             drop-in ``jnp.einsum``).
         path: the layer's path, for ``explain`` and warnings.
-        state: a float8 layer's delayed-scaling state (``None``: current scaling).
+        state: the layer's state, for a scheme that keeps one (float8 delayed scaling).
         kernel: the layer's ``QuantizedArray`` kernel, when it reaches the layer whole.
     """
-    if float8.is_float8(policy):
-        scaling = "delayed" if float8.is_delayed(policy) else "current"
-
-        def fp8_for(kernel_arg: Any) -> Callable[..., Any]:
-            inner = float8_matmul.dot_general(state)
-
-            def dot_general(lhs: Any, rhs: Any, dims: Any, *args: Any, **kw: Any) -> Any:
-                _float8_form(path, *_shapes(lhs, rhs, dims), scaling)
-                return inner(lhs, rhs, dims, *args, **kw)
-
-            return dot_general
-
-        return as_einsum(fp8_for) if kind == "einsum" else fp8_for(None)
+    scheme = policy.scheme
+    if scheme is not None:
+        return scheme.matmul(kind, path=path, state=state, kernel=kernel)  # type: ignore[no-any-return]
     if quantization.is_quantized(kernel):
-        int8 = quantized_matmul.is_int8(policy)
-
-        def quantized_for(_: Any) -> Callable[..., Any]:
-            def record(form: str) -> None:
-                mode = (
-                    kernel.mode
-                    if kernel.block_size in (None, -1)
-                    else (f"int4/{kernel.block_size}")
-                )
-                _record(path, f"{mode} weights: {form}")
-
-            return kernel_matmul.quantized_kernel_dot_general(kernel, int8, record)
-
-        return as_einsum(quantized_for) if kind == "einsum" else quantized_for(None)
-    if quantized_matmul.is_int8(policy):
-
-        def qat(lhs: Any, rhs: Any, dims: Any, *args: Any, **kw: Any) -> Any:
-            _record(path, "int8 x int8 (both quantized in the step), straight-through")
-            return quantized_matmul.int8_dot_general(lhs, rhs, dims, *args, **kw)
-
-        return as_einsum(lambda _: qat) if kind == "einsum" else qat
+        return stored_kernel(kind, path, kernel, int8_compute=False)
     return None

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jmp_policy._src.loss_scale import (
     DynamicLossScale,
@@ -18,6 +15,7 @@ from jmp_policy._src.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
 )
+from jmp_policy._src.user_warnings import user_stacklevel
 
 LOSS_SCALE_TYPES = (NoOpLossScale, StaticLossScale, DynamicLossScale)
 _LOSS_SCALE_STRINGS = ("dynamic", "auto", "none")
@@ -99,21 +97,6 @@ def check_inner(inner: Any) -> None:
     )
 
 
-# jax's, optax's and jmp_policy's `_src` (this file's) directories.
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(path) + os.sep for path in (jax.__file__, optax.__file__, __file__) if path
-)
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside jax, optax and jmp_policy (the user's
-    call, however deep in ``jit`` tracing the warning is raised)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    return level
-
-
 def float16_paths(tree: Any) -> list[str]:
     """The paths of ``tree``'s float16 leaves."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -135,5 +118,5 @@ def warn_float16(paths: list[str]) -> None:
         f"loss scale. Keep the parameters in float32 and compute in float16: the policy "
         f'"mixed_float16".',
         UserWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )

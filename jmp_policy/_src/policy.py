@@ -67,6 +67,8 @@ class DTypePolicy:
 
     __slots__ = ("_compute_dtype", "_name", "_output_dtype", "_variable_dtype")
     _kind: ClassVar[str] = "float"
+    # The quantization scheme (:mod:`jmp_policy._src.schemes`); None: a float policy.
+    scheme: ClassVar[Any] = None
 
     _name: str
     # None only for tf.keras's "_infer" policy (its dtypes follow the inputs).

@@ -6,12 +6,9 @@ from __future__ import annotations
 import functools
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src import schemes
 from jmp_policy._src.policy import DTypePolicy
-from jmp_policy._src.quantized_policy import (
-    Int4DTypePolicy,
-    QuantizedDTypePolicy,
-    QuantizedFloat8DTypePolicy,
-)
+from jmp_policy._src.quantized_policy import CLASSES, QuantizedDTypePolicy
 
 
 def policy_from_name(name: str, argument: str = "name") -> DTypePolicy:
@@ -25,26 +22,31 @@ def policy_from_name(name: str, argument: str = "name") -> DTypePolicy:
 def _policy_from_name(name: str, argument: str) -> DTypePolicy:
     """Any accepted name to the right policy class, as Keras picks it.
 
+    A quantized name's format (:mod:`jmp_policy._src.schemes`) picks the class:
     ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"int4_from_…"`` and
     ``"int8_from_…"`` a :class:`QuantizedDTypePolicy`, ``"float8_from_…"`` (delayed
     scaling) and ``"float8_current_from_…"`` (current scaling) a
-    :class:`QuantizedFloat8DTypePolicy`, every other name a :class:`DTypePolicy`.
+    :class:`QuantizedFloat8DTypePolicy`; every other name gives a :class:`DTypePolicy`.
     ``argument`` names the caller's argument in error messages.
     """
-    dt.check_name_type(name, argument)
     split = dt.split_quantized_name(name, argument)
     if split is None:
         if name.strip() == dt.INFER:
             return DTypePolicy(name)
-        dt.parse_float_name(name, argument)  # errors that name the caller's argument
-        return DTypePolicy(name)
+        parsed = dt.parse_float_name(name, argument)  # errors name the caller's argument
+        # Built from the parsed value: the name is not parsed a second time.
+        policy = object.__new__(DTypePolicy)
+        policy._init(name.strip(), parsed.params, parsed.compute, parsed.output)
+        return policy
     mode, source = split
     try:
-        if mode in ("float8", "float8_current"):
-            return QuantizedFloat8DTypePolicy(mode, source)
-        if mode.startswith("int4/"):
-            return Int4DTypePolicy(mode, source)
-        return QuantizedDTypePolicy(mode, source)
+        scheme_cls = schemes.lookup(mode)
+        scheme = None if scheme_cls is None else scheme_cls.parse(mode)
+        if scheme is None:  # a token's mode with a bad setting ("int8/128"): the class says why
+            return QuantizedDTypePolicy(mode, source)
+        quantized = object.__new__(CLASSES[scheme.policy_class_for(mode)])
+        quantized._init_quantized(scheme.mode_text(mode), scheme, source)
+        return quantized
     except ValueError as e:  # about the source or the mode: say which name held it
         raise ValueError(f"{e} Received: {argument}={name!r}") from e
 

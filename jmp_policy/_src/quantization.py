@@ -278,18 +278,14 @@ def quantizable_layers(x: Any, stacked: int) -> bool:
     return is_quantizable(x) and x.ndim - stacked >= 2
 
 
-def quantize_tree(tree: Any, mode: str, block_size: int | None, stacked_axes: Any = None) -> Any:
-    """Every quantizable leaf of ``tree`` quantized, with the leading stacked axes that
-    ``stacked_axes`` gives its path; others (and QuantizedArrays) kept."""
+def quantize_tree(tree: Any, quantize_one: Any, stacked_axes: Any = None) -> Any:
+    """Every quantizable leaf of ``tree`` as ``quantize_one(leaf, stacked)`` (a scheme's
+    ``quantize``), with the leading stacked axes that ``stacked_axes`` gives its path;
+    others (and QuantizedArrays) kept."""
     stacked_of = stacked_axes_of(stacked_axes)
 
     def leaf(key_path: Any, x: Any) -> Any:
         k = stacked_of(leaf_path(key_path))
-        return quantize(x, mode, block_size, k) if quantizable_layers(x, k) else x
+        return quantize_one(x, k) if quantizable_layers(x, k) else x
 
     return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=is_quantized)
-
-
-def dequantize_leaf(x: Any, dtype: Any) -> Any:
-    """``x.dequantize(dtype)`` for a QuantizedArray, ``x`` otherwise."""
-    return x.dequantize(dtype) if isinstance(x, QuantizedArray) else x

@@ -4,7 +4,7 @@
 operands to the int8 grid in the step, by abs-max over each one's own contracting
 dimensions (per row for activations, per output channel for kernels), and multiplies them
 exactly; its gradient is the float matmul's (straight-through), so a float kernel keeps
-training. :func:`int8_einsum` is ``jnp.einsum`` on it. :func:`int8_weights_dot` is the
+training. :func:`int8_weights_dot` is the
 int8 x int8 GEMM of a layer whose int8 ``QuantizedArray`` kernel reaches it
 (:mod:`jmp_policy._src.kernel_matmul` picks it).
 
@@ -169,22 +169,6 @@ def int8_dot_general(
             **kwargs,
         )
     return _int8_dot(lhs, rhs, normalize_dims(dimension_numbers), out_dtype)  # type: ignore[no-any-return]
-
-
-def int8_einsum(subscripts: str, /, *operands: Any, **kwargs: Any) -> jax.Array:
-    """``jnp.einsum`` whose contractions run through :func:`int8_dot_general`.
-
-    Uses ``jnp.einsum``'s ``_dot_general`` argument (private to JAX, the route its own
-    AQT integration takes); ``out_sharding=None`` is dropped.
-    """
-    if kwargs.get("out_sharding", 0) is None:
-        kwargs.pop("out_sharding")
-    return JNP_EINSUM(subscripts, *operands, _dot_general=int8_dot_general, **kwargs)  # type: ignore[no-any-return]
-
-
-def is_int8(policy: Any) -> bool:
-    """Whether ``policy`` asks for int8 compute (an int8 quantized policy)."""
-    return getattr(policy, "quantization_mode", None) == "int8"
 
 
 # -- int8 x int8 of int8 weights ---------------------------------------------------------

@@ -1,24 +1,20 @@
-"""Quantized dtype policies (int8, int4 with its block size, float8 with delayed scaling):
-float policies that also name a quantization mode; their dtypes come from a source policy."""
+"""Quantized dtype policies: float policies that also carry a quantization scheme (int8,
+int4 with its block size, float8 with its scaling, or a registered format of
+:mod:`jmp_policy._src.schemes`); their dtypes come from a source policy."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
-import numpy as np
-
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src import quantization
+from jmp_policy._src import quantization, schemes
+from jmp_policy._src.float8_scheme import DEFAULT_AMAX_HISTORY_LENGTH, Float8Scheme
+from jmp_policy._src.int_schemes import Int4Scheme
 from jmp_policy._src.policy import DTypePolicy, T, global_name
 from jmp_policy._src.quantized_array_checks import int4_block
 
 _DEFAULT_INT4_BLOCK = 128
-SCALINGS = ("delayed", "current")
-
-
-def _mode_text(base: str, block: int | None) -> str:
-    """The mode as configs and names write it: ``"int8"``, ``"int4/128"``, ``"float8"``."""
-    return base if block is None else f"{base}/{block}"
 
 
 class QuantizedDTypePolicy(DTypePolicy):
@@ -51,24 +47,19 @@ class QuantizedDTypePolicy(DTypePolicy):
         ('int4', 128)
     """
 
-    __slots__ = ("_block_size", "_mode", "_quantization_mode", "_source_name")
+    __slots__ = ("_mode", "_scheme", "_source_name")
     _kind: ClassVar[str] = "quantized"
 
-    # The mode as configs write it ("int4/128"); `mode` gives the quantization mode alone.
+    # The mode as names write it ("int4/128"); `mode` gives the quantization mode alone.
     _mode: str
-    _quantization_mode: str
-    _block_size: int | None
+    _scheme: schemes.Scheme
     _source_name: str
 
     def __init__(self, mode: str, source_name: str | None = None):
-        base, block = dt.parse_int_mode(mode)
-        # "int4" stays "int4" (Keras's own spelling); a given block is written canonically.
-        text = mode if block is None or "/" not in mode else _mode_text(base, block)
-        self._init_quantized(text, base, block, source_name)
+        scheme = schemes.parse_mode(mode, "QuantizedDTypePolicy")
+        self._init_quantized(scheme.mode_text(mode), scheme, source_name)
 
-    def _init_quantized(
-        self, mode: str, base: str, block: int | None, source_name: str | None
-    ) -> None:
+    def _init_quantized(self, mode: str, scheme: schemes.Scheme, source_name: str | None) -> None:
         if source_name is None:
             source_name = global_name()
         dt.check_name_type(source_name, "source_name")
@@ -84,12 +75,7 @@ class QuantizedDTypePolicy(DTypePolicy):
                 f"none. Received: source_name={source_name!r}"
             )
         parsed = dt.parse_float_name(source_name, "source_name")
-        if base == "int8" and parsed.compute == np.float16:
-            raise ValueError(
-                f"Quantization mode='{mode}' doesn't work well with compute_dtype='float16'. "
-                "Use a bfloat16 or float32 source policy, such as 'mixed_bfloat16'. "
-                f"Received: source_name={source_name!r}"
-            )
+        scheme.check_source(parsed.compute, mode, source_name)
         if not dt.is_floating(parsed.compute):
             raise ValueError(
                 f"A quantized policy needs a floating compute dtype. "
@@ -98,12 +84,11 @@ class QuantizedDTypePolicy(DTypePolicy):
         source_name = source_name.strip()
         self._init(f"{mode}_from_{source_name}", parsed.params, parsed.compute, parsed.output)
         object.__setattr__(self, "_mode", mode)
-        object.__setattr__(self, "_quantization_mode", base)
-        object.__setattr__(self, "_block_size", block)
+        object.__setattr__(self, "_scheme", scheme)
         object.__setattr__(self, "_source_name", source_name)
 
     def _key(self) -> tuple[Any, ...]:
-        return (*super()._key(), self._quantization_mode, self._block_size)
+        return (*super()._key(), self._scheme)
 
     def __str__(self) -> str:
         """``"<mode>_from_<jmp short form>"``; :func:`get` reads it back (float8's
@@ -114,14 +99,19 @@ class QuantizedDTypePolicy(DTypePolicy):
     def quantization_mode(self) -> str:
         """``"int8"``, ``"int4"`` or ``"float8"`` (without a block size: see
         :attr:`block_size`); ``mode`` is Keras's name for it."""
-        return self._quantization_mode
+        return self._scheme.mode
 
     mode = quantization_mode
 
     @property
+    def scheme(self) -> schemes.Scheme:
+        """The quantization format (a frozen value): its names, storage, matmul and state."""
+        return self._scheme
+
+    @property
     def block_size(self) -> int | None:
         """int4's block size along the input axis (-1: per channel); ``None`` otherwise."""
-        return self._block_size
+        return self._scheme.block_size
 
     @property
     def source_name(self) -> str:
@@ -168,14 +158,12 @@ class QuantizedDTypePolicy(DTypePolicy):
             >>> q["layers"]["kernel"].scale.shape, q["layers"]["bias"].dtype   # per layer
             ((4, 2, 8), dtype('float32'))
         """
-        if self._quantization_mode not in quantization.MODES:
+        if not self._scheme.stores_weights:
             raise ValueError(
                 f"Policy {self.name!r} does not store quantized weights: float8 scales "
                 "inputs and kernels at compute time. Only int8 and int4 policies quantize."
             )
-        return quantization.quantize_tree(  # type: ignore[no-any-return]
-            tree, self._quantization_mode, self._block_size, stacked_axes
-        )
+        return quantization.quantize_tree(tree, self._scheme.quantize, stacked_axes)  # type: ignore[no-any-return]
 
     def _rebuild_from(self, source: DTypePolicy) -> QuantizedDTypePolicy:
         return QuantizedDTypePolicy(self._mode, source.name)
@@ -184,7 +172,8 @@ class QuantizedDTypePolicy(DTypePolicy):
         return self._rebuild_from(self.source_policy._with(variable, compute, output))
 
     def get_config(self) -> dict[str, Any]:
-        return {"mode": self._mode, "source_name": self._source_name}
+        mode = self._scheme.config_mode(self._mode)
+        return {"mode": mode, "source_name": self._source_name, **self._scheme.config_fields()}
 
 
 class Int4DTypePolicy(QuantizedDTypePolicy):
@@ -224,8 +213,8 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
         source_name: str | None = None,
         block_size: int | None = _DEFAULT_INT4_BLOCK,
     ):
-        base, mode_block = dt.parse_int_mode(mode)
-        if base != "int4":
+        given = schemes.parse_mode(mode)
+        if not isinstance(given, Int4Scheme):
             raise ValueError(
                 "Invalid mode for Int4DTypePolicy. Expected 'int4' or 'int4/<block_size>' "
                 f"(use QuantizedDTypePolicy for other modes). Received: mode={mode!r}"
@@ -240,16 +229,17 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
         block = int4_block(block_size)
         if "/" in mode:
             # Keras 3's block in `mode` wins over the default, never over another explicit one.
-            if block_size != _DEFAULT_INT4_BLOCK and block != mode_block:
+            if block_size != _DEFAULT_INT4_BLOCK and block != given.block_size:
                 raise ValueError(
                     f"`block_size` contradicts the block in `mode`. "
                     f"Received: block_size={block_size!r}, mode={mode!r}"
                 )
-            block = mode_block if mode_block is not None else block
-        self._init_quantized(_mode_text("int4", block), "int4", block, source_name)
+            block = given.block_size
+        scheme = Int4Scheme(block_size=block)
+        self._init_quantized(scheme.mode_text(), scheme, source_name)
 
     def _rebuild_from(self, source: DTypePolicy) -> Int4DTypePolicy:
-        return Int4DTypePolicy("int4", source.name, self._block_size)
+        return Int4DTypePolicy("int4", source.name, self._scheme.block_size)
 
 
 class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
@@ -282,18 +272,16 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         True
     """
 
-    __slots__ = ("_amax_history_length", "_scaling")
+    __slots__ = ()
     _kind: ClassVar[str] = "float8"
-    default_amax_history_length: ClassVar[int] = 1024
-
-    _amax_history_length: int
-    _scaling: str
+    default_amax_history_length: ClassVar[int] = DEFAULT_AMAX_HISTORY_LENGTH
+    _scheme: Float8Scheme
 
     def __init__(
         self,
         mode: str = "float8",
         source_name: str | None = None,
-        amax_history_length: int = 1024,
+        amax_history_length: int = DEFAULT_AMAX_HISTORY_LENGTH,
         scaling: str = "delayed",
     ):
         if mode not in ("float8", "float8_current"):
@@ -302,49 +290,29 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
                 "QuantizedFloat8DTypePolicy (use QuantizedDTypePolicy for 'int8' and "
                 f"'int4'). Received: mode={mode!r}"
             )
-        if not isinstance(scaling, str) or scaling not in SCALINGS:
-            raise ValueError(f"`scaling` must be one of {SCALINGS}. Received: scaling={scaling!r}")
+        scheme = Float8Scheme(scaling=scaling, amax_history_length=amax_history_length)
         if mode == "float8_current":
-            scaling = "current"
-        if isinstance(amax_history_length, bool) or not isinstance(amax_history_length, int):
-            raise TypeError(
-                "`amax_history_length` must be an integer. "
-                f"Received: amax_history_length={amax_history_length!r} "
-                f"(of type {type(amax_history_length).__name__})"
-            )
-        if amax_history_length < 1:
-            raise ValueError(
-                "`amax_history_length` must be at least 1. "
-                f"Received: amax_history_length={amax_history_length!r}"
-            )
-        text = "float8_current" if scaling == "current" else "float8"
-        self._init_quantized(text, "float8", None, source_name)
-        object.__setattr__(self, "_amax_history_length", amax_history_length)
-        object.__setattr__(self, "_scaling", scaling)
-
-    def _key(self) -> tuple[Any, ...]:
-        return (*super()._key(), self._amax_history_length, self._scaling)
+            scheme = dataclasses.replace(scheme, scaling="current")
+        self._init_quantized(scheme.mode_text(), scheme, source_name)
 
     @property
     def amax_history_length(self) -> int:
         """The length of the amax history window used to compute scales (delayed scaling)."""
-        return self._amax_history_length
+        return self._scheme.amax_history_length
 
     @property
     def scaling(self) -> str:
         """``"delayed"`` (scales from an amax history kept as state) or ``"current"``."""
-        return self._scaling
+        return self._scheme.scaling
 
     def _rebuild_from(self, source: DTypePolicy) -> QuantizedFloat8DTypePolicy:
-        length, scaling = self._amax_history_length, self._scaling
+        length, scaling = self._scheme.amax_history_length, self._scheme.scaling
         return QuantizedFloat8DTypePolicy("float8", source.name, length, scaling)
 
-    def get_config(self) -> dict[str, Any]:
-        config = {
-            "mode": "float8",
-            "source_name": self._source_name,
-            "amax_history_length": self._amax_history_length,
-        }
-        if self._scaling != "delayed":  # Keras's own configs stay as Keras writes them
-            config["scaling"] = self._scaling
-        return config
+
+#: The policy classes a scheme's ``policy_class`` names.
+CLASSES: dict[str, type[QuantizedDTypePolicy]] = {
+    "QuantizedDTypePolicy": QuantizedDTypePolicy,
+    "Int4DTypePolicy": Int4DTypePolicy,
+    "QuantizedFloat8DTypePolicy": QuantizedFloat8DTypePolicy,
+}

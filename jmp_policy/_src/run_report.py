@@ -8,11 +8,7 @@ warn once; ``explain`` lists what every module and variable resolved to, and why
 from __future__ import annotations
 
 import difflib
-import os
-import sys
-import warnings
 import weakref
-from types import FrameType
 from typing import Any
 
 import jax
@@ -22,35 +18,7 @@ from jmp_policy._src import numerics, quantization
 from jmp_policy._src.explain import ExplainRow, with_leaf
 from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path, parent_path
 from jmp_policy._src.resolution import Resolver
-
-# The packages whose frames stand between the user's line and a warning: a warning is
-# attributed to the first frame outside them (the user's `init(...)` or `step(...)` line,
-# not `jax/_src/pjit.py`).
-_LIBRARIES = ("jmp_policy", "jax", "jaxlib", "flax")
-
-
-def _library_prefixes() -> tuple[str, ...]:
-    prefixes = []
-    for name in _LIBRARIES:
-        file = getattr(sys.modules.get(name), "__file__", None)
-        if file:  # only imported packages can have frames on the stack
-            prefixes.append(os.path.dirname(file) + os.sep)
-    return tuple(prefixes)
-
-
-def warn(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` attributed to the user's line: the first frame outside jmp_policy,
-    JAX and Flax (``skip_file_prefixes`` on Python 3.12+, the same walk by hand before)."""
-    prefixes = _library_prefixes()
-    if sys.version_info >= (3, 12):
-        warnings.warn(message, category, stacklevel=2, skip_file_prefixes=prefixes)
-        return
-    frame: FrameType | None = sys._getframe(1)
-    level = 2  # the caller of `warn`
-    while frame is not None and frame.f_code.co_filename.startswith(prefixes):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
-
+from jmp_policy._src.user_warnings import warn
 
 # What has been said about each map: {id(map): {(model, unused keys)}}, so a typo warns once
 # per map and model whatever the number of wrappers (`init`, then a jitted `apply`) that

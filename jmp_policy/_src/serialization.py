@@ -168,11 +168,7 @@ def _to_keras(obj: Any) -> dict[str, Any]:
         class_name = "FloatDTypePolicy" if type(obj) is FloatDTypePolicy else "DTypePolicy"
         return _keras_entry("keras", class_name, {"name": _keras_float_name(obj)})
     config = {**obj.get_config(), "source_name": _keras_float_name(obj)}
-    if isinstance(obj, QuantizedFloat8DTypePolicy):
-        class_name = "QuantizedFloat8DTypePolicy"
-    else:
-        # Keras's QuantizedDTypePolicy takes no block ("int4/128"): its Int4DTypePolicy does.
-        class_name = "Int4DTypePolicy" if "/" in config["mode"] else "QuantizedDTypePolicy"
+    class_name = obj.scheme.policy_class_for(config["mode"])
     return _keras_entry("keras.dtype_policies", class_name, config)
 
 

@@ -3,9 +3,9 @@
 Under an int8 or float8 policy, a ``Dense`` or ``DenseGeneral`` whose user set neither
 ``dot_general`` nor ``dot_general_cls`` runs with a replacement ``dot_general`` for the
 duration of the call (Flax reads the attribute at call time; it is restored after):
-:func:`~jmp_policy._src.quantized_matmul.int8_dot_general`, or a float8 quantize-dequantize
-around ``jax.lax.dot_general`` with the call's delayed-scaling state
-(:mod:`jmp_policy._src.float8`). An ``nn.Einsum`` has no such attribute and calls
+the matmul :func:`jmp_policy._src.matmuls.pick` chooses for the layer's policy and kernel
+(int8 compute, a quantized kernel read whole, or explicit float8 matmuls with delayed
+scaling, reading the call's state, or current scaling: :mod:`jmp_policy._src.float8_matmul`). An ``nn.Einsum`` has no such attribute and calls
 ``jnp.einsum`` itself: while one runs under such a policy, ``jax.numpy.einsum`` is
 replaced by a router that sends the calls of that thread to the replacement (and every
 other thread's calls to the original), restored when the last such call ends.
@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jmp_policy._src import float8, interception, matmuls, state_collections
+from jmp_policy._src import interception, matmuls, state_collections
 
 COLLECTION = state_collections.OVERWRITE_WITH_GRADIENT
 
@@ -147,7 +147,7 @@ def float8_state(module: nn.Module, policy: Any, index: int) -> Any:
             "gradient: see `jmp_policy.linen.split_gradients`). Under `nn.scan`, list "
             f"{COLLECTION!r} in `variable_axes` (like 'params').{twice}"
         )
-    return module.variable(COLLECTION, name, float8.init_state, policy.amax_history_length).value
+    return module.variable(COLLECTION, name, policy.scheme.init_state).value
 
 
 def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
@@ -168,7 +168,7 @@ def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
             _learn_route(module, call.path, run)
         kernel = None if run is None else run.kernels.get(call.path)
         state = None
-        if float8.is_float8(policy) and float8.is_delayed(policy):
+        if policy.scheme is not None and policy.scheme.stateful:
             index = calls.get(id(module), (module, 0))[1]
             calls[id(module)] = (module, index + 1)
             state = float8_state(module, policy, index)

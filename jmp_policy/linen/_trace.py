@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jmp_policy._src import casting, float8, interception, quantization
+from jmp_policy._src import casting, interception, quantization
 from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import ModuleInfo, Resolver
@@ -122,7 +122,7 @@ def _whole_kernels(
 ) -> dict[str, Any]:
     """The quantized kernels that reach their layers whole: those of modules whose matmul
     jmp_policy routes, seen at their stored shape (learnt by a shape-only run), under a
-    policy that is not float8 (float8 quantizes float kernels itself)."""
+    policy whose scheme reads stored kernels (float8 quantizes float kernels itself)."""
     quantized = _quantized_kernels(variables.get("params", {}))
     if not quantized:
         return {}
@@ -143,8 +143,12 @@ def _whole_kernels(
         path: q
         for path, q in quantized.items()
         if routes.get(path)
-        and not float8.is_float8(chosen.variable(f"{path}/kernel" if path else "kernel")[0])
+        and _reads_stored(chosen.variable(f"{path}/kernel" if path else "kernel")[0])
     }
+
+
+def _reads_stored(policy: Any) -> bool:
+    return policy.scheme is None or policy.scheme.reads_stored_kernels  # type: ignore[no-any-return]
 
 
 def _with_params(variables: Mapping[str, Any], fn: Callable[[Any], Any]) -> Any:

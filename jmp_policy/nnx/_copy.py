@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmp_policy._src import casting, float8, quantization
+from jmp_policy._src import casting, quantization
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.resolution import Resolver
 from jmp_policy.nnx._modules import path_of
@@ -62,7 +62,7 @@ def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]
                 quantization.is_quantized(value)
                 and name == "kernel"
                 and module_path in whole_paths
-                and not float8.is_float8(policy)
+                and (policy.scheme is None or policy.scheme.reads_stored_kernels)
             ):
                 # The layer's matmul reads the QuantizedArray itself (see
                 # jmp_policy._src.matmuls); NNX's promote_dtype gets its integers.

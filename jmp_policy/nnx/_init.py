@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmp_policy._src import float8, global_state
+from jmp_policy._src import global_state
 from jmp_policy._src.options import as_policy_or_map
 from jmp_policy.nnx._hook import resolver_for
 from jmp_policy.nnx._modules import check_model, path_of, prepare
@@ -18,9 +18,8 @@ from jmp_policy.nnx._quantization import ATTR, Float8State, routable, stacked
 M = TypeVar("M", bound=nnx.Module)
 
 
-def _state(policy: Any, module: Any) -> Float8State:
+def _state(state: Any, module: Any) -> Float8State:
     lead = stacked(module)
-    state = float8.init_state(policy.amax_history_length)
     return Float8State(jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), state))
 
 
@@ -93,10 +92,12 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
     for parts, module in list(nnx.iter_modules(copy)):
         path = path_of(parts)
         policy: Any = resolver.module(path).policy
-        if not (float8.is_float8(policy) and routable(module)):
+        scheme = policy.scheme
+        if scheme is None or scheme.state_kind != ATTR or not routable(module):
             continue
         found += 1
-        if not float8.is_delayed(policy):
+        state = scheme.init_state()
+        if state is None:
             continue  # current scaling keeps no state
         current = getattr(module, ATTR, None)
         if current is not None and not isinstance(current, Float8State):
@@ -105,7 +106,7 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
                 f"policy {policy.name!r}, but its attribute {ATTR!r}, where its float8 state "
                 f"goes, already holds {current!r}. Rename that attribute."
             )
-        setattr(module, ATTR, _state(policy, module))
+        setattr(module, ATTR, _state(state, module))
     if not found:
         raise ValueError(
             "No layer of the model runs under a float8 policy: `init_float8` creates float8 "

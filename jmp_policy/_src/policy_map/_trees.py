@@ -184,6 +184,10 @@ def cast_to_output(policy_map: PolicyMap, tree: T) -> T:
     return _map_policies(policy_map, tree, lambda p, x: casting.cast_leaf(x, p.output_dtype))
 
 
+def _stores_weights(policy: Any) -> bool:
+    return policy.scheme is not None and policy.scheme.stores_weights
+
+
 def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
     """Quantizes the kernels of the modules the map puts under int8 or int4 policies.
 
@@ -235,7 +239,7 @@ def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
         QuantizedArray(int8, shape=(4, 64, 8), original_dtype=float32, stacked=1)
     """
     policies = [*policy_map.values(), policy_map.default_policy]
-    if not any(p.quantization_mode in quantization.MODES for p in policies):
+    if not any(_stores_weights(p) for p in policies):
         names = sorted({p.name for p in policies})
         raise ValueError(
             f"This map holds no int8 or int4 policy (it holds {names}), so `quantize` "
@@ -249,14 +253,13 @@ def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
 
     def leaf(module: str, name: str, x: Any) -> Any:
         policy = policy_of(variable_key(module, name))
-        mode = policy.quantization_mode
-        if mode not in quantization.MODES:
+        if not _stores_weights(policy):
             return x
         k = stacked_of(f"{module}/{name}" if module else name)
         if not quantization.quantizable_layers(x, k):
             return x
         done.append(True)
-        return quantization.quantize(x, mode, getattr(policy, "block_size", None), k)
+        return policy.scheme.quantize(x, k)
 
     result = map_leaves(tree, leaf)
     if not done:

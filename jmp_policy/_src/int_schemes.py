@@ -1,0 +1,121 @@
+"""The integer formats: int8 (weights, and int8 compute) and int4 (per channel or blocks).
+
+``"int8"``: kernels stored as int8 with a scale per output channel; a layer whose int8
+kernel reaches it whole reads it (int8 x int8 at enough rows), and a layer with a float
+kernel computes int8 x int8 with both operands quantized in the step (quantization-aware
+training, straight-through). ``"int4"`` / ``"int4/<block>"``: kernels stored as int4 per
+channel or in blocks of rows; a layer reads its stored kernel whole, a float kernel runs
+as written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import numpy as np
+
+from jmp_policy._src import matmuls, quantization, quantized_matmul
+from jmp_policy._src.quantized_array_checks import is_bad_block
+from jmp_policy._src.schemes import Scheme, register
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Int8Scheme(Scheme):
+    """int8 weights and int8 compute (``"int8_from_<source>"``).
+
+    Examples:
+        >>> from jmp_policy._src.int_schemes import Int8Scheme
+        >>> Int8Scheme.parse("int8"), Int8Scheme().stores_weights
+        (Int8Scheme(), True)
+    """
+
+    mode: ClassVar[str] = "int8"
+    grammar: ClassVar[tuple[str, ...]] = ("'int8'",)
+
+    def check_source(self, compute: Any, text: str, source_name: str) -> None:
+        if compute == np.float16:
+            raise ValueError(
+                f"Quantization mode='{text}' doesn't work well with compute_dtype='float16'. "
+                "Use a bfloat16 or float32 source policy, such as 'mixed_bfloat16'. "
+                f"Received: source_name={source_name!r}"
+            )
+
+    def quantize(self, x: Any, stacked: int) -> Any:
+        return quantization.quantize(x, "int8", None, stacked)
+
+    def matmul(self, kind: str, *, path: str, state: Any, kernel: Any) -> Callable[..., Any] | None:
+        if quantization.is_quantized(kernel):
+            return matmuls.stored_kernel(kind, path, kernel, int8_compute=True)
+
+        def qat(lhs: Any, rhs: Any, dims: Any, *args: Any, **kw: Any) -> Any:
+            matmuls.record(path, "int8 x int8 (both quantized in the step), straight-through")
+            return quantized_matmul.int8_dot_general(lhs, rhs, dims, *args, **kw)
+
+        return matmuls.as_einsum(lambda _: qat) if kind == "einsum" else qat
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Int4Scheme(Scheme):
+    """int4 weights, per channel (``block_size=-1``, ``"int4"``) or in blocks of rows
+    (``"int4/<block>"``).
+
+    Examples:
+        >>> from jmp_policy._src.int_schemes import Int4Scheme
+        >>> scheme = Int4Scheme.parse("int4/128")
+        >>> scheme, scheme.mode_text(), Int4Scheme.parse("int4").mode_text("int4")
+        (Int4Scheme(block_size=128), 'int4/128', 'int4')
+    """
+
+    mode: ClassVar[str] = "int4"
+    grammar: ClassVar[tuple[str, ...]] = ("'int4'", "'int4/<block>'")
+
+    block_size: int = -1  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if is_bad_block(self.block_size):
+            raise ValueError(
+                "`block_size` must be -1 (per channel) or a positive integer. "
+                f"Received: block_size={self.block_size!r}"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> Int4Scheme | None:
+        base, sep, block_text = text.partition("/")
+        if base != "int4":
+            return None
+        if not sep or block_text == "None":  # Keras's legacy "int4/None": per channel
+            return cls(block_size=-1)
+        try:
+            block = int(block_text)
+        except ValueError:
+            block = 0
+        if block == 0 or block < -1 or str(block) != block_text:
+            raise ValueError(
+                f"Invalid quantization mode. The block size of `mode` must be -1 "
+                f"(per channel) or a positive integer, as in 'int4/128'. Received: mode={text!r}"
+            )
+        return cls(block_size=block)
+
+    def mode_text(self, given: str | None = None) -> str:
+        # "int4" stays "int4" (Keras's own spelling); a given block is written canonically.
+        if given is not None and "/" not in given:
+            return "int4"
+        return f"int4/{self.block_size}"
+
+    def policy_class_for(self, text: str) -> str:
+        # Keras's QuantizedDTypePolicy takes no block ("int4/128"): its Int4DTypePolicy does.
+        return "Int4DTypePolicy" if "/" in text else "QuantizedDTypePolicy"
+
+    def quantize(self, x: Any, stacked: int) -> Any:
+        return quantization.quantize(x, "int4", self.block_size, stacked)
+
+    def matmul(self, kind: str, *, path: str, state: Any, kernel: Any) -> Callable[..., Any] | None:
+        if quantization.is_quantized(kernel):
+            return matmuls.stored_kernel(kind, path, kernel, int8_compute=False)
+        return None
+
+
+register(Int8Scheme)
+register(Int4Scheme)
