@@ -10,12 +10,12 @@ a new option is one field here and one keyword. Which policy a module then runs 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src import serialization
+from jmp_policy._src.path_patterns import PathPattern, compile_pattern
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.policy_map import DTypePolicyMap
 
@@ -45,7 +45,7 @@ class Options:
     type_policies: Mapping[type, DTypePolicy | Island] = dataclasses.field(default_factory=dict)
     module_dtype: str = "respect"
     exclude_types: tuple[type, ...] = ()
-    exclude_patterns: tuple[re.Pattern[str], ...] = ()
+    exclude_patterns: tuple[PathPattern, ...] = ()
     extensions: tuple[Callable[..., Any], ...] = ()
 
     def excluded(self, path: str, cls: type | None) -> bool:
@@ -213,34 +213,37 @@ def _type_policies(
 
 def _exclusions(
     autocast_exclude: Any, module_base: type | None, base_name: str, example: str
-) -> tuple[tuple[type, ...], tuple[re.Pattern[str], ...]]:
+) -> tuple[tuple[type, ...], tuple[PathPattern, ...]]:
     """``autocast_exclude`` checked, as the module classes and the path patterns it names."""
+    given = autocast_exclude
     if isinstance(autocast_exclude, (str, type)):
         autocast_exclude = (autocast_exclude,)
     try:
+        if isinstance(autocast_exclude, (bytes, bytearray, Mapping)):
+            raise TypeError  # bytes iterate as ints, a mapping as its keys only
         entries = tuple(autocast_exclude)
     except TypeError:
         raise TypeError(
             "`autocast_exclude` must be a sequence of module classes and/or path regular "
-            f"expressions. Received: autocast_exclude={autocast_exclude!r}"
+            f"expressions (str). Received: autocast_exclude={given!r}"
         ) from None
     exclude_types: list[type] = []
-    patterns: list[re.Pattern[str]] = []
+    patterns: list[PathPattern] = []
     for entry in entries:
         if isinstance(entry, str):
-            try:
-                patterns.append(re.compile(entry))
-            except re.error as e:
-                raise ValueError(
-                    f"`autocast_exclude` holds an invalid regular expression {entry!r}: {e}"
-                ) from e
+            patterns.append(
+                compile_pattern(
+                    entry, "entry {key} of `autocast_exclude`", f"autocast_exclude={given!r}"
+                )
+            )
         elif isinstance(entry, type):
             _check_class(entry, "autocast_exclude", module_base, base_name, example)
             exclude_types.append(entry)
         else:
             raise TypeError(
                 "`autocast_exclude` entries must be module classes or path regular "
-                f"expressions (strings). Received: {entry!r} (of type {type(entry).__name__})"
+                f"expressions (strings). Received: {entry!r} (of type {type(entry).__name__}) "
+                f"in autocast_exclude={given!r}"
             )
     return tuple(exclude_types), tuple(patterns)
 

@@ -392,7 +392,7 @@ def test_paths_filter_that_names_nothing_warns():
         ({"paths": 5}, TypeError, r"`paths` must be None.*paths=5"),
         ({"paths": ["head", 3]}, TypeError, r"paths=\['head', 3\]"),
         ({"paths": []}, ValueError, r"`paths` is empty.*paths=\[\]"),
-        ({"paths": "enc[oder"}, ValueError, r"`paths` holds 'enc\[oder'.*not a valid regular"),
+        ({"paths": "enc[oder"}, ValueError, r"Entry 'enc\[oder' of `paths` is not a valid regular"),
     ],
 )
 def test_diagnose_rejects_bad_every_and_paths(kwargs, error, match):
