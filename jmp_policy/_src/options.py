@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src import serialization
+from jmp_policy._src import global_state, quantization, serialization
 from jmp_policy._src.path_patterns import PathPattern, compile_pattern
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.policy_map import DTypePolicyMap
@@ -92,12 +92,30 @@ def as_policy_or_map(policy_or_map: Any, argument: str = "policy_or_map") -> Any
         return policy_or_map
     if policy_or_map is None:
         return None
-    if isinstance(policy_or_map, dict) and "class_name" not in policy_or_map:
-        return DTypePolicyMap(None, policy_or_map)
     try:
-        return serialization.get(policy_or_map)
+        if isinstance(policy_or_map, dict) and "class_name" not in policy_or_map:
+            return DTypePolicyMap(None, policy_or_map)
+        return serialization.read_policy(policy_or_map, argument)
     except (TypeError, ValueError) as e:
         raise type(e)(f"Invalid `{argument}`: {e}") from e
+
+
+def quantizing_policy_or_map(policy_or_map: Any) -> Any:
+    """The ``quantize`` wrappers' first step: the policy or map (:func:`as_policy_or_map`;
+    ``None``: the global policy), checked to hold an int8 or int4 policy."""
+    policies = as_policy_or_map(policy_or_map)
+    if policies is None:
+        policies = global_state.dtype_policy()
+    held = list(_policies_of(policies))
+    if not any(p.quantization_mode in quantization.MODES for p in held):
+        raise ValueError(
+            "`policy_or_map` quantizes nothing: only int8 and int4 policies store quantized "
+            "weights. Pass one, such as 'int8_from_mixed_bfloat16' or "
+            "'int4/128_from_float32', or a map holding one, such as "
+            f"{{'mlp/.*': 'int8_from_mixed_bfloat16'}}. Received: "
+            f"policy_or_map={policy_or_map!r}, which holds {sorted({p.name for p in held})}"
+        )
+    return policies
 
 
 def _policies_of(policy_or_map: Any) -> Iterable[DTypePolicy]:

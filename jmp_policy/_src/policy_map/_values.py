@@ -47,7 +47,7 @@ def as_policy(value: Any, key: str) -> DTypePolicy:
         )
     check_config(value, argument)
     try:
-        return serialization.get(value)  # type: ignore[no-any-return]
+        return serialization.read_policy(value, "value")  # type: ignore[no-any-return]
     except (TypeError, ValueError) as e:
         raise ValueError(f"{argument}: {e}") from e
 
