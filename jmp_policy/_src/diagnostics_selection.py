@@ -18,6 +18,8 @@ import numpy as np
 from jmp_policy._src.path_patterns import PathPattern, compile_pattern, is_literal
 
 _ENTRY = "entry {key} of `paths`"
+#: The largest ``every`` and ``|step|``: steps are computed in int32 under ``jit``.
+MAX_INT = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,11 @@ class Selection:
                     "`step` must be the training step, an int or an integer scalar array "
                     f"(traced under jit). Received: step={step!r}"
                 )
+            if integer and not -MAX_INT <= step <= MAX_INT:
+                raise ValueError(
+                    f"`step` must fit in an int32 (|step| <= {MAX_INT}), the dtype it is "
+                    f"computed in. Received: step={step!r}"
+                )
         if self.every == 1:
             return None
         if step is None:
@@ -75,10 +82,10 @@ def selection(every: Any = 1, paths: Any = None) -> Selection:
             "`every` must be an int >= 1 (compute the statistics on one step in `every`). "
             f"Received: every={every!r} of type {type(every).__name__}"
         )
-    if every < 1:
+    if not 1 <= every <= MAX_INT:
         raise ValueError(
-            "`every` must be an int >= 1 (compute the statistics on one step in `every`). "
-            f"Received: every={every!r}"
+            f"`every` must be an int from 1 to {MAX_INT} (compute the statistics on one step "
+            f"in `every`; steps are int32). Received: every={every!r}"
         )
     if paths is None:
         return Selection(int(every), None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import reprlib
 from typing import Any
 
 import jax.numpy as jnp
@@ -144,6 +145,17 @@ def did_you_mean(value: str, candidates: Any) -> str:
         return ""
     matches = difflib.get_close_matches(value, list(candidates), n=1, cutoff=0.75)
     return f" Did you mean {matches[0]!r}?" if matches else ""
+
+
+_BOUNDED = reprlib.Repr()
+_BOUNDED.maxlevel, _BOUNDED.maxdict, _BOUNDED.maxlist, _BOUNDED.maxtuple = 12, 20, 20, 20
+_BOUNDED.maxstring, _BOUNDED.maxother, _BOUNDED.maxlong = 200, 200, 200
+
+
+def bounded_repr(value: Any) -> str:
+    """``repr(value)`` for an error message, bounded in depth and length: a config or tree
+    nested thousands of levels deep is quoted, not a ``RecursionError``."""
+    return _BOUNDED.repr(value)
 
 
 def dtype_or_none(value: Any) -> np.dtype | None:
@@ -302,6 +314,12 @@ def split_quantized_name(name: str, argument: str = "policy") -> tuple[str, str]
     return mode, source
 
 
+#: The longest amax history a float8 policy keeps (per tensor, per layer, as state).
+MAX_AMAX_HISTORY = 65536
+#: The largest int4 block (rows per scale along the input axis); -1 is per channel.
+MAX_INT4_BLOCK = 65536
+
+
 def parse_int_mode(mode: Any) -> tuple[str, int | None]:
     """Validates an integer quantization mode.
 
@@ -323,10 +341,11 @@ def parse_int_mode(mode: Any) -> tuple[str, int | None]:
             block = int(block_text)
         except ValueError:
             block = 0
-        if block == 0 or block < -1 or str(block) != block_text:
+        if block == 0 or block < -1 or block > MAX_INT4_BLOCK or str(block) != block_text:
             raise ValueError(
                 f"Invalid quantization mode. The block size of `mode` must be -1 "
-                f"(per channel) or a positive integer, as in 'int4/128'. Received: mode={mode!r}"
+                f"(per channel) or from 1 to {MAX_INT4_BLOCK}, as in 'int4/128'. "
+                f"Received: mode={bounded_repr(mode)}"
             )
         return "int4", block
     raise ValueError(

@@ -264,11 +264,13 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         mode: ``"float8"`` (or ``"float8_current"``, the same as ``scaling="current"``).
         source_name: the float policy the dtypes come from; ``None`` takes the global one.
         amax_history_length: the amax history's length, a positive ``int`` (delayed scaling).
-        scaling: ``"delayed"`` or ``"current"``.
+        scaling: ``"delayed"`` or ``"current"`` (``None``: as ``mode`` says, delayed for
+            ``"float8"``; ``"delayed"`` with ``"float8_current"`` is a contradiction).
 
     Raises:
         TypeError: ``amax_history_length`` is not an ``int`` (bools included).
-        ValueError: another mode or scaling, a bad source name, or ``amax_history_length < 1``.
+        ValueError: another mode or scaling, a bad source name, or ``amax_history_length``
+            outside 1 to ``MAX_AMAX_HISTORY`` (65536).
 
     Examples:
         >>> import jmp_policy as jp
@@ -294,7 +296,7 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         mode: str = "float8",
         source_name: str | None = None,
         amax_history_length: int = 1024,
-        scaling: str = "delayed",
+        scaling: str | None = None,
     ):
         if mode not in ("float8", "float8_current"):
             raise ValueError(
@@ -302,9 +304,17 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
                 "QuantizedFloat8DTypePolicy (use QuantizedDTypePolicy for 'int8' and "
                 f"'int4'). Received: mode={mode!r}"
             )
-        if not isinstance(scaling, str) or scaling not in SCALINGS:
+        if scaling is not None and (not isinstance(scaling, str) or scaling not in SCALINGS):
             raise ValueError(f"`scaling` must be one of {SCALINGS}. Received: scaling={scaling!r}")
-        if mode == "float8_current":
+        if mode == "float8_current" and scaling == "delayed":
+            raise ValueError(
+                "`scaling='delayed'` contradicts mode 'float8_current' (current scaling). "
+                "Pass mode='float8' for delayed scaling. "
+                f"Received: mode={mode!r}, scaling={scaling!r}"
+            )
+        if scaling is None:
+            scaling = "current" if mode == "float8_current" else "delayed"
+        elif mode == "float8_current":
             scaling = "current"
         if isinstance(amax_history_length, bool) or not isinstance(amax_history_length, int):
             raise TypeError(
@@ -312,9 +322,10 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
                 f"Received: amax_history_length={amax_history_length!r} "
                 f"(of type {type(amax_history_length).__name__})"
             )
-        if amax_history_length < 1:
+        if not 1 <= amax_history_length <= dt.MAX_AMAX_HISTORY:
             raise ValueError(
-                "`amax_history_length` must be at least 1. "
+                f"`amax_history_length` must be from 1 to {dt.MAX_AMAX_HISTORY} (a float8 "
+                "layer keeps that many amaxes per tensor as state; Keras's default is 1024). "
                 f"Received: amax_history_length={amax_history_length!r}"
             )
         text = "float8_current" if scaling == "current" else "float8"

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jmp_policy._src import global_state
-from jmp_policy._src.dtypes import INFER, TypeAndValueError, dtype_or_none
+from jmp_policy._src.dtypes import INFER, TypeAndValueError, bounded_repr, dtype_or_none
 from jmp_policy._src.policy import DTypePolicy, FloatDTypePolicy, Policy
 from jmp_policy._src.policy_names import policy_from_name
 from jmp_policy._src.quantized_policy import (
@@ -271,7 +271,7 @@ def _deserialize(config: Any, custom_objects: Any, argument: str) -> Any:
     if not isinstance(config, dict):
         raise TypeError(
             f"`{argument}` must be a dict with 'class_name' and 'config' (as `serialize` "
-            f"returns) or a policy name. Received: {argument}={config!r} (of type "
+            f"returns) or a policy name. Received: {argument}={bounded_repr(config)} (of type "
             f"{type(config).__name__})"
         )
     class_name = config.get("class_name")
@@ -282,11 +282,14 @@ def _deserialize(config: Any, custom_objects: Any, argument: str) -> Any:
         raise ValueError(
             f"Unknown `class_name` {class_name!r} in `{argument}`; expected one of "
             f"{sorted(_CLASSES)}, or a class of your own passed as "
-            f"`custom_objects={{{class_name!r}: YourClass}}`. Received: {argument}={config!r}"
+            f"`custom_objects={{{bounded_repr(class_name)}: YourClass}}`. "
+            f"Received: {argument}={bounded_repr(config)}"
         )
     inner = config.get("config", {})
     if not isinstance(inner, dict):
-        raise ValueError(f"`{argument}['config']` must be a dict. Received: {argument}={config!r}")
+        raise ValueError(
+            f"`{argument}['config']` must be a dict. Received: {argument}={bounded_repr(config)}"
+        )
     token = _CUSTOM_OBJECTS.set(known)
     try:
         return cls.from_config(inner)
