@@ -92,3 +92,45 @@ def test_huge_int4_blocks_are_rejected(block):
     with pytest.raises(ValueError, match=r"from 1 to 65536"):
         jp.get(f"int4/{block}_from_float32")
     assert jp.Int4DTypePolicy("int4", "float32", block_size=65536).block_size == 65536
+
+
+def test_update_is_all_or_nothing():
+    m = jp.DTypePolicyMap("float32", {"a": "bfloat16"})
+    for bad in (
+        {"b": "float16", "c": "bogus"},
+        {"b": "float16", "a": "float16"},  # a duplicate key
+        {"b": "float16", "enc(": "float16"},
+        [("b", "float16"), ("c",)],
+    ):
+        with pytest.raises((ValueError, TypeError)):
+            m.update(bad)
+        assert dict(m.items()) == {"a": jp.DTypePolicy("bfloat16")}
+        assert m["b"] == jp.DTypePolicy("float32")
+    m.update({"b": "float16"}, c="mixed_bfloat16")
+    assert list(m) == ["a", "b", "c"]
+
+
+class _NotAPolicy:
+    @classmethod
+    def from_config(cls, config):
+        return cls()
+
+
+def test_custom_objects_entries_must_be_policy_classes():
+    config = {"class_name": "Mine", "config": {"name": "float32"}}
+    with pytest.raises(TypeError, match=r"`custom_objects\['Mine'\]` must be a policy class"):
+        jp.deserialize(config, custom_objects={"Mine": _NotAPolicy})
+
+    class Mine(jp.DTypePolicy):
+        pass
+
+    assert type(jp.deserialize(config, custom_objects={"Mine": Mine})) is Mine
+
+
+def test_duplicate_key_has_keras_words_first_then_the_quoted_value():
+    m = jp.DTypePolicyMap(None, {"layer/dense_0": "float32"})
+    with pytest.raises(ValueError) as info:
+        m["layer/dense_0"] = "bfloat16"
+    message = str(info.value)
+    assert message.startswith("layer/dense_0 already exist in the DTypePolicyMap with value")
+    assert message.endswith("Received: key='layer/dense_0'")

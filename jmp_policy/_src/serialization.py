@@ -212,10 +212,10 @@ def _check_custom_objects(custom_objects: Any) -> Mapping[str, type[Any]]:
             f"{{'MyPolicy': MyPolicy}}. Received: custom_objects={custom_objects!r}"
         )
     for name, cls in custom_objects.items():
-        if not isinstance(cls, type) or not hasattr(cls, "from_config"):
+        if not isinstance(cls, type) or not issubclass(cls, tuple(_OWN_CLASSES)):
             raise TypeError(
-                f"`custom_objects[{name!r}]` must be a class with `from_config`, such as a "
-                f"subclass of DTypePolicy. Received: {cls!r}"
+                f"`custom_objects[{name!r}]` must be a policy class: a subclass of DTypePolicy "
+                f"(or of DTypePolicyMap). Received: custom_objects={bounded_repr(custom_objects)}"
             )
     return custom_objects
 
