@@ -147,14 +147,12 @@ def did_you_mean(value: str, candidates: Any) -> str:
     return f" Did you mean {matches[0]!r}?" if matches else ""
 
 
-_BOUNDED = reprlib.Repr()
-_BOUNDED.maxlevel, _BOUNDED.maxdict, _BOUNDED.maxlist, _BOUNDED.maxtuple = 12, 20, 20, 20
-_BOUNDED.maxstring, _BOUNDED.maxother, _BOUNDED.maxlong = 200, 200, 200
+_BOUNDED = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_BOUNDED.maxlevel, _BOUNDED.maxdict, _BOUNDED.maxlist, _BOUNDED.maxstring = 12, 20, 20, 200
 
 
 def bounded_repr(value: Any) -> str:
-    """``repr(value)`` for an error message, bounded in depth and length: a config or tree
-    nested thousands of levels deep is quoted, not a ``RecursionError``."""
+    """``repr(value)`` bounded in depth and length (a deep config is no RecursionError)."""
     return _BOUNDED.repr(value)
 
 
@@ -314,10 +312,8 @@ def split_quantized_name(name: str, argument: str = "policy") -> tuple[str, str]
     return mode, source
 
 
-#: The longest amax history a float8 policy keeps (per tensor, per layer, as state).
-MAX_AMAX_HISTORY = 65536
-#: The largest int4 block (rows per scale along the input axis); -1 is per channel.
-MAX_INT4_BLOCK = 65536
+#: The longest float8 amax history (per tensor, per layer); the largest int4 block (rows).
+MAX_AMAX_HISTORY = MAX_INT4_BLOCK = 65536
 
 
 def parse_int_mode(mode: Any) -> tuple[str, int | None]:

@@ -8,12 +8,12 @@ from typing import Any, ClassVar
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src import quantization
+from jmp_policy._src import float8, quantization
 from jmp_policy._src.policy import DTypePolicy, T, global_name
 from jmp_policy._src.quantized_array_checks import int4_block
 
 _DEFAULT_INT4_BLOCK = 128
-SCALINGS = ("delayed", "current")
+SCALINGS = float8.SCALINGS
 
 
 def _mode_text(base: str, block: int | None) -> str:
@@ -264,13 +264,11 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         mode: ``"float8"`` (or ``"float8_current"``, the same as ``scaling="current"``).
         source_name: the float policy the dtypes come from; ``None`` takes the global one.
         amax_history_length: the amax history's length, a positive ``int`` (delayed scaling).
-        scaling: ``"delayed"`` or ``"current"`` (``None``: as ``mode`` says, delayed for
-            ``"float8"``; ``"delayed"`` with ``"float8_current"`` is a contradiction).
+        scaling: ``"delayed"``, ``"current"`` or ``None`` (as ``mode`` says).
 
     Raises:
         TypeError: ``amax_history_length`` is not an ``int`` (bools included).
-        ValueError: another mode or scaling, a bad source name, or ``amax_history_length``
-            outside 1 to ``MAX_AMAX_HISTORY`` (65536).
+        ValueError: another mode or scaling, a bad source name, or a length not in 1..65536.
 
     Examples:
         >>> import jmp_policy as jp
@@ -304,18 +302,7 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
                 "QuantizedFloat8DTypePolicy (use QuantizedDTypePolicy for 'int8' and "
                 f"'int4'). Received: mode={mode!r}"
             )
-        if scaling is not None and (not isinstance(scaling, str) or scaling not in SCALINGS):
-            raise ValueError(f"`scaling` must be one of {SCALINGS}. Received: scaling={scaling!r}")
-        if mode == "float8_current" and scaling == "delayed":
-            raise ValueError(
-                "`scaling='delayed'` contradicts mode 'float8_current' (current scaling). "
-                "Pass mode='float8' for delayed scaling. "
-                f"Received: mode={mode!r}, scaling={scaling!r}"
-            )
-        if scaling is None:
-            scaling = "current" if mode == "float8_current" else "delayed"
-        elif mode == "float8_current":
-            scaling = "current"
+        scaling = float8.scaling_of(mode, scaling)
         if isinstance(amax_history_length, bool) or not isinstance(amax_history_length, int):
             raise TypeError(
                 "`amax_history_length` must be an integer. "
@@ -324,9 +311,8 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
             )
         if not 1 <= amax_history_length <= dt.MAX_AMAX_HISTORY:
             raise ValueError(
-                f"`amax_history_length` must be from 1 to {dt.MAX_AMAX_HISTORY} (a float8 "
-                "layer keeps that many amaxes per tensor as state; Keras's default is 1024). "
-                f"Received: amax_history_length={amax_history_length!r}"
+                f"`amax_history_length` must be from 1 to {dt.MAX_AMAX_HISTORY} (amaxes kept "
+                f"per tensor). Received: amax_history_length={amax_history_length!r}"
             )
         text = "float8_current" if scaling == "current" else "float8"
         self._init_quantized(text, "float8", None, source_name)

@@ -118,7 +118,7 @@ def serialize(obj: Any, format: str = "jmp_policy") -> dict[str, Any] | None:
     if format == "keras":
         try:
             return _to_keras(obj)
-        except ValueError as e:
+        except ValueError as e:  # quote `obj` once
             if "Received: obj=" in str(e):
                 raise
             raise ValueError(f"{e} Received: obj={obj!r}") from e
@@ -287,9 +287,7 @@ def _deserialize(config: Any, custom_objects: Any, argument: str) -> Any:
         )
     inner = config.get("config", {})
     if not isinstance(inner, dict):
-        raise ValueError(
-            f"`{argument}['config']` must be a dict. Received: {argument}={bounded_repr(config)}"
-        )
+        raise ValueError(f"`{argument}['config']` must be a dict. Received: {argument}={config!r}")
     token = _CUSTOM_OBJECTS.set(known)
     try:
         return cls.from_config(inner)

@@ -5,6 +5,7 @@ docstring has the rule) to a key, by the key index (``_index``, which caches key
 ``default_policy=None`` map follows ``policy_scope``). The tree methods are ``_trees``'s.
 """
 
+# long: one concept, the mapping (dict's methods, an atomic update, resolution, config).
 from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, Mapping, MutableMapping, ValuesView
