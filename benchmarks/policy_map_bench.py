@@ -11,7 +11,12 @@ paths, half regular expressions), reading it back from its config (``deserialize
 resolving one path per key on a cold map, with each time's ratio to the 1,000-key one: a
 linear cost gives ratios of 5 and 20 (building was quadratic: 20,000 keys took 209 s).
 
-Run: python benchmarks/policy_map_bench.py
+Then regular-expression keys at scale (issue 30): building a map of 1,000 / 20,000 /
+100,000 keys ``encoder/layers_{i}/mlp_\\d+`` and, with an alternation,
+``encoder/layers_{i}/(mlp|attn)_\\d+``, and its first lookup (keys are indexed by their
+literal prefix, alternations included, and compiled for RE2 on their first match).
+
+Run: python benchmarks/policy_map_bench.py [--quick]  (--quick: one repeat, 1,000 keys)
 """
 
 from __future__ import annotations
@@ -181,6 +186,42 @@ def main_growth(reps: int = 3) -> None:
         )
 
 
+REGEX_SIZES = (1_000, 20_000, 100_000)
+
+
+def time_regex_keys(n: int, alternation: bool) -> tuple[float, float]:
+    """Seconds to build a map of ``n`` regular-expression keys, and to answer its first
+    lookup."""
+    middle = "(mlp|attn)" if alternation else "mlp"
+    keys = {f"encoder/layers_{i}/{middle}_\\d+": "bfloat16" for i in range(n)}
+    start = time.perf_counter()
+    m = jp.DTypePolicyMap("float32", keys)
+    built = time.perf_counter()
+    m[f"encoder/layers_{n // 2}/mlp_3/kernel"]
+    return built - start, time.perf_counter() - built
+
+
+def main_regex_keys(sizes: tuple[int, ...] = REGEX_SIZES, reps: int = 3) -> None:
+    print(f"\nregular-expression keys, median of {reps}")
+    print(f"{'keys':>8s} {'alternation':>12s} {'build s':>9s} {'first lookup ms':>16s}")
+    for n in sizes:
+        for alternation in (False, True):
+            runs = [time_regex_keys(n, alternation) for _ in range(reps)]
+            build = statistics.median(r[0] for r in runs)
+            lookup = statistics.median(r[1] for r in runs)
+            print(
+                f"{n:8,d} {'with |' if alternation else 'without':>12s} {build:9.3f} "
+                f"{lookup * 1e3:16.2f}"
+            )
+
+
 if __name__ == "__main__":
-    main()
-    main_growth()
+    import sys
+
+    if "--quick" in sys.argv[1:]:
+        main(reps=1)
+        main_regex_keys((1_000,), reps=1)
+    else:
+        main()
+        main_growth()
+        main_regex_keys()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -140,6 +141,44 @@ def uses_float16(policy: jp.DTypePolicyMap | jp.DTypePolicy | str) -> bool:
     else:
         policies = [jp.get(policy)]
     return any(p.compute_dtype == jnp.float16 for p in policies)
+
+
+def _int_in(low: int, high: int, why: str = ""):
+    """An argparse type: an int from ``low`` to ``high``."""
+
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer; got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer from {low} to {high:,}{why}; got {text!r}"
+            )
+        return value
+
+    return check
+
+
+def _learning_rate(text: str) -> float:
+    """``--lr``: a finite positive float."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number; got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0; got {text!r}")
+    return value
+
+
+def _plot_path(text: str) -> str:
+    """``--plot``: a file path whose directory exists (checked before training)."""
+    directory = os.path.dirname(os.path.abspath(text))
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"the directory {directory!r} does not exist")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; expected a file path")
+    return text
 
 
 def load_data(seed: int) -> tuple[np.ndarray, ...]:
@@ -383,6 +422,13 @@ def plot(path: str, name: str, ours: dict[str, Any], base: dict[str, Any]) -> No
     plt.close(fig)
 
 
+# The model's submodule names, for `--help` (which must not trace the model): the test
+# holds them to `module_names()`.
+MODULE_NAMES = ("head", "hidden_0", "hidden_1", "norm")
+# Half of the 1,438 training images: the memory measurement takes two batches of them.
+MAX_BATCH = 719
+
+
 def module_names(hidden: int = 8) -> list[str]:
     """The model's submodule names, the keys ``--policy-map`` can use (traced, not run)."""
     shapes = jax.eval_shape(MLP(hidden).init, jax.random.key(0), jnp.zeros((1, 64)))
@@ -394,7 +440,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 
 def make_parser() -> argparse.ArgumentParser:
-    names = module_names()
+    names = MODULE_NAMES
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=_HelpFormatter,
@@ -422,22 +468,35 @@ def make_parser() -> argparse.ArgumentParser:
         help="a policy per submodule, over --policy (keys listed below): JSON "
         '{"head": "float32"} or head=float32,norm=float32',
     )
-    parser.add_argument("--steps", type=int, default=600, help="training steps of each run")
-    parser.add_argument("--batch", type=int, default=128, help="examples per step")
-    parser.add_argument("--hidden", type=int, default=512, help="width of the hidden layers")
-    parser.add_argument("--lr", type=float, default=1e-3, help="adam's learning rate")
     parser.add_argument(
-        "--seed", type=int, default=0, help="seeds the data split, the init and the batches"
+        "--steps", type=_int_in(1, 10**7), default=600, help="training steps of each run"
+    )
+    parser.add_argument(
+        "--batch",
+        type=_int_in(1, MAX_BATCH, " (half the training images)"),
+        default=128,
+        help="examples per step",
+    )
+    parser.add_argument(
+        "--hidden", type=_int_in(1, 65536), default=512, help="width of the hidden layers"
+    )
+    parser.add_argument("--lr", type=_learning_rate, default=1e-3, help="adam's learning rate")
+    parser.add_argument(
+        "--seed",
+        type=_int_in(0, 2**32 - 1),
+        default=0,
+        help="seeds the data split, the init and the batches",
     )
     parser.add_argument(
         "--loss-scale-period",
-        type=int,
+        type=_int_in(1, 2**31 - 1),
         default=100,
         help="float16: finite steps before the loss scale doubles (Keras and PyTorch: 2000)",
     )
     parser.add_argument(
         "--plot",
         default=DEFAULT_PLOT,
+        type=_plot_path,
         metavar="PATH",
         help="where to write the plot of the loss and the loss scale (a PNG file)",
     )

@@ -188,3 +188,9 @@ def test_serving_bench_quick_prints_every_variant_and_form():
     numbers = [re.findall(r"\b\d+(?:\.\d+)?(?:e[+-]\d+)?\b", row) for row in rows[:3]]
     per_token = [float(n[3]) for n in numbers]  # batch, time, ratio, bytes, error
     assert per_token[1] < 0.55 * per_token[0] and per_token[2] < 0.3 * per_token[0]
+
+
+def test_policy_map_bench_quick_prints_the_regex_key_rows():
+    result = _run("policy_map_bench.py", "--quick")
+    rows = re.findall(r"^\s+1,000\s+(without|with \|)\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.M)
+    assert [row[0] for row in rows] == ["without", "with |"], result.stdout

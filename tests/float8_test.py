@@ -135,7 +135,8 @@ def test_init_state_names_shapes_and_dtypes():
 @pytest.mark.parametrize(
     ("value", "error", "message"),
     [
-        (0, ValueError, "at least 1. Received: amax_history_length=0"),
+        (0, ValueError, "from 1 to 65536. Received: amax_history_length=0"),
+        (2**40, ValueError, "from 1 to 65536. Received: amax_history_length=1099511627776"),
         (True, TypeError, "must be an integer. Received: amax_history_length=True"),
         (2.0, TypeError, "must be an integer. Received: amax_history_length=2.0"),
     ],

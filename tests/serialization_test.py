@@ -512,7 +512,10 @@ def test_map_entries_use_custom_objects():
     ("custom_objects", "match"),
     [
         (["MyPolicy"], r"`custom_objects` must be a dict.*\['MyPolicy'\]"),
-        ({"MyPolicy": 3}, r"`custom_objects\['MyPolicy'\]` must be a class.*3"),
+        (
+            {"MyPolicy": 3},
+            r"`custom_objects\['MyPolicy'\]` must be a policy class.*\{'MyPolicy': 3\}",
+        ),
     ],
 )
 def test_bad_custom_objects_raise_type_error(custom_objects, match):

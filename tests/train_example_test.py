@@ -277,3 +277,48 @@ def test_int8_policy_says_int8_matmuls_ran_and_how_weights_shrink(tmp_path):
 def test_progress_bar_writes_the_scale_as_the_table_does(tmp_path):
     result = _train(tmp_path, "--steps=3", "--policy=mixed_float16", "--plot=loss.png")
     assert "scale=2**15" in result.stderr and "e+" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps=0"], "argument --steps: expected an integer from 1 to 10,000,000; got '0'"),
+        (["--steps=x"], "argument --steps: expected an integer; got 'x'"),
+        (["--batch=0"], "argument --batch: expected an integer from 1 to 719 (half the"),
+        (["--batch=100000"], "argument --batch: expected an integer from 1 to 719"),
+        (["--hidden=-1"], "argument --hidden: expected an integer from 1 to 65,536; got '-1'"),
+        (["--lr=nan"], "argument --lr: expected a finite number above 0; got 'nan'"),
+        (["--lr=inf"], "argument --lr: expected a finite number above 0; got 'inf'"),
+        (["--lr=-1"], "argument --lr: expected a finite number above 0; got '-1'"),
+        (["--seed=-3"], "argument --seed: expected an integer from 0 to"),
+        (["--loss-scale-period=0"], "argument --loss-scale-period: expected an integer from 1"),
+        (["--plot=/nonexistent/dir/loss.png"], "argument --plot: the directory '/nonexistent/dir'"),
+    ],
+)
+def test_bad_numbers_and_paths_are_one_line_before_anything_runs(capsys, flags, message):
+    train = _load_script()
+    with pytest.raises(SystemExit) as info:
+        train.make_parser().parse_args(flags)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    error = [line for line in err.splitlines() if not line.startswith(("usage", " "))]
+    assert len(error) == 1, err
+    assert error[0].split(": error: ", 1)[1].startswith(message), error[0]
+
+
+def test_steps_0_exits_with_one_line_and_no_traceback(tmp_path):
+    result = _train(tmp_path, "--steps=0", returncode=2)
+    assert "Traceback" not in result.stderr
+    assert "argument --steps: expected an integer from 1" in result.stderr
+
+
+def test_help_does_not_trace_the_model(monkeypatch):
+    train = _load_script()
+    assert sorted(train.module_names()) == list(train.MODULE_NAMES)
+
+    def traced(*args, **kwargs):
+        raise AssertionError("--help traced the model")
+
+    monkeypatch.setattr(train, "module_names", traced)
+    monkeypatch.setattr(train.jax, "eval_shape", traced)
+    assert "head, hidden_0, hidden_1, norm" in train.make_parser().format_help()

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src.policy_map._index import is_literal
+from jmp_policy._src.path_patterns import PathPattern, compile_pattern, is_literal
+
+_ENTRY = "entry {key} of `paths`"
+#: The largest ``every`` and ``|step|``: steps are computed in int32 under ``jit``.
+MAX_INT = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,11 +31,11 @@ class Selection:
     paths: tuple[str, ...] | None = None
 
     @functools.cached_property
-    def _patterns(self) -> tuple[frozenset[str], tuple[re.Pattern[str], ...]]:
+    def _patterns(self) -> tuple[frozenset[str], tuple[PathPattern, ...]]:
         keys = self.paths or ()
         return (
             frozenset(k for k in keys if is_literal(k)),
-            tuple(re.compile(k) for k in keys if not is_literal(k)),
+            tuple(compile_pattern(k, _ENTRY) for k in keys if not is_literal(k)),
         )
 
     def taps(self, path: str) -> bool:
@@ -56,6 +59,11 @@ class Selection:
                     "`step` must be the training step, an int or an integer scalar array "
                     f"(traced under jit). Received: step={step!r}"
                 )
+            if integer and not -MAX_INT <= step <= MAX_INT:
+                raise ValueError(
+                    f"`step` must fit in an int32 (|step| <= {MAX_INT}), the dtype it is "
+                    f"computed in. Received: step={step!r}"
+                )
         if self.every == 1:
             return None
         if step is None:
@@ -74,10 +82,10 @@ def selection(every: Any = 1, paths: Any = None) -> Selection:
             "`every` must be an int >= 1 (compute the statistics on one step in `every`). "
             f"Received: every={every!r} of type {type(every).__name__}"
         )
-    if every < 1:
+    if not 1 <= every <= MAX_INT:
         raise ValueError(
-            "`every` must be an int >= 1 (compute the statistics on one step in `every`). "
-            f"Received: every={every!r}"
+            f"`every` must be an int from 1 to {MAX_INT} (compute the statistics on one step "
+            f"in `every`; steps are int32). Received: every={every!r}"
         )
     if paths is None:
         return Selection(int(every), None)
@@ -93,13 +101,6 @@ def selection(every: Any = 1, paths: Any = None) -> Selection:
             "`paths` is empty, so nothing would be tapped; pass None to tap every "
             f"submodule. Received: paths={paths!r}"
         )
-    for key in keys:
-        try:
-            re.compile(key)
-        except re.error as e:
-            raise ValueError(
-                f"`paths` holds {key!r}, which is not a valid regular expression ({e}); "
-                "keys are exact module paths or regular expressions matched with "
-                "`re.fullmatch`, as in a DTypePolicyMap."
-            ) from e
+    for key in keys:  # exact module paths or patterns matched as a DTypePolicyMap's keys
+        compile_pattern(key, _ENTRY, f"paths={paths!r}")
     return Selection(int(every), tuple(keys))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import reprlib
 from typing import Any
 
 import jax.numpy as jnp
@@ -143,6 +144,15 @@ def did_you_mean(value: str, candidates: Any) -> str:
         return ""
     matches = difflib.get_close_matches(value, list(candidates), n=1, cutoff=0.75)
     return f" Did you mean {matches[0]!r}?" if matches else ""
+
+
+_BOUNDED = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_BOUNDED.maxlevel, _BOUNDED.maxdict, _BOUNDED.maxlist, _BOUNDED.maxstring = 12, 20, 20, 200
+
+
+def bounded_repr(value: Any) -> str:
+    """``repr(value)`` bounded in depth and length (a deep config is no RecursionError)."""
+    return _BOUNDED.repr(value)
 
 
 def dtype_or_none(value: Any) -> np.dtype | None:
@@ -302,3 +312,7 @@ def split_quantized_name(name: str, argument: str = "policy") -> tuple[str, str]
     if schemes.lookup(mode) is None:
         return None
     return mode, source
+
+
+#: The longest float8 amax history (per tensor, per layer); the largest int4 block (rows).
+MAX_AMAX_HISTORY = MAX_INT4_BLOCK = 65536

@@ -54,6 +54,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_policy._src.dtypes import MAX_AMAX_HISTORY
+
+SCALINGS = ("delayed", "current")
+
+
+def scaling_of(mode: str, scaling: Any) -> str:
+    """A float8 policy's scaling: ``scaling`` checked against ``mode`` (``None``: as
+    ``mode`` says; ``"delayed"`` with ``"float8_current"`` is a contradiction)."""
+    if scaling is not None and (not isinstance(scaling, str) or scaling not in SCALINGS):
+        raise ValueError(f"`scaling` must be one of {SCALINGS}. Received: scaling={scaling!r}")
+    if mode == "float8_current" and scaling == "delayed":
+        raise ValueError(
+            "`scaling='delayed'` contradicts mode 'float8_current' (current scaling): pass "
+            f"mode='float8' for delayed scaling. Received: mode={mode!r}, scaling={scaling!r}"
+        )
+    return "current" if mode == "float8_current" else scaling or "delayed"
+
+
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
 TENSORS = ("input", "kernel", "output_grad")
@@ -80,9 +98,9 @@ def init_state(amax_history_length: int) -> dict[str, jax.Array]:
             "`amax_history_length` must be an integer. "
             f"Received: amax_history_length={amax_history_length!r}"
         )
-    if amax_history_length < 1:
+    if not 1 <= amax_history_length <= MAX_AMAX_HISTORY:
         raise ValueError(
-            "`amax_history_length` must be at least 1. "
+            f"`amax_history_length` must be from 1 to {MAX_AMAX_HISTORY}. "
             f"Received: amax_history_length={amax_history_length!r}"
         )
     state: dict[str, jax.Array] = {}

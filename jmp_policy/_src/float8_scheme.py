@@ -14,9 +14,10 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from jmp_policy._src import float8, float8_matmul, matmuls
+from jmp_policy._src.dtypes import MAX_AMAX_HISTORY
 from jmp_policy._src.schemes import Scheme, register
 
-SCALINGS = ("delayed", "current")
+SCALINGS = float8.SCALINGS
 DEFAULT_AMAX_HISTORY_LENGTH = 1024
 
 
@@ -54,9 +55,10 @@ class Float8Scheme(Scheme):
                 "`amax_history_length` must be an integer. "
                 f"Received: amax_history_length={length!r} (of type {type(length).__name__})"
             )
-        if length < 1:
+        if not 1 <= length <= MAX_AMAX_HISTORY:
             raise ValueError(
-                f"`amax_history_length` must be at least 1. Received: amax_history_length={length!r}"
+                f"`amax_history_length` must be from 1 to {MAX_AMAX_HISTORY} (amaxes kept per "
+                f"tensor). Received: amax_history_length={length!r}"
             )
 
     @classmethod

@@ -20,7 +20,7 @@ _FLOAT32 = DTypePolicy("float32")
 
 def _as_global(policy: Any, argument: str = "policy") -> DTypePolicy:
     if isinstance(policy, str):
-        policy = policy_from_name(policy)
+        policy = policy_from_name(policy, argument)
     elif not isinstance(policy, DTypePolicy):
         raise dt.TypeAndValueError(
             f"Invalid `{argument}` argument. Expected the string name of a policy (such as "

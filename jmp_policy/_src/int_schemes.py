@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from jmp_policy._src import matmuls, quantization, quantized_matmul
+from jmp_policy._src.dtypes import MAX_INT4_BLOCK, bounded_repr
 from jmp_policy._src.quantized_array_checks import is_bad_block
 from jmp_policy._src.schemes import Scheme, register
 
@@ -76,7 +77,7 @@ class Int4Scheme(Scheme):
     def __post_init__(self) -> None:
         if is_bad_block(self.block_size):
             raise ValueError(
-                "`block_size` must be -1 (per channel) or a positive integer. "
+                f"`block_size` must be -1 (per channel) or from 1 to {MAX_INT4_BLOCK}. "
                 f"Received: block_size={self.block_size!r}"
             )
 
@@ -91,10 +92,11 @@ class Int4Scheme(Scheme):
             block = int(block_text)
         except ValueError:
             block = 0
-        if block == 0 or block < -1 or str(block) != block_text:
+        if block == 0 or block < -1 or block > MAX_INT4_BLOCK or str(block) != block_text:
             raise ValueError(
                 f"Invalid quantization mode. The block size of `mode` must be -1 "
-                f"(per channel) or a positive integer, as in 'int4/128'. Received: mode={text!r}"
+                f"(per channel) or from 1 to {MAX_INT4_BLOCK}, as in 'int4/128'. "
+                f"Received: mode={bounded_repr(text)}"
             )
         return cls(block_size=block)
 

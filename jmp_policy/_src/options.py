@@ -10,12 +10,12 @@ a new option is one field here and one keyword. Which policy a module then runs 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src import serialization
+from jmp_policy._src import global_state, serialization
+from jmp_policy._src.path_patterns import PathPattern, compile_pattern
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.policy_map import DTypePolicyMap
 
@@ -45,7 +45,7 @@ class Options:
     type_policies: Mapping[type, DTypePolicy | Island] = dataclasses.field(default_factory=dict)
     module_dtype: str = "respect"
     exclude_types: tuple[type, ...] = ()
-    exclude_patterns: tuple[re.Pattern[str], ...] = ()
+    exclude_patterns: tuple[PathPattern, ...] = ()
     extensions: tuple[Callable[..., Any], ...] = ()
 
     def excluded(self, path: str, cls: type | None) -> bool:
@@ -92,12 +92,30 @@ def as_policy_or_map(policy_or_map: Any, argument: str = "policy_or_map") -> Any
         return policy_or_map
     if policy_or_map is None:
         return None
-    if isinstance(policy_or_map, dict) and "class_name" not in policy_or_map:
-        return DTypePolicyMap(None, policy_or_map)
     try:
-        return serialization.get(policy_or_map)
+        if isinstance(policy_or_map, dict) and "class_name" not in policy_or_map:
+            return DTypePolicyMap(None, policy_or_map)
+        return serialization.read_policy(policy_or_map, argument)
     except (TypeError, ValueError) as e:
         raise type(e)(f"Invalid `{argument}`: {e}") from e
+
+
+def quantizing_policy_or_map(policy_or_map: Any) -> Any:
+    """The ``quantize`` wrappers' first step: the policy or map (:func:`as_policy_or_map`;
+    ``None``: the global policy), checked to hold an int8 or int4 policy."""
+    policies = as_policy_or_map(policy_or_map)
+    if policies is None:
+        policies = global_state.dtype_policy()
+    held = list(_policies_of(policies))
+    if not any(p.scheme is not None and p.scheme.stores_weights for p in held):
+        raise ValueError(
+            "`policy_or_map` quantizes nothing: only int8 and int4 policies store quantized "
+            "weights. Pass one, such as 'int8_from_mixed_bfloat16' or "
+            "'int4/128_from_float32', or a map holding one, such as "
+            f"{{'mlp/.*': 'int8_from_mixed_bfloat16'}}. Received: "
+            f"policy_or_map={policy_or_map!r}, which holds {sorted({p.name for p in held})}"
+        )
+    return policies
 
 
 def _policies_of(policy_or_map: Any) -> Iterable[DTypePolicy]:
@@ -213,34 +231,37 @@ def _type_policies(
 
 def _exclusions(
     autocast_exclude: Any, module_base: type | None, base_name: str, example: str
-) -> tuple[tuple[type, ...], tuple[re.Pattern[str], ...]]:
+) -> tuple[tuple[type, ...], tuple[PathPattern, ...]]:
     """``autocast_exclude`` checked, as the module classes and the path patterns it names."""
+    given = autocast_exclude
     if isinstance(autocast_exclude, (str, type)):
         autocast_exclude = (autocast_exclude,)
     try:
+        if isinstance(autocast_exclude, (bytes, bytearray, Mapping)):
+            raise TypeError  # bytes iterate as ints, a mapping as its keys only
         entries = tuple(autocast_exclude)
     except TypeError:
         raise TypeError(
             "`autocast_exclude` must be a sequence of module classes and/or path regular "
-            f"expressions. Received: autocast_exclude={autocast_exclude!r}"
+            f"expressions (str). Received: autocast_exclude={given!r}"
         ) from None
     exclude_types: list[type] = []
-    patterns: list[re.Pattern[str]] = []
+    patterns: list[PathPattern] = []
     for entry in entries:
         if isinstance(entry, str):
-            try:
-                patterns.append(re.compile(entry))
-            except re.error as e:
-                raise ValueError(
-                    f"`autocast_exclude` holds an invalid regular expression {entry!r}: {e}"
-                ) from e
+            patterns.append(
+                compile_pattern(
+                    entry, "entry {key} of `autocast_exclude`", f"autocast_exclude={given!r}"
+                )
+            )
         elif isinstance(entry, type):
             _check_class(entry, "autocast_exclude", module_base, base_name, example)
             exclude_types.append(entry)
         else:
             raise TypeError(
                 "`autocast_exclude` entries must be module classes or path regular "
-                f"expressions (strings). Received: {entry!r} (of type {type(entry).__name__})"
+                f"expressions (strings). Received: {entry!r} (of type {type(entry).__name__}) "
+                f"in autocast_exclude={given!r}"
             )
     return tuple(exclude_types), tuple(patterns)
 

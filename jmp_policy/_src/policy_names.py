@@ -48,7 +48,9 @@ def _policy_from_name(name: str, argument: str) -> DTypePolicy:
         quantized._init_quantized(scheme.mode_text(mode), scheme, source)
         return quantized
     except ValueError as e:  # about the source or the mode: say which name held it
-        raise ValueError(f"{e} Received: {argument}={name!r}") from e
+        message, received, detail = str(e).partition(" Received: ")
+        where = f", where {detail}" if received else ""
+        raise ValueError(f"{message} Received: {argument}={name!r}{where}") from e
 
 
 def get_policy(name: str) -> DTypePolicy:

@@ -130,7 +130,13 @@ class QuantizedArray:
         Args:
             dtype: the result's dtype; ``None`` is :attr:`original_dtype`.
         """
-        dtype = self.original_dtype if dtype is None else dtype
+        if dtype is None:
+            dtype = self.original_dtype
+        elif (found := dt.dtype_or_none(dtype)) is None or not dt.is_floating(found):
+            raise TypeError(
+                "`dtype` must be a floating dtype such as 'bfloat16' or jnp.float32 (or None: "
+                f"the original dtype). Received: dtype={dt.bounded_repr(dtype)}"
+            )
         scale = jnp.asarray(self.scale, jnp.float32)
         lead, layer = self.shape[: self.stacked], self.shape[self.stacked :]
         if self.mode == "int8":

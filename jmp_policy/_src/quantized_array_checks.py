@@ -21,8 +21,14 @@ _NOT_ARRAYS = (str, bytes, int, float, complex, list, tuple, dict)
 
 
 def is_bad_block(block: Any) -> bool:
-    """Whether ``block`` is no int4 block size (``-1`` or a positive int)."""
-    return isinstance(block, bool) or not isinstance(block, int) or block == 0 or block < -1
+    """Whether ``block`` is no int4 block size (``-1`` or from 1 to ``MAX_INT4_BLOCK``)."""
+    return (
+        isinstance(block, bool)
+        or not isinstance(block, int)
+        or block == 0
+        or block < -1
+        or block > dt.MAX_INT4_BLOCK
+    )
 
 
 def int4_block(block_size: Any) -> int:
@@ -30,7 +36,7 @@ def int4_block(block_size: Any) -> int:
     block = -1 if block_size is None else block_size
     if is_bad_block(block):
         raise ValueError(
-            "`block_size` must be -1 (per channel) or a positive integer. "
+            f"`block_size` must be -1 (per channel) or from 1 to {dt.MAX_INT4_BLOCK}. "
             f"Received: block_size={block_size!r}"
         )
     return block  # type: ignore[no-any-return]
@@ -71,7 +77,7 @@ def _check_settings(q: Any) -> None:
         raise ValueError(f"`block_size` must be None for int8. Received: block_size={block!r}")
     if q.mode == "int4" and is_bad_block(block):
         raise ValueError(
-            "`block_size` must be -1 (per channel) or a positive integer for int4. "
+            f"`block_size` must be -1 (per channel) or from 1 to {dt.MAX_INT4_BLOCK} for int4. "
             f"Received: block_size={block!r}"
         )
     k = q.stacked

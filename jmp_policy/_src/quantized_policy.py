@@ -4,11 +4,10 @@ int4 with its block size, float8 with its scaling, or a registered format of
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, ClassVar
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src import quantization, schemes
+from jmp_policy._src import float8, quantization, schemes
 from jmp_policy._src.float8_scheme import DEFAULT_AMAX_HISTORY_LENGTH, Float8Scheme
 from jmp_policy._src.int_schemes import Int4Scheme
 from jmp_policy._src.policy import DTypePolicy, T, global_name
@@ -254,11 +253,11 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         mode: ``"float8"`` (or ``"float8_current"``, the same as ``scaling="current"``).
         source_name: the float policy the dtypes come from; ``None`` takes the global one.
         amax_history_length: the amax history's length, a positive ``int`` (delayed scaling).
-        scaling: ``"delayed"`` or ``"current"``.
+        scaling: ``"delayed"``, ``"current"`` or ``None`` (as ``mode`` says).
 
     Raises:
         TypeError: ``amax_history_length`` is not an ``int`` (bools included).
-        ValueError: another mode or scaling, a bad source name, or ``amax_history_length < 1``.
+        ValueError: another mode or scaling, a bad source name, or a length not in 1..65536.
 
     Examples:
         >>> import jmp_policy as jp
@@ -282,7 +281,7 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         mode: str = "float8",
         source_name: str | None = None,
         amax_history_length: int = DEFAULT_AMAX_HISTORY_LENGTH,
-        scaling: str = "delayed",
+        scaling: str | None = None,
     ):
         if mode not in ("float8", "float8_current"):
             raise ValueError(
@@ -290,9 +289,8 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
                 "QuantizedFloat8DTypePolicy (use QuantizedDTypePolicy for 'int8' and "
                 f"'int4'). Received: mode={mode!r}"
             )
+        scaling = float8.scaling_of(mode, scaling)  # a contradiction is an error
         scheme = Float8Scheme(scaling=scaling, amax_history_length=amax_history_length)
-        if mode == "float8_current":
-            scheme = dataclasses.replace(scheme, scaling="current")
         self._init_quantized(scheme.mode_text(), scheme, source_name)
 
     @property

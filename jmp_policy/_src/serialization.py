@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jmp_policy._src import global_state
-from jmp_policy._src.dtypes import INFER, TypeAndValueError, dtype_or_none
+from jmp_policy._src.dtypes import INFER, TypeAndValueError, bounded_repr, dtype_or_none
 from jmp_policy._src.policy import DTypePolicy, FloatDTypePolicy, Policy
 from jmp_policy._src.policy_names import policy_from_name
 from jmp_policy._src.quantized_policy import (
@@ -116,7 +116,12 @@ def serialize(obj: Any, format: str = "jmp_policy") -> dict[str, Any] | None:
             f"(of type {type(obj).__name__})"
         )
     if format == "keras":
-        return _to_keras(obj)
+        try:
+            return _to_keras(obj)
+        except ValueError as e:  # quote `obj` once
+            if "Received: obj=" in str(e):
+                raise
+            raise ValueError(f"{e} Received: obj={obj!r}") from e
     if isinstance(obj, DTypePolicy) and obj.compute_dtype is None:
         return None  # tf.keras's "_infer"
     cls = type(obj)
@@ -203,10 +208,10 @@ def _check_custom_objects(custom_objects: Any) -> Mapping[str, type[Any]]:
             f"{{'MyPolicy': MyPolicy}}. Received: custom_objects={custom_objects!r}"
         )
     for name, cls in custom_objects.items():
-        if not isinstance(cls, type) or not hasattr(cls, "from_config"):
+        if not isinstance(cls, type) or not issubclass(cls, tuple(_OWN_CLASSES)):
             raise TypeError(
-                f"`custom_objects[{name!r}]` must be a class with `from_config`, such as a "
-                f"subclass of DTypePolicy. Received: {cls!r}"
+                f"`custom_objects[{name!r}]` must be a policy class: a subclass of DTypePolicy "
+                f"(or of DTypePolicyMap). Received: custom_objects={bounded_repr(custom_objects)}"
             )
     return custom_objects
 
@@ -249,15 +254,21 @@ def deserialize(config: Any, custom_objects: Mapping[str, type[Any]] | None = No
         >>> jp.deserialize(config, custom_objects={"MyPolicy": MyPolicy})
         <MyPolicy "mixed_float16">
     """
+    return _deserialize(config, custom_objects, "config")
+
+
+def _deserialize(config: Any, custom_objects: Any, argument: str) -> Any:
+    """:func:`deserialize`, its errors naming the caller's ``argument``."""
     known = {**(_CUSTOM_OBJECTS.get() or {}), **_check_custom_objects(custom_objects)}
     if config is None:
         return Policy(INFER)  # tf.keras's reading of `None`
     if isinstance(config, str):
-        return policy_from_name(config)
+        return policy_from_name(config, argument)
     if not isinstance(config, dict):
         raise TypeError(
-            "`config` must be a dict with 'class_name' and 'config' (as `serialize` returns) "
-            f"or a policy name. Received: config={config!r} (of type {type(config).__name__})"
+            f"`{argument}` must be a dict with 'class_name' and 'config' (as `serialize` "
+            f"returns) or a policy name. Received: {argument}={bounded_repr(config)} (of type "
+            f"{type(config).__name__})"
         )
     class_name = config.get("class_name")
     cls = None
@@ -265,13 +276,14 @@ def deserialize(config: Any, custom_objects: Mapping[str, type[Any]] | None = No
         cls = known.get(class_name) or _CLASSES.get(class_name)
     if cls is None:
         raise ValueError(
-            f"Unknown `class_name` {class_name!r} in `config`; expected one of "
+            f"Unknown `class_name` {class_name!r} in `{argument}`; expected one of "
             f"{sorted(_CLASSES)}, or a class of your own passed as "
-            f"`custom_objects={{{class_name!r}: YourClass}}`. Received: config={config!r}"
+            f"`custom_objects={{{bounded_repr(class_name)}: YourClass}}`. "
+            f"Received: {argument}={bounded_repr(config)}"
         )
     inner = config.get("config", {})
     if not isinstance(inner, dict):
-        raise ValueError(f"`config['config']` must be a dict. Received: config={config!r}")
+        raise ValueError(f"`{argument}['config']` must be a dict. Received: {argument}={config!r}")
     token = _CUSTOM_OBJECTS.set(known)
     try:
         return cls.from_config(inner)
@@ -305,14 +317,19 @@ def get(identifier: Any = None) -> Any:
         >>> jp.get(None) == jp.dtype_policy()
         True
     """
+    return read_policy(identifier, "identifier")
+
+
+def read_policy(identifier: Any, argument: str) -> Any:
+    """:func:`get`, its errors naming the caller's ``argument``."""
     if identifier is None:
         return global_state.dtype_policy()
     if isinstance(identifier, DTypePolicy):
         return identifier
     if isinstance(identifier, str):
-        return policy_from_name(identifier, "identifier")
+        return policy_from_name(identifier, argument)
     if isinstance(identifier, dict):
-        return deserialize(identifier)
+        return _deserialize(identifier, None, argument)
     if _is_serializable(identifier):  # a DTypePolicyMap (not a class merely named like one)
         return identifier
     # Only dtypes (np.dtype, scalar types): never arrays, NumPy scalars or bytes, which
@@ -320,10 +337,10 @@ def get(identifier: Any = None) -> Any:
     dtype = None if isinstance(identifier, str) else dtype_or_none(identifier)
     if dtype is None:
         raise TypeAndValueError(
-            "Cannot interpret `dtype` argument (`identifier`) as a dtype policy. Expected None, "
-            "a policy name "
+            f"Cannot interpret `dtype` argument (`{argument}`) as a dtype policy. Expected "
+            "None, a policy name "
             "(such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32'), a config dict, a policy, "
-            f"a DTypePolicyMap or a dtype. Received: identifier={identifier!r} "
+            f"a DTypePolicyMap or a dtype. Received: {argument}={identifier!r} "
             f"(of type {type(identifier).__name__})"
         )
     return DTypePolicy(dtype.name)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from jmp_policy._src.key_cost import compile_key
+from jmp_policy._src.path_patterns import compile_pattern
 
 
 def stacked_axes_of(stacked_axes: Any) -> Callable[[str], int]:
@@ -45,11 +45,8 @@ def stacked_axes_of(stacked_axes: Any) -> Callable[[str], int]:
                 "The keys of `stacked_axes` must be path regular expressions (strings). "
                 f"Received: key {key!r} in stacked_axes={stacked_axes!r}"
             )
-        # The map's keys' own check: a pattern that could backtrack without bound is refused.
-        try:
-            pattern = compile_key(key)
-        except ValueError as e:
-            raise ValueError(f"The key {key!r} of `stacked_axes` is not accepted: {e}") from None
+        # Compiled as the map's keys are (bounded matching, errors naming the key).
+        pattern = compile_pattern(key, "key {key} of `stacked_axes`")
         rules.append((pattern, count(n, f"{n!r} for {key!r} in stacked_axes={stacked_axes!r}")))
 
     def of(path: str) -> int:

@@ -9,8 +9,8 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from jmp_policy._src import global_state, quantization
-from jmp_policy._src.options import as_policy_or_map
+from jmp_policy._src import quantization
+from jmp_policy._src.options import quantizing_policy_or_map
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy.linen._modules import check_variables, path_of
 
@@ -131,9 +131,7 @@ def quantize(
             "`variables` has no 'params' collection: nothing to quantize. Received: "
             f"variables with collections {sorted(variables)}"
         )
-    policies = as_policy_or_map(policy_or_map)
-    if policies is None:
-        policies = global_state.dtype_policy()
+    policies = quantizing_policy_or_map(policy_or_map)
     seen = _seen_shapes(module, variables, args, kwargs, method)
     stacked_axes = {}
     for kp, leaf in jax.tree_util.tree_flatten_with_path(

@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmp_policy._src import global_state
-from jmp_policy._src.options import as_policy_or_map
+from jmp_policy._src.options import quantizing_policy_or_map
 from jmp_policy.nnx._hook import resolver_for
 from jmp_policy.nnx._modules import check_model, path_of, prepare
 from jmp_policy.nnx._quantization import ATTR, Float8State, routable, stacked
@@ -174,9 +173,7 @@ def quantize(model: M, policy_or_map: Any) -> M:
         (2, 8)
     """
     check_model(model)
-    policies = as_policy_or_map(policy_or_map)
-    if policies is None:
-        policies = global_state.dtype_policy()
+    policies = quantizing_policy_or_map(policy_or_map)
     copy = nnx.clone(model)
     stacked_axes = {}
     for parts, module in nnx.iter_modules(copy):

@@ -386,13 +386,14 @@ def test_paths_filter_that_names_nothing_warns():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"every": 0}, ValueError, r"`every` must be an int >= 1.*every=0"),
+        ({"every": 0}, ValueError, r"`every` must be an int from 1 to 2147483647.*every=0"),
+        ({"every": 2**63}, ValueError, r"from 1 to 2147483647.*every=9223372036854775808"),
         ({"every": 2.5}, TypeError, r"`every` must be an int >= 1.*every=2\.5 of type float"),
         ({"every": True}, TypeError, r"every=True of type bool"),
         ({"paths": 5}, TypeError, r"`paths` must be None.*paths=5"),
         ({"paths": ["head", 3]}, TypeError, r"paths=\['head', 3\]"),
         ({"paths": []}, ValueError, r"`paths` is empty.*paths=\[\]"),
-        ({"paths": "enc[oder"}, ValueError, r"`paths` holds 'enc\[oder'.*not a valid regular"),
+        ({"paths": "enc[oder"}, ValueError, r"Entry 'enc\[oder' of `paths` is not a valid regular"),
     ],
 )
 def test_diagnose_rejects_bad_every_and_paths(kwargs, error, match):
@@ -412,6 +413,10 @@ def test_diagnose_with_every_requires_an_integer_step():
         diag(variables, X, step=1.5)
     with pytest.raises(TypeError, match=r"`step` must be the training step"):
         diag(variables, X, step=jnp.zeros(3, jnp.int32))
+    with pytest.raises(ValueError, match=r"`step` must fit in an int32.*step=1099511627776"):
+        diag(variables, X, step=2**40)
+    _, report = diag(variables, X, step=2**31 - 1)  # the largest step still runs
+    assert not bool(report.sampled)
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

@@ -59,7 +59,7 @@ class DTypePolicyMapTest(testing.TestCase):
         self.assertEqual(policy.quantization_mode, "float8")
 
         with self.assertRaisesRegex(
-            ValueError, "'layer/dense_0' already exist in the DTypePolicyMap"
+            ValueError, r"^layer/dense_0 already exist in the DTypePolicyMap"
         ):
             dtype_policy_map["layer/dense_0"] = dtype_policies.DTypePolicy("float32")
 

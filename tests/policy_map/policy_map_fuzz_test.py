@@ -2,7 +2,7 @@
 cost, errors that name the key, and nothing the user passed mutated."""
 
 import copy
-import time
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -23,26 +23,27 @@ def _assert_quotes_key(error, key):
 
 
 @pytest.mark.parametrize(
-    "key",
+    ("key", "path", "expected"),
     [
-        "([a-z_0-9/]+)+!",
-        "(a+)+",
-        "(\\w+\\s?)*!",
-        "(.*/)*x",
-        "(a*)*",
-        "(\\w+_\\d+/)*head",
-        "(a+){20}",
-        "(x|x.)*y",
-        ".*.*.*.*.*!",
-        "(a)\\1",
+        ("([a-z_0-9/]+)+!", "a" * 40, False),
+        ("([a-z_0-9/]+)+!", "a/b" * 20 + "!", True),
+        ("(a+)+", "a" * 40 + "b", False),
+        ("(\\w+\\s?)*!", "ab " * 30, False),
+        ("(.*/)*x", "a/" * 40, False),
+        ("(a*)*", "a" * 40, True),
+        ("(\\w+_\\d+/)*head", "layers_1/" * 30 + "tail", False),
+        ("(a+){20}", "a" * 40 + "b", False),
+        ("(x|x.)*y", "x" * 40, False),
+        (".*.*.*.*.*!", "a" * 600, False),
+        ("(a)\\1", "aa", True),
     ],
 )
-def test_keys_that_could_backtrack_without_bound_are_rejected(key):
-    start = time.perf_counter()
-    with pytest.raises(ValueError, match="could take a very long time to match") as info:
-        jp.DTypePolicyMap(None, {key: "float32"})
-    assert time.perf_counter() - start < 1.0
-    _assert_quotes_key(info.value, key)
+def test_keys_that_backtrack_in_python_re_are_matched_correctly(key, path, expected):
+    # Python's `re` takes minutes on most of these; RE2 (or `regex` for the backreference)
+    # answers at once.
+    m = jp.DTypePolicyMap("float32", {key: "bfloat16"})
+    assert (m.match(path) == key) is expected
+    assert m[path] == jp.DTypePolicy("bfloat16" if expected else "float32")
 
 
 @pytest.mark.parametrize(
@@ -75,7 +76,7 @@ def test_keys_with_bounded_cost_are_accepted(key):
     ],
 )
 def test_re_internal_errors_are_value_errors_naming_the_key(key, why):
-    with pytest.raises(ValueError, match="is not a valid regular expression") as info:
+    with pytest.raises(ValueError, match="of the DTypePolicyMap is not a valid regular") as info:
         jp.DTypePolicyMap(None, {key: "float32"})
     assert type(info.value) is ValueError
     assert why in str(info.value)
@@ -114,7 +115,7 @@ def test_absent_keys_are_key_errors_with_a_clear_message():
 
 def test_duplicate_key_is_quoted():
     m = jp.DTypePolicyMap(None, {"a b": "float32"})
-    with pytest.raises(ValueError, match="'a b' already exist in the DTypePolicyMap") as info:
+    with pytest.raises(ValueError, match=r"^a b already exist in the DTypePolicyMap") as info:
         m["a b"] = "bfloat16"
     assert "key='a b'" in str(info.value)
 
@@ -151,13 +152,18 @@ def test_any_key_is_accepted_and_cheap_or_rejected_naming_it(key):
         assert not isinstance(e, TypeError)
         _assert_quotes_key(e, key)
     else:
-        start = time.perf_counter()
         for path in PATHS:
             try:
                 m.resolve(path)
-            except ValueError as e:  # two keys match: named both
-                assert "matches multiple dtype policy keys" in str(e)
-        assert time.perf_counter() - start < 1.0, key
+            except ValueError as e:  # two keys match (named both), or the regex fallback
+                # stopped on a pathological pattern (named, with the path)
+                assert "matches multiple dtype policy keys" in str(e) or (
+                    "was stopped after" in str(e) and repr(path) in str(e)
+                ), str(e)
+            else:  # the same answer as Python's `re`, where it matched
+                assert m.match(path) == (
+                    key if re.fullmatch(key, path) else "head" if path == "head" else None
+                )
         assert jp.deserialize(jp.serialize(m)) == m
     assert config == original
 

@@ -9,8 +9,8 @@ A private package, one module per concept:
 * ``_trees``: the tree methods (``policy_tree``, ``cast_to_*``, ``quantize``, ``unused_keys``,
   ``explain``), functions of the map that it binds as its methods.
 
-The bound on what a regular-expression key may cost to match is
-``jmp_policy._src.key_cost`` (the ``stacked_axes=`` keys share it). Explain rows and their
+Regular-expression keys are compiled and matched (in bounded time) by
+``jmp_policy._src.path_patterns``, as every user path pattern is. Explain rows and their
 formatting are ``jmp_policy._src.explain``; the wrappers' resolution
 (per-class policies, modules' own dtypes) is ``jmp_policy._src.resolution``.
 """

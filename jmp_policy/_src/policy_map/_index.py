@@ -20,8 +20,10 @@ The ancestor walk (:func:`path_and_ancestors`) is written once, here: the map's 
 and the wrappers' (which also try ``type_policies`` at each level) both follow it.
 Answers are keys, never policies, so they are cached per path until the keys change.
 
-Non-matching paths are rejected cheaply: each regular expression's literal prefix (the text
-every ``fullmatch`` must start with) buckets it, so a path is only tried against the keys
+Regular-expression keys are :class:`~jmp_policy._src.path_patterns.PathPattern` s (matched
+in bounded time). Non-matching paths are rejected cheaply: each regular expression's
+literal prefix (the text every ``fullmatch`` must start with, from Python's parse of the
+key, so ``'encoder/layers_3/(mlp|attn)_\\d+'`` has one) buckets it, so a path is only tried against the keys
 whose prefix it starts with, and per module the keys that may name one of its variables are
 found once.
 """
@@ -29,28 +31,15 @@ found once.
 from __future__ import annotations
 
 import bisect
-import re
 from collections.abc import Collection, Iterator
 from typing import Any
 
 from jmp_policy._src import dtypes as _dt
-from jmp_policy._src import key_cost
+from jmp_policy._src.path_patterns import PathPattern, compile_pattern, is_literal
 from jmp_policy._src.tree_paths import parent_path
 
-_META = frozenset(".^$*+?{}[]\\|()")
-_QUANTIFIERS = frozenset("*?{")
-_META_SEARCH = re.compile(r"[.^$*+?{}\[\]\\|()]").search
-
-
-def literal_prefix(pattern: str) -> str:
-    """The literal text every ``re.fullmatch`` of ``pattern`` must start with."""
-    if "|" in pattern:
-        return ""
-    for i, char in enumerate(pattern):
-        if char in _META:
-            # A quantifier makes the character before it optional.
-            return pattern[: i - 1] if char in _QUANTIFIERS and i else pattern[:i]
-    return pattern
+#: How the map's messages name a key (see :func:`compile_pattern`).
+KEY = "key {key} of the DTypePolicyMap"
 
 
 def check_key_type(key: Any) -> None:
@@ -93,11 +82,6 @@ def path_and_ancestors(path: str) -> Iterator[str]:
         current = parent_path(current) or None
 
 
-def is_literal(pattern: str) -> bool:
-    """Whether ``pattern`` matches only itself (no regular-expression syntax)."""
-    return _META_SEARCH(pattern) is None
-
-
 class KeyIndex:
     """The stored keys of a map, indexed for matching (:meth:`match`,
     :meth:`match_variable`) and resolution (:meth:`resolve`, :meth:`resolve_variable`).
@@ -109,10 +93,10 @@ class KeyIndex:
     def __init__(self) -> None:
         self._order: dict[str, int] = {}  # every key, to its insertion rank
         self._next = 0
-        # Regular-expression keys, to their compiled pattern (None until first matched:
+        # Regular-expression keys, to their checked pattern (compiled on its first match:
         # checking a key on insertion needs only its parse, and compiling is most of the
         # cost of building a large map).
-        self._regex: dict[str, re.Pattern[str] | None] = {}
+        self._regex: dict[str, PathPattern] = {}
         self._by_prefix: dict[str, list[str]] = {}
         self._prefix_lengths: list[int] = []
         self._sorted_prefixes: list[str] = []
@@ -126,16 +110,15 @@ class KeyIndex:
         self._module_keys: dict[str, tuple[str | None, bool]] = {}
 
     def add(self, key: str) -> None:
-        """Adds ``key``; a bad or unbounded regular expression is a ``ValueError`` naming
-        the key (see :mod:`jmp_policy._src.key_cost`).
+        """Adds ``key``; a bad regular expression is a ``ValueError`` naming the key (see
+        :mod:`jmp_policy._src.path_patterns`).
 
         Constant time (amortised): the sorted views are rebuilt once, at the next lookup,
         so building a map of n keys is linear in n (it was quadratic).
         """
         if not is_literal(key):
-            key_cost.check_key(key)
-            self._regex[key] = None
-            self._by_prefix.setdefault(literal_prefix(key), []).append(key)
+            pattern = self._regex[key] = compile_pattern(key, KEY)
+            self._by_prefix.setdefault(pattern.literal_prefix, []).append(key)
         self._order[key] = self._next
         self._next += 1
         self._changed()
@@ -144,19 +127,12 @@ class KeyIndex:
         """Removes ``key`` (which must be there)."""
         del self._order[key]
         if key in self._regex:
-            del self._regex[key]
-            prefix = literal_prefix(key)
+            prefix = self._regex.pop(key).literal_prefix
             bucket = self._by_prefix[prefix]
             bucket.remove(key)
             if not bucket:
                 del self._by_prefix[prefix]
         self._changed()
-
-    def _pattern(self, key: str) -> re.Pattern[str]:
-        pattern = self._regex[key]
-        if pattern is None:
-            pattern = self._regex[key] = key_cost.compile_key(key)
-        return pattern
 
     def _changed(self) -> None:
         for cache in (
@@ -205,7 +181,7 @@ class KeyIndex:
             if length > len(path):
                 break
             for candidate in self._by_prefix.get(path[:length], ()):
-                if self._pattern(candidate).fullmatch(path):
+                if self._regex[candidate].fullmatch(path):
                     matches.append(candidate)
         if len(matches) > 1:
             self._raise_ambiguous(path, matches)
@@ -231,7 +207,7 @@ class KeyIndex:
         while i < len(self._sorted_prefixes) and self._sorted_prefixes[i].startswith(stem):
             candidates.extend(self._by_prefix[self._sorted_prefixes[i]])
             i += 1
-        by_name = tuple(k for k in candidates if not self._pattern(k).fullmatch(module))
+        by_name = tuple(k for k in candidates if not self._regex[k].fullmatch(module))
         j = bisect.bisect_left(self._sorted_keys, stem)
         has_exact = j < len(self._sorted_keys) and self._sorted_keys[j].startswith(stem)
         info = (by_name, has_exact)
@@ -256,7 +232,7 @@ class KeyIndex:
             return path
         if not by_name:
             return None
-        matches = [k for k in by_name if self._pattern(k).fullmatch(path)]
+        matches = [k for k in by_name if self._regex[k].fullmatch(path)]
         if len(matches) > 1:
             self._raise_ambiguous(path, matches)
         return matches[0] if matches else None

@@ -5,6 +5,7 @@ docstring has the rule) to a key, by the key index (``_index``, which caches key
 ``default_policy=None`` map follows ``policy_scope``). The tree methods are ``_trees``'s.
 """
 
+# long: one concept, the mapping (dict's methods, an atomic update, resolution, config).
 from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, Mapping, MutableMapping, ValuesView
@@ -106,11 +107,30 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
 
     # -- the mapping: stored keys ---------------------------------------------------------
 
+    def update(self, other: Any = (), /, **kwargs: Any) -> None:
+        """``dict.update``'s signature, all or nothing: a bad key or value anywhere leaves
+        the map as it was (the error is the one ``map[key] = value`` raises)."""
+        if isinstance(other, Mapping):
+            pairs = list(other.items())
+        elif hasattr(other, "keys"):
+            pairs = [(key, other[key]) for key in other.keys()]  # noqa: SIM118 (dict.update)
+        else:
+            pairs = list(other)
+        added: list[str] = []
+        try:
+            for key, value in [*pairs, *kwargs.items()]:
+                self[key] = value
+                added.append(key)
+        except BaseException:
+            for key in reversed(added):
+                del self[key]
+            raise
+
     def __setitem__(self, key: str, policy: DTypePolicy | str | dict[str, Any]) -> None:
         _index.check_key_type(key)
         if key in self._policies:
             raise ValueError(
-                f"{key!r} already exist in the DTypePolicyMap with value "
+                f"{key} already exist in the DTypePolicyMap with value "
                 f"{self._policies[key]!r}. Please make sure to not use duplicated keys "
                 f"(delete the key first to replace its policy). Received: key={key!r}"
             )

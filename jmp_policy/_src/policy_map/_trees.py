@@ -23,6 +23,7 @@ import numpy as np
 
 from jmp_policy._src import casting, quantization
 from jmp_policy._src import explain as explain_rows
+from jmp_policy._src.dtypes import bounded_repr
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.policy_map._index import KeyIndex, path_and_ancestors
 from jmp_policy._src.tree_paths import is_value_suffix as _is_value_suffix
@@ -86,6 +87,11 @@ def leaves(tree: Any) -> tuple[list[tuple[str, str, Any]], Any]:
     return out, treedef
 
 
+#: How deep a tree the map's tree methods walk (real models nest a few dozen levels); a
+#: deeper one is a ``ValueError`` saying so, not a ``RecursionError``.
+MAX_TREE_DEPTH = 200
+
+
 def map_leaves(tree: T, fn: Callable[[str, str, Any], Any]) -> T:
     """``fn(module path, variable name, leaf)`` on every leaf, same structure back.
 
@@ -94,13 +100,20 @@ def map_leaves(tree: T, fn: Callable[[str, str, Any], Any]) -> T:
     dataclasses, ``FrozenDict``) goes through ``tree_flatten_with_path``.
     """
 
-    def visit(node: Any, module: str, name: str) -> Any:
+    def visit(node: Any, module: str, name: str, depth: int = 0) -> Any:
         kind = type(node)
         if kind is dict or kind is list or kind is tuple:
             stem = f"{module}/{name}" if module else name
+            if depth >= MAX_TREE_DEPTH:
+                raise ValueError(
+                    f"`tree` is nested more than {MAX_TREE_DEPTH} levels deep (at "
+                    f"{bounded_repr(stem)}), past the limit of the tree walks. Received: "
+                    f"tree={bounded_repr(tree)}"
+                )
+            depth += 1
             if kind is dict:
-                return {k: visit(v, stem, str(k)) for k, v in node.items()}
-            return kind(visit(v, stem, str(i)) for i, v in enumerate(node))
+                return {k: visit(v, stem, str(k), depth) for k, v in node.items()}
+            return kind(visit(v, stem, str(i), depth) for i, v in enumerate(node))
         if node is None:
             return None
         if isinstance(node, _ARRAY_TYPES):

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jmp_policy._src import serialization
-from jmp_policy._src.dtypes import TypeAndValueError
+from jmp_policy._src.dtypes import TypeAndValueError, bounded_repr
 from jmp_policy._src.policy import DTypePolicy
 
 
@@ -22,12 +22,13 @@ def check_config(value: Any, argument: str) -> None:
     if class_name is not None and not isinstance(class_name, str):
         raise TypeAndValueError(
             f"{argument}: `class_name` in a config must be a string such as 'DTypePolicy'. "
-            f"Received: class_name={class_name!r} in {value!r}"
+            f"Received: class_name={bounded_repr(class_name)} in {bounded_repr(value)}"
         )
     if class_name == "DTypePolicyMap":
         raise ValueError(
             f"{argument}: a DTypePolicyMap cannot be a policy of another map (a map's "
-            f"values and default are policies). Received the map config {value!r}"
+            f"values and default are policies). Received the map config "
+            f"{bounded_repr(value)}"
         )
 
 
@@ -47,7 +48,7 @@ def as_policy(value: Any, key: str) -> DTypePolicy:
         )
     check_config(value, argument)
     try:
-        return serialization.get(value)  # type: ignore[no-any-return]
+        return serialization.read_policy(value, "value")  # type: ignore[no-any-return]
     except (TypeError, ValueError) as e:
         raise ValueError(f"{argument}: {e}") from e
 
