@@ -95,7 +95,8 @@ def test_linen_quantized_einsum_equals_the_dequantized_model(subscripts, kernel,
     fn = jp.linen.apply(model, "float32")  # weight-only: the same sums, reordered
     for run in (fn, jax.jit(fn)):
         _close(run(quantized, x), ref, 1e-5)
-    if mode == "int8":  # an int8 policy: int8 x int8 at 12 rows, within rounding
+    assert jp.linen.apply(model, "mixed_bfloat16")(quantized, x).dtype == jnp.bfloat16
+    if mode == "int8":  # an int8 policy: weight-only at 12 rows
         out = jp.linen.apply(model, policy_map)(quantized, x)
         _close(out, ref, 0.05)
 

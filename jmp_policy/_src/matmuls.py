@@ -72,6 +72,14 @@ def _record(path: str, form: str) -> None:
         forms[path] = form
 
 
+def dequantized_ahead(path: str, kernel: Any) -> None:
+    """Records a layer whose ``QuantizedArray`` kernel was dequantized ahead of it (a
+    scanned stack's layer sees a slice): the glue runs it as written, a matmul in the
+    compute dtype, never the int8 rule of float kernels (no activation rounding)."""
+    mode = kernel.mode if kernel.block_size in (None, -1) else f"int4/{kernel.block_size}"
+    _record(path, f"{mode} weights: dequantized ahead (a stack), compute-dtype matmul")
+
+
 def _float8_form(path: str, m: int, k: int, n: int, scaling: str) -> None:
     small = min(m, k, n) < FLOAT8_MIN_DIM
     form = f"float8 ({scaling}), e4m3 x e4m3 GEMM {m}x{k}x{n}"
@@ -138,7 +146,8 @@ def as_einsum(dot_general_for: Callable[[Any], Callable[..., Any]]) -> Callable[
         ):
             y = dot_general_for(rhs)(jnp.asarray(lhs), rhs, steps.dims, **kwargs)
             y = y if steps.perm is None else jnp.transpose(y, steps.perm)
-            return y.astype(kwargs["preferred_element_type"])
+            # jnp.einsum's result: the preferred type, else the operands' (Linen passes None).
+            return y.astype(kwargs["preferred_element_type"] or jnp.result_type(lhs, rhs))
         inner = kernel_on_the_right(dot_general_for(rhs), rhs)
         return JNP_EINSUM(subscripts, lhs, rhs, *args, _dot_general=inner, **kwargs)
 
