@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 import jmp_policy as jp
-from jmp_policy._src.explain import UNITS, ExplainRow, format_rows, short_dtype, with_leaf
+from jmp_policy._src.explain import (
+    UNITS,
+    ExplainRow,
+    format_matmuls,
+    format_rows,
+    short_dtype,
+    with_leaf,
+)
 
 WIDTH = 100
 
@@ -360,3 +367,33 @@ def test_map_explain_fits_100_columns_with_long_paths():
     norm = parsed["Transformer_0/decoder/encoderdecoderblock_0/LayerNorm_0/scale"]
     assert norm == ["float32", "key '.*/scale'", "f32", "2.0K", "2.0K"]
     assert parsed["total"] == ["36M", "18M"]
+
+
+FLOAT8_FORM = (
+    "float8 (current), e4m3 x e4m3 GEMM 128x64x64; below 4096: bf16 may be faster; "
+    "dims not multiples of 16: XLA pads them"
+)
+
+
+def test_format_matmuls_wraps_a_long_form_under_its_first_line_never_cutting_it():
+    path = "encoder/layers_0/attention/query"
+    text = format_matmuls({path: FLOAT8_FORM, "up": "int8 weights: weight-only, scale after"})
+    lines = text.splitlines()
+    assert lines[:2] == ["", "matmuls:"]
+    assert all(len(line) <= 100 for line in lines)
+    assert "…" not in text
+    column = 2 + len(path) + 2
+    assert lines[2].startswith(f"  {path}  float8 (current), e4m3 x e4m3 GEMM 128x64x64;")
+    assert lines[3].startswith(" " * column) and lines[3][column] != " "
+    # The words read back whole, in order.
+    form = " ".join(line[column:] for line in lines[2:4])
+    assert form == FLOAT8_FORM
+    assert lines[4] == "  up" + " " * (len(path) - 2) + "  int8 weights: weight-only, scale after"
+
+
+def test_format_matmuls_puts_forms_below_paths_too_long_to_leave_them_room():
+    path = "/".join(["encoder", "layers_0", "attention", "query"] * 4)
+    lines = format_matmuls({path: FLOAT8_FORM}).splitlines()
+    assert lines[2] == f"  {path}"
+    assert all(line.startswith("      ") and len(line) <= 100 for line in lines[3:])
+    assert " ".join(line.strip() for line in lines[3:]) == FLOAT8_FORM

@@ -325,19 +325,21 @@ def test_the_matmul_gradients_are_float8_products_with_the_saved_operands(maybe_
 
 
 def test_a_kernel_on_the_left_of_einsum_keeps_its_role_and_layout():
-    """jnp.einsum may hand the kernel to dot_general as the left operand: the kernel's
-    state still records the kernel, and the result is in einsum's layout."""
+    """The routed einsum takes ``(subscripts, input, kernel)`` as Flax's ``Einsum`` calls
+    it; an output that puts the kernel's free axis first (where ``jnp.einsum`` would hand
+    the kernel to ``dot_general`` as the left operand) keeps the kernel's state the
+    kernel's, and the result in einsum's layout."""
     x = jax.random.normal(jax.random.key(0), (2, 5, 3, 4))
     w = jax.random.normal(jax.random.key(1), (3, 4, 7)) * 10.0
     from jmp_policy._src import matmuls
 
     policy = jp.get("float8_from_mixed_bfloat16")
     state = float8.init_state(2)
-    y = matmuls.pick(policy, "einsum", state=state)("nhd,btnh->btd", w, x)
-    want = jnp.einsum("nhd,btnh->btd", w, x)
-    assert y.shape == want.shape == (2, 5, 7)
+    y = matmuls.pick(policy, "einsum", state=state)("btnh,nhd->dbt", x, w)
+    want = jnp.einsum("btnh,nhd->dbt", x, w)
+    assert y.shape == want.shape == (7, 2, 5)
     assert float(jnp.abs(y - want).max() / jnp.abs(want).max()) < 0.1
-    new = jax.grad(lambda s: matmuls.pick(policy, "einsum", state=s)("nhd,btnh->btd", w, x).sum())(
+    new = jax.grad(lambda s: matmuls.pick(policy, "einsum", state=s)("btnh,nhd->dbt", x, w).sum())(
         state
     )
     assert float(new["kernel_amax_history"][0]) == float(jnp.abs(w).max())

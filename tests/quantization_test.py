@@ -408,3 +408,18 @@ def test_int8_einsum_matches_einsum():
     assert float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)) < 0.02
     jaxpr = jax.make_jaxpr(lambda x, w: int8_einsum("bti,ihd->bthd", x, w))(x, w)
     assert [d[1] for d in _dots(jaxpr.jaxpr)] == ["int32"]  # the int8 matmul's scope
+
+
+def test_scales_follow_the_last_axis_and_int4_blocks_axis_0_at_any_rank():
+    """The README's "Axes": int8 one scale per last-axis index; int4 blocks along axis 0,
+    for an einsum kernel [2, K, D, H] the leading 2, not the contracted D."""
+    w = _kernel((2, 3, 64, 16))
+    q8 = quantization.quantize(w, "int8")
+    assert q8.scale.shape == (16,)
+    np.testing.assert_allclose(q8.scale, jnp.abs(w).max(axis=(0, 1, 2)) / 127, rtol=1e-6)
+    q4 = quantization.quantize(w, "int4", block_size=1)
+    assert q4.scale.shape == (2, 16)  # a block per index of axis 0
+    np.testing.assert_allclose(q4.scale, jnp.abs(w).max(axis=(1, 2)) / 7, rtol=1e-6)
+    # An Equinox-style [out, in] weight: one scale per input feature (its last axis).
+    eqx_weight = _kernel((8, 32))
+    assert quantization.quantize(eqx_weight, "int8").scale.shape == (32,)

@@ -10,6 +10,7 @@ table, long paths grouped under their parent path, long cells shortened with ``â
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -35,6 +36,7 @@ _MIN_WIDTH = {_PATH: 16, _CLASS: 8, _POLICY: 14, _OWN: 4, _DTYPE: 8}
 _CLASS_WIDTH = len("MultiHeadDotProductAttention")
 _KEEP_CLASS = {**_MIN_WIDTH, _PATH: 10, _CLASS: _CLASS_WIDTH}
 _SOURCE_WIDTH = 16  # longer sources become references "[n]" listed under the table
+_MIN_FORM_WIDTH = 40  # narrower, and the matmul forms go on lines below their paths
 
 
 class ExplainRow(NamedTuple):
@@ -298,7 +300,9 @@ def _line(row: list[str], path: str, keep: list[int], widths: dict[int, int]) ->
 
 def format_matmuls(forms: dict[str, str]) -> str:
     """The matmul each quantized or float8 layer runs, as lines under an explain table
-    (``""`` when none ran): ``path  form``, one per layer, in the order they ran.
+    (``""`` when none ran): ``path  form``, one per layer, in the order they ran. A form
+    too long for the line is wrapped, never cut, its lines aligned under its first; paths
+    too long to leave a form room put the forms on lines of their own.
 
     Examples:
         >>> from jmp_policy._src.explain import format_matmuls
@@ -310,7 +314,22 @@ def format_matmuls(forms: dict[str, str]) -> str:
     if not forms:
         return ""
     width = max(len(path or "<root>") for path in forms)
+    column = len(_INDENT) + width + len(_SEP)
+    own_line = WIDTH - column < _MIN_FORM_WIDTH
     lines = ["", "matmuls:"]
     for path, form in forms.items():
-        lines.append(_ellipsize(f"{_INDENT}{(path or '<root>').ljust(width)}  {form}", WIDTH))
+        name = path or "<root>"
+        if own_line:
+            lines.append(f"{_INDENT}{name}")
+            lines += textwrap.wrap(
+                form,
+                WIDTH,
+                initial_indent=_INDENT * 3,
+                subsequent_indent=_INDENT * 3,
+                break_long_words=False,
+            )
+            continue
+        wrapped = textwrap.wrap(form, WIDTH - column, break_long_words=False) or [""]
+        lines.append(f"{_INDENT}{name.ljust(width)}{_SEP}{wrapped[0]}")
+        lines += [" " * column + more for more in wrapped[1:]]
     return "\n".join(lines)

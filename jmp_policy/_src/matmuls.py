@@ -25,7 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import kernel_matmul, quantization, quantized_matmul, user_warnings
+from jmp_policy._src import (
+    einsum_plan,
+    kernel_matmul,
+    quantization,
+    quantized_matmul,
+    user_warnings,
+)
 
 JNP_EINSUM = quantized_matmul.JNP_EINSUM
 
@@ -57,6 +63,14 @@ def record(path: str, form: str) -> None:
     forms = _FORMS.get()
     if forms is not None:
         forms[path] = form
+
+
+def dequantized_ahead(path: str, kernel: Any) -> None:
+    """Records a layer whose ``QuantizedArray`` kernel was dequantized ahead of it (a
+    scanned stack's layer sees a slice): the glue runs it as written, a matmul in the
+    compute dtype, never the int8 rule of float kernels (no activation rounding)."""
+    mode = kernel.mode if kernel.block_size in (None, -1) else f"int4/{kernel.block_size}"
+    record(path, f"{mode} weights: dequantized ahead (a stack), compute-dtype matmul")
 
 
 def record_float8(path: str, m: int, k: int, n: int, scaling: str) -> None:
@@ -92,10 +106,13 @@ def shapes(lhs: Any, rhs: Any, dims: Any) -> tuple[int, int, int]:
 def kernel_on_the_right(fn: Callable[..., jax.Array], kernel: Any) -> Callable[..., jax.Array]:
     """``fn`` (a ``dot_general`` whose right operand is the kernel) for ``jnp.einsum``,
     which may hand the kernel over as the left operand: then the operands are swapped and
-    the result laid out back as ``dot_general``'s (batch, left free, right free)."""
+    the result laid out back as ``dot_general``'s (batch, left free, right free). Inside
+    ``jnp.einsum``'s own ``jit`` the kernel is a new tracer: known by its shape then."""
+    shape = np.shape(kernel)
 
     def dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, *args: Any, **kw: Any) -> Any:
-        if lhs is not kernel or rhs is kernel:
+        left = lhs is kernel or (np.shape(lhs) == shape != np.shape(rhs))
+        if not left or rhs is kernel:
             return fn(lhs, rhs, dimension_numbers, *args, **kw)
         (lc, rc), (lb, rb) = dimension_numbers
         y = fn(rhs, lhs, ((rc, lc), (rb, lb)), *args, **kw)
@@ -109,13 +126,24 @@ def kernel_on_the_right(fn: Callable[..., jax.Array], kernel: Any) -> Callable[.
 
 def as_einsum(dot_general_for: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
     """``jnp.einsum`` for ``(subscripts, input, kernel)`` whose contraction runs through
-    ``dot_general_for(kernel)`` (``jnp.einsum``'s ``_dot_general``, the route JAX's own
-    AQT integration takes), the kernel found by identity on either side."""
+    ``dot_general_for(kernel)`` with the kernel on the right: a plain contraction as one
+    ``dot_general`` (:mod:`jmp_policy._src.einsum_plan`), any other through
+    ``jnp.einsum``'s ``_dot_general`` (the route JAX's own AQT integration takes)."""
 
     def einsum(subscripts: str, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("out_sharding", 0) is None:
             kwargs.pop("out_sharding")
         kwargs.setdefault("preferred_element_type", jnp.result_type(lhs, rhs))
+        steps = einsum_plan.plan(subscripts, np.shape(lhs), np.shape(rhs))
+        if (
+            steps is not None
+            and not args
+            and set(kwargs) <= {"precision", "preferred_element_type"}
+        ):
+            y = dot_general_for(rhs)(jnp.asarray(lhs), rhs, steps.dims, **kwargs)
+            y = y if steps.perm is None else jnp.transpose(y, steps.perm)
+            # jnp.einsum's result: the preferred type, else the operands' (Linen passes None).
+            return y.astype(kwargs["preferred_element_type"] or jnp.result_type(lhs, rhs))
         inner = kernel_on_the_right(dot_general_for(rhs), rhs)
         return JNP_EINSUM(subscripts, lhs, rhs, *args, _dot_general=inner, **kwargs)
 

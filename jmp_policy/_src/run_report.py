@@ -108,7 +108,10 @@ def warn_once(
             f"({', '.join(own)}), which wins over the policy's compute dtype "
             f"({', '.join(asked)}): the policy does not reach them. Pass "
             '`module_dtype="override"` to let the policy win everywhere, or leave the '
-            "modules' `dtype` unset.",
+            "modules' `dtype` unset. Under \"override\" a Linen module's `setup` sees the "
+            "policy's dtype too, so what it derives from it (Hugging Face's "
+            "`attention_softmax_in_fp32`) is as in a model built in that dtype; an NNX "
+            "module keeps what its `__init__` derived from the dtype it was built with.",
         )
     unused = resolver.unused_keys()
     if unused and "keys" not in warned:

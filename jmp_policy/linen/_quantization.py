@@ -94,11 +94,14 @@ class KernelRun(NamedTuple):
     ``routes``: when not None, a learning run records into it, for every module path in
     ``learn``, whether the module's matmul is one jmp_policy routes and sees the stored
     kernel's shape (not a slice, as inside ``nn.scan``).
+    ``ahead``: module path -> a ``QuantizedArray`` kernel dequantized ahead of the model
+    (an ``nn.scan`` stack's): its layer runs as written, in the compute dtype.
     """
 
     kernels: Mapping[str, Any]
     learn: Mapping[str, Any] = {}
     routes: dict[str, bool] | None = None
+    ahead: Mapping[str, Any] = {}
 
 
 _KERNEL_RUN: contextvars.ContextVar[KernelRun | None] = contextvars.ContextVar(
@@ -167,6 +170,11 @@ def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
         if run is not None:
             _learn_route(module, call.path, run)
         kernel = None if run is None else run.kernels.get(call.path)
+        ahead = None if run is None or kernel is not None else run.ahead.get(call.path)
+        if ahead is not None and (policy.scheme is None or policy.scheme.reads_stored_kernels):
+            # Weights that came in quantized are served, never trained (no int8 rule).
+            matmuls.dequantized_ahead(call.path, ahead)
+            return None
         state = None
         if policy.scheme is not None and policy.scheme.stateful:
             index = calls.get(id(module), (module, 0))[1]

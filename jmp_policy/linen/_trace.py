@@ -48,7 +48,18 @@ def interceptor(
             path = path_of(module)
             if path not in resolver.infos:
                 resolver.infos[path] = ModuleInfo(type(module), own_dtype(module))
-            return next_fun(*args, **kwargs)
+            if resolver.options.module_dtype != "override":
+                return next_fun(*args, **kwargs)
+            # What `setup` derives from the module's dtype (its children's dtype, Hugging
+            # Face's `attention_softmax_in_fp32`) follows the policy, as in a module built
+            # with that dtype (a compact module already sees it when it makes children).
+            set_dtype = resolver.module(path, type(module), own_dtype(module)).set_dtype
+            with (
+                contextlib.nullcontext()
+                if set_dtype is None
+                else interception.attribute_set(module, "dtype", set_dtype)
+            ):
+                return next_fun(*args, **kwargs)
         if name != "__call__" and not (name == root_method and not module.path):
             return next_fun(*args, **kwargs)
         path = path_of(module)
@@ -216,6 +227,8 @@ def run_traced(
     params = variables.get("params", {})
     stored = {leaf_path(kp): leaf for kp, leaf in flat_params(params)[0]}
     whole = _whole_kernels(variables, resolved, options, known, call, method)
+    quantized = _quantized_kernels(params)
+    ahead = {path: q for path, q in quantized.items() if path not in whole}
     for _ in range(_MAX_RETRACES):
         chosen = Resolver(resolved, options, dict(known))
         cast_variables = _with_params(
@@ -229,7 +242,7 @@ def run_traced(
             with (
                 nn.intercept_methods(interceptor(resolver, root_method(method))),
                 interception.model_run(options),
-                kernel_run(KernelRun(whole)),
+                kernel_run(KernelRun(whole, ahead=ahead)),
                 reading(read_fix(chosen, resolver, stored, early)),
             ):
                 result = call(cast_variables, resolver)

@@ -21,11 +21,12 @@ from jmp_policy.nnx._quantization import routable, stacked
 class Casts(NamedTuple):
     """What :func:`cast_copy` did: the stored dtypes of the non-parameter state (to write
     it back in), the QuantizedArray kernels passed whole, the plain floating arrays the
-    policy would have cast."""
+    policy would have cast, the QuantizedArray kernels dequantized ahead (a stack's)."""
 
     stored: dict[str, np.dtype]
     whole: dict[str, Any]
     plain: list[str]
+    ahead: dict[str, Any]
 
 
 def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]:
@@ -33,7 +34,7 @@ def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]
     quantized kernel of a routed layer as its integer values, read whole by the layer's
     matmul), every other variable a fresh one in its stored dtype."""
     graphdef, state = nnx.split(model)
-    casts = Casts({}, {}, [])
+    casts = Casts({}, {}, [], {})
     # A stacked layer (nnx.vmap'd, run under nnx.scan) sees a slice of its kernel:
     # its QuantizedArray is dequantized ahead of the model, not passed whole.
     whole_paths = {
@@ -69,6 +70,8 @@ def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]
                 casts.whole[module_path] = value
                 ints = value.values
                 return variable.replace(ints.astype(jnp.int8) if ints.dtype == jnp.int4 else ints)
+            if quantization.is_quantized(value) and name == "kernel":
+                casts.ahead[module_path] = value
             return variable.replace(policy.cast_to_compute(value))
         if isinstance(value, (jax.Array, np.ndarray)):
             casts.stored[path] = value.dtype

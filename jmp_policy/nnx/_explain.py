@@ -66,7 +66,12 @@ def explain(
     table = format_rows(resolved_rows(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     if not args:
         return table
-    run = apply_with(model, policies, opts, "__call__")
+
+    def run(traced: nnx.Module, *a: Any) -> Any:
+        # The model eval_shape hands in: state a call writes back (batch statistics,
+        # float8 history) stays inside the trace, and ``model`` is left as it was.
+        return apply_with(traced, policies, opts, "__call__")(*a)
+
     with matmuls.recording() as forms:
-        nnx.eval_shape(lambda model, *a: run(*a), model, *args)
+        nnx.eval_shape(run, model, *args)
     return table + format_matmuls(forms)

@@ -38,6 +38,10 @@ _CALLED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
 _WHOLE: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
     "jmp_policy_nnx_whole_kernels", default=None
 )
+# module path -> the QuantizedArray kernel dequantized ahead of it (a stacked layer's).
+_AHEAD: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "jmp_policy_nnx_kernels_ahead", default=None
+)
 
 
 class Float8State(nnx.Variable):
@@ -108,14 +112,19 @@ def routable(module: Any) -> bool:
 
 
 @contextlib.contextmanager
-def quantized_run(whole: Mapping[str, Any] | None = None) -> Iterator[None]:
+def quantized_run(
+    whole: Mapping[str, Any] | None = None, ahead: Mapping[str, Any] | None = None
+) -> Iterator[None]:
     """One model run: each float8 layer may be called once inside; ``whole`` maps module
-    paths to the ``QuantizedArray`` kernels they receive whole."""
+    paths to the ``QuantizedArray`` kernels they receive whole, ``ahead`` to those
+    dequantized ahead of them (a stacked layer's, run as written in the compute dtype)."""
     token = _CALLED.set({})
     whole_token = _WHOLE.set(whole or {})
+    ahead_token = _AHEAD.set(ahead or {})
     try:
         yield
     finally:
+        _AHEAD.reset(ahead_token)
         _WHOLE.reset(whole_token)
         _CALLED.reset(token)
 
@@ -171,9 +180,15 @@ def quantized_matmuls(
     name = None if module is None else _replacement(module)
     if name is None:
         return next_fn(*args, **kwargs)
-    state = None
     if policy.scheme is not None and policy.scheme.stateful:
         state = _float8_state(call)
+    else:
+        state = None
+        ahead = (_AHEAD.get() or {}).get(call.path)
+        if ahead is not None and (policy.scheme is None or policy.scheme.reads_stored_kernels):
+            # Weights that came in quantized are served, never trained (no int8 rule).
+            matmuls.dequantized_ahead(call.path, ahead)
+            return next_fn(*args, **kwargs)
     kind = "einsum" if name == "einsum_op" else "dot_general"
     whole = _WHOLE.get()
     kernel = None if whole is None else whole.get(call.path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +29,7 @@ from flax_examples.measure import (
     NNXEncoder,
     count,
     dot_dtypes,
+    equations,
     lm1b_config,
     rel_err,
     tokens,
@@ -182,7 +184,10 @@ def test_big_vision_vit_warns_how_many_compute_modules_the_policy_misses(scan):
         "kernels or run attention) set their own `dtype` (float32), which wins over the "
         "policy's compute dtype (bfloat16): the policy does not reach them. Pass "
         '`module_dtype="override"` to let the policy win everywhere, or leave the modules\' '
-        "`dtype` unset."
+        "`dtype` unset. Under \"override\" a Linen module's `setup` sees the policy's dtype "
+        "too, so what it derives from it (Hugging Face's `attention_softmax_in_fp32`) is as "
+        "in a model built in that dtype; an NNX module keeps what its `__init__` derived "
+        "from the dtype it was built with."
     ]
     # q, k, v, q·kᵀ, p·v, out and the MLP's two Dense stay float32; the head (called twice).
     assert count(dot_dtypes(fn, variables, x)) == {"float32": 8, "bfloat16": 2}
@@ -383,3 +388,63 @@ def test_a_parameter_read_first_inside_a_jax_transform_does_not_leak_its_cast():
         out = run(variables, x)
         assert out.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
+# ------------------------------------------- what `setup` derives from the module's dtype
+
+
+class _SetupAttention(nn.Module):
+    """Hugging Face's Flax attention, reduced: `setup` derives the softmax dtype from the
+    module's own dtype (`attention_softmax_in_fp32 = self.dtype is not jnp.float32`)."""
+
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        self.attention_softmax_in_fp32 = self.dtype is not jnp.float32
+        self.query = nn.Dense(16, dtype=self.dtype)
+        self.key = nn.Dense(16, dtype=self.dtype)
+
+    def __call__(self, x):
+        scores = jnp.einsum("bqd,bkd->bqk", self.query(x), self.key(x))
+        if self.attention_softmax_in_fp32:
+            scores = scores.astype(jnp.float32)
+        probs = jax.nn.softmax(scores, axis=-1)
+        if self.attention_softmax_in_fp32:
+            probs = probs.astype(self.dtype)
+        return probs
+
+
+class _SetupModel(nn.Module):
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):  # children made in setup, as Hugging Face's models do
+        self.attention = _SetupAttention(dtype=self.dtype)
+
+    def __call__(self, x):
+        return self.attention(x)
+
+
+def _exp_dtypes(fn, *args):
+    return [str(e.invars[0].aval.dtype) for e in equations(jax.make_jaxpr(fn)(*args).jaxpr, "exp")]
+
+
+def test_override_reaches_setup_so_a_float32_softmax_safeguard_is_kept(maybe_jit):
+    """A float32-built Hugging Face style model under "override" runs as the library's
+    own bf16 model: its matmuls in bf16 and its softmax in float32, because `setup` sees
+    the policy's dtype (before #31 it saw float32 and dropped the safeguard)."""
+    x = jax.random.normal(jax.random.key(1), (2, 4, 8))
+    model = _SetupModel()
+    variables = model.init(jax.random.key(0), x)
+    fn = jp.linen.apply(model, "mixed_bfloat16", module_dtype="override")
+    theirs = lambda v, x: _SetupModel(dtype=jnp.bfloat16).apply(v, x)  # noqa: E731
+    assert _exp_dtypes(theirs, variables, x) == ["float32"]
+    assert _exp_dtypes(fn, variables, x) == ["float32"]
+    assert dot_dtypes(fn, variables, x) == [("bfloat16", "bfloat16")] * 3
+    out = maybe_jit(fn)(variables, x)
+    assert out.dtype == jnp.bfloat16
+    ref = theirs(jax.tree.map(lambda a: a.astype(jnp.bfloat16), variables), x)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=1e-2)
+    # Under "respect" the model's own float32 wins, with the warning.
+    with pytest.warns(UserWarning, match=r"`setup` sees the policy's dtype too"):
+        respected = jp.linen.apply(model, "mixed_bfloat16")
+        assert _exp_dtypes(respected, variables, x) == ["float32"]

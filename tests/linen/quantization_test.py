@@ -11,6 +11,7 @@ import optax
 import pytest
 from flax import nnx
 from flax_examples.measure import dot_kinds as _dots
+from flax_examples.measure import equations as equations_of
 
 import jmp_policy as jp
 
@@ -418,6 +419,59 @@ def test_nnx_scan_and_vmap_stacks_are_quantized_per_layer_and_run(mode, block, v
     out_shared = jp.nnx.apply(shared, policy)(XS)
     err, err_shared = _rel(out, ref), _rel(out_shared, ref)
     assert 0 < err * 5 < err_shared, (err, err_shared)
+
+
+def _dequantized_tree(tree):
+    return jax.tree.map(
+        lambda a: a.dequantize() if isinstance(a, jp.QuantizedArray) else a,
+        tree,
+        is_leaf=lambda a: isinstance(a, jp.QuantizedArray),
+    )
+
+
+def _assert_no_activation_rounding(jaxpr):
+    """No rounding or clipping anywhere (dequantizing is a convert and a multiply; the int8
+    rule of float kernels rounds and clips the activations), no int8 matmul."""
+    for primitive in ("round", "clamp"):
+        assert list(equations_of(jaxpr, primitive)) == [], primitive
+    assert all(d[0] == ("float32", "float32") for d in _dots(jaxpr)), _dots(jaxpr)
+
+
+@pytest.mark.parametrize("policy", [INT8, jp.DTypePolicyMap("float32", {"layers.*": INT8})])
+def test_linen_int8_weights_in_a_scanned_stack_are_served_not_trained(policy):
+    """int8 weights in an nn.scan stack reach the body dequantized (a slice each): under an
+    int8 policy they run as written in the compute dtype, never the int8 rule of float
+    kernels, so the error is the weights' rounding alone."""
+    model, variables = _linen_stack()
+    q = jp.linen.quantize(model, INT8, variables, XS)
+    assert q["params"]["layers"]["Dense_0"]["kernel"].stacked == 1
+    fn = jp.linen.apply(model, policy)
+    _assert_no_activation_rounding(jax.make_jaxpr(fn)(q, XS).jaxpr)
+    # The float model whose weights are the dequantized ones (the head runs weight-only).
+    ref = model.apply({"params": _dequantized_tree(q["params"])}, XS)
+    for run in (fn, jax.jit(fn)):
+        np.testing.assert_allclose(run(q, XS), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    table = jp.linen.explain(model, policy, q, XS)
+    assert "layers/Dense_0  int8 weights: dequantized ahead (a stack), compute-dtype" in table
+    # Float weights in the same stack still train under the int8 rule (QAT).
+    assert list(equations_of(jax.make_jaxpr(fn)(variables, XS).jaxpr, "round"))
+
+
+@pytest.mark.parametrize("policy", [INT8, jp.DTypePolicyMap("float32", {"layers": INT8})])
+def test_nnx_int8_weights_in_a_scanned_stack_are_served_not_trained(policy):
+    model = _nnx_stack()
+    q = jp.nnx.quantize(model, INT8)
+    assert q.layers.kernel.get_value().stacked == 1
+    fn = lambda m, x: jp.nnx.apply(m, policy)(x)  # noqa: E731
+    _assert_no_activation_rounding(jax.make_jaxpr(lambda x: fn(q, x))(XS).jaxpr)
+    reference = nnx.clone(q)
+    nnx.update(reference, _dequantized_tree(nnx.state(reference, nnx.Param)))
+    ref = reference(XS)
+    for run in (fn, nnx.jit(fn)):
+        np.testing.assert_allclose(run(q, XS), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    table = jp.nnx.explain(q, policy, XS)
+    assert "layers  int8 weights: dequantized ahead (a stack), compute-dtype matmul" in table
+    assert list(equations_of(jax.make_jaxpr(lambda x: fn(model, x))(XS).jaxpr, "round"))
 
 
 def test_quantize_helpers_reject_bad_arguments():
