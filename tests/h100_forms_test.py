@@ -1,0 +1,244 @@
+"""The library's 8-bit programs reach their native forms on an H100 (issue #28), checked
+without a GPU: each program is compiled for an H100 on the CPU (the CUDA PJRT plugin's
+compile-only devices, ``benchmarks/h100_compile.py``) and XLA's optimized HLO is read.
+
+Per program (``benchmarks/h100_forms.py``): every float8 matmul of a training step (forward
+and both gradients; two where the input needs no gradient) has float8 operands with XLA's
+default flags and is a cuBLASLt fp8 GEMM with Triton GEMMs off; int8/int4 serving weights
+enter their GEMM fusion as s8/s4, with no copy of the weights in a float type; int8 x int8 is
+s8 x s8 -> s32; the int8 QAT step and the bf16 control run bf16 GEMMs and no fp8 one. The
+check fails on forms that must fail. Nothing here says how fast any of it runs.
+
+The plugin is a test requirement (CI installs it at jaxlib's version): without it these tests
+fail with the command that installs it. The rest of the suite stays on ``JAX_PLATFORMS=cpu``;
+compiling for the H100 needs no CUDA client.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import h100_compile as hc  # noqa: E402
+import h100_forms  # noqa: E402
+
+PROGRAMS = {p.name: p for p in h100_forms.programs()}
+E4M3, E5M2 = "f8e4m3fn", "f8e5m2"
+
+
+def _names(group):
+    return [name for name, p in PROGRAMS.items() if p.group == group]
+
+
+@functools.cache
+def _forms(name, mode):
+    return h100_forms.forms(PROGRAMS[name], mode)
+
+
+def _require_plugin():
+    """Fails (not skips) with the command that installs the plugin when it is missing."""
+    problem = hc.plugin_problem()
+    if problem:
+        pytest.fail(problem)
+
+
+def _compiled(name, modes=tuple(hc.MODES)):
+    """``{mode: Forms}`` of a program, compiled once per test process."""
+    _require_plugin()
+    return {mode: _forms(name, mode) for mode in modes}
+
+
+# -- the plugin --------------------------------------------------------------------------------
+
+
+def test_the_cuda_plugin_compiles_for_an_h100_at_jaxlibs_version():
+    problem = hc.plugin_problem()
+    assert problem is None, problem
+    device = hc.h100_sharding().mesh.devices.flat[0]
+    assert device.device_kind == "NVIDIA H100 80GB HBM3"
+    assert device.client.runtime_type == "compile_only_runtime"
+    assert jax.default_backend() == "cpu"  # nothing else moved off the CPU
+
+
+def test_a_missing_or_mismatched_plugin_names_the_versions_to_install(monkeypatch):
+    def version(name):
+        if name == "jax-cuda12-pjrt":
+            raise hc.importlib.metadata.PackageNotFoundError(name)
+        return "0.0.1"
+
+    monkeypatch.setattr(hc.importlib.metadata, "version", version)
+    problem = hc.plugin_problem()
+    v = jaxlib.__version__
+    assert problem == (
+        f"Compiling for an H100 needs the CUDA PJRT plugin at jaxlib's version {v} (found "
+        f"jax-cuda12-plugin 0.0.1, jax-cuda12-pjrt not installed): "
+        f"pip install jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v}"
+    )
+
+
+def test_the_script_prints_its_help_without_compiling():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "h100_forms.py"), "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("usage: h100_forms.py")
+    assert "--only" in result.stdout and "--hlo" in result.stdout
+
+
+def test_an_unknown_mode_is_a_value_error():
+    with pytest.raises(ValueError, match=r"`mode` must be one of \['cublas', 'default'\], got 'x'"):
+        hc.compile_for_h100(lambda x: x, (), "x")
+
+
+# -- float8 training steps ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", _names("float8"))
+def test_every_float8_matmul_of_a_training_step_is_a_native_fp8_gemm(name):
+    """Two float8 layers: 2 forwards e4m3 x e4m3, 3 gradients e5m2 with the saved e4m3
+    operand (the first layer's input needs none): Triton dots of float8 operands by default,
+    cuBLASLt fp8 GEMMs with Triton GEMMs off, all with bf16 results."""
+    for mode, found in _compiled(name).items():
+        operands = sorted(tuple(sorted((g.lhs, g.rhs))) for g in found.gemms)
+        assert operands == [(E4M3, E4M3)] * 2 + [(E4M3, E5M2)] * 3, (mode, found.describe())
+        targets = {g.target for g in found.gemms}
+        assert targets == ({"dot"} if mode == "default" else {hc.FP8_GEMM}), mode
+        assert {g.result for g in found.gemms} == {"bf16"}
+        assert all(g.is_fp8 for g in found.gemms)
+        assert h100_forms.problems(PROGRAMS[name], mode, found) == []
+
+
+def test_the_table_row_says_what_xla_made_in_both_modes():
+    name = "f8 delayed linen Dense"
+    row = h100_forms.row(PROGRAMS[name], _compiled(name))
+    assert row == [
+        name,
+        "2x e4m3 x e4m3 -> bf16, 2x e4m3 x e5m2 -> bf16, 1x e5m2 x e4m3 -> bf16",
+        "native",
+        "2x lt$matmul$f8 e4m3 x e4m3 -> bf16, 2x lt$matmul$f8 e4m3 x e5m2 -> bf16, "
+        "1x lt$matmul$f8 e5m2 x e4m3 -> bf16",
+        "native",
+    ]
+
+
+def test_int8_qat_step_runs_bf16_gemms_and_no_int8_or_fp8_one():
+    """Quantization-aware training multiplies integer values in bf16 (an int8 GEMM made
+    inside the step is slow on an H100): 5 bf16 GEMMs, forwards and gradients."""
+    (name,) = _names("int8 QAT")
+    for mode, found in _compiled(name).items():
+        assert len(found.gemms) == 5, (mode, found.describe())
+        assert {(g.lhs, g.rhs) for g in found.gemms} == {("bf16", "bf16")}, mode
+        assert not any(g.is_fp8 or g.is_int8 for g in found.gemms)
+        assert h100_forms.problems(PROGRAMS[name], mode, found) == []
+
+
+def test_the_bf16_control_has_bf16_gemms_and_no_fp8_one():
+    (name,) = _names("control")
+    for mode, found in _compiled(name).items():
+        assert len(found.gemms) == 5, (mode, found.describe())
+        assert {(g.lhs, g.rhs, g.result) for g in found.gemms} == {("bf16", "bf16", "bf16")}
+        assert not any(g.is_fp8 for g in found.gemms)
+        assert h100_forms.problems(PROGRAMS[name], mode, found) == []
+
+
+# -- serving -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", _names("serving"))
+def test_int8_and_int4_weights_enter_their_gemm_fusion_as_s8_or_s4(name):
+    """Weight-only serving (XLA's default flags, which keep Triton GEMM fusions): each layer's
+    GEMM converts its s8/s4 weights inside the fusion; nothing copies them to a float type
+    (with Triton GEMMs off cuBLAS cannot read them: a real H100 has to pick Triton)."""
+    program = PROGRAMS[name]
+    found = _compiled(name, ("default",))["default"]
+    assert len(found.gemms) == 2, found.describe()
+    assert [g.reads_int_weights for g in found.gemms] == [program.weights] * 2, found.describe()
+    assert [w for w in found.weight_reads if w.is_copy] == []
+    assert h100_forms.problems(program, "default", found) == []
+
+
+def test_int8_x_int8_is_an_s8_x_s8_to_s32_gemm_in_both_modes():
+    (name,) = _names("int8 x int8")
+    for mode, found in _compiled(name).items():
+        assert len(found.gemms) == 2, (mode, found.describe())
+        assert all(g.is_int8 for g in found.gemms), (mode, found.describe())
+        targets = {g.target for g in found.gemms}
+        assert targets == ({"dot"} if mode == "default" else {"__cublas$lt$matmul"}), mode
+        assert h100_forms.problems(PROGRAMS[name], mode, found) == []
+
+
+# -- the check fails on forms that must fail --------------------------------------------------
+
+
+def _qdq_step():
+    """float8 by quantize-dequantize in bf16 (the form that ran no fp8 GEMM on an H100): the
+    product of ``convert(convert(x, e4m3), bf16) / scale`` operands, and its gradients."""
+
+    def qdq(t):
+        scale = 448.0 / jnp.max(jnp.abs(t)).astype(jnp.float32)
+        q = (t.astype(jnp.float32) * scale).astype(jnp.float8_e4m3fn)
+        return q.astype(jnp.bfloat16) / scale.astype(jnp.bfloat16)
+
+    def loss(w, x):
+        return jnp.sum(jnp.dot(qdq(x), qdq(w)).astype(jnp.float32))
+
+    shape = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
+    return jax.value_and_grad(loss, argnums=(0, 1)), hc.on_h100((shape, shape))
+
+
+def _dequantize_then_dot():
+    """Serving by dequantizing the int8 weights, then a bf16 matmul (measured slow)."""
+
+    def serve(x, w, s):
+        return x @ (w.astype(jnp.float32) * s).astype(jnp.bfloat16)
+
+    d = 4096
+    args = (
+        jax.ShapeDtypeStruct((16, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((d, d), jnp.int8),
+        jax.ShapeDtypeStruct((d,), jnp.float32),
+    )
+    return serve, hc.on_h100(args)
+
+
+def test_the_float8_check_fails_on_quantize_dequantize_in_bf16():
+    _require_plugin()
+    program = h100_forms.Program("qdq", "float8", _qdq_step, 3)
+    default = h100_forms.forms(program, "default")
+    problems = h100_forms.problems(program, "default", default)
+    assert len(problems) == 3, problems  # the forward and both gradients
+    assert all(p.startswith("not on float8 operands: bf16 x bf16 -> bf16 (in ") for p in problems)
+    # With Triton GEMMs off the rewriter makes the forward an fp8 GEMM (a known overstatement:
+    # on an H100 Triton won and no fp8 GEMM ran), not the gradients: the check still fails.
+    cublas = h100_forms.forms(program, "cublas")
+    fp8 = collections.Counter(g.is_fp8 for g in cublas.gemms)
+    assert fp8 == {True: 1, False: 2}
+    assert len(h100_forms.problems(program, "cublas", cublas)) == 2
+
+
+def test_the_serving_check_fails_on_dequantize_then_dot():
+    _require_plugin()
+    program = h100_forms.Program("deq", "serving", _dequantize_then_dot, 1, "s8", 4096 * 4096)
+    found = h100_forms.forms(program, "default")
+    assert [w.describe() for w in found.weight_reads] == ["s8 copy -> bf16[4096,4096]"]
+    problems = h100_forms.problems(program, "default", found)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("a copy of the weights: s8 copy -> bf16[4096,4096]")
+    assert problems[1] == (
+        "0 of 1 layers read their s8 weights inside a GEMM or reduction: "
+        "1x bf16 x bf16 -> f32, 1x s8 copy -> bf16[4096,4096]"
+    )
