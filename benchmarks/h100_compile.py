@@ -124,7 +124,9 @@ class Instruction:
     shape: tuple[int, ...]
     opcode: str
     operands: tuple[str, ...]
+    arguments: str  # the text between the parentheses: a parameter's number, a constant
     attributes: str
+    is_root: bool
 
     @property
     def size(self) -> int:
@@ -168,7 +170,16 @@ def _instruction(line: str) -> Instruction | None:
     close_at = _closing(rest, open_at)
     operands = tuple(re.findall(r"%([\w.\-]+)", rest[open_at:close_at]))
     shape = tuple(int(d) for d in dims.split(",") if d)
-    return Instruction(head.group(1), dtype, shape, opcode.group(0), operands, rest[close_at + 1 :])
+    return Instruction(
+        head.group(1),
+        dtype,
+        shape,
+        opcode.group(0),
+        operands,
+        rest[open_at + 1 : close_at],
+        rest[close_at + 1 :],
+        line.lstrip().startswith("ROOT "),
+    )
 
 
 def computations(hlo: str) -> dict[str, dict[str, Instruction]]:
@@ -191,12 +202,32 @@ def computations(hlo: str) -> dict[str, dict[str, Instruction]]:
 _MOVES = {"bitcast", "reshape", "transpose", "copy", "broadcast", "slice", "pad", "convert"}
 
 
-def _source(ops: dict[str, Instruction], name: str) -> Instruction | None:
-    """The instruction ``name`` is read from, through moves and converts."""
-    seen = 0
-    while name in ops and ops[name].opcode in _MOVES and ops[name].operands and seen < 64:
-        name, seen = ops[name].operands[0], seen + 1
-    return ops.get(name)
+def _source(
+    comps: dict[str, dict[str, Instruction]], computation: str, name: str, nested: bool
+) -> Instruction | None:
+    """The instruction ``name`` (in ``computation``) is read from, through moves and
+    converts; with ``nested`` (inside a fusion) also through the fusions nested in it, such
+    as the operand fusions of a nested Triton GEMM fusion."""
+    ops = comps.get(computation, {})
+    for _ in range(64):
+        op = ops.get(name)
+        if op is None or not op.operands:
+            return op
+        if op.opcode in _MOVES:
+            name = op.operands[0]
+            continue
+        called = _called(op, "calls") if nested and op.opcode == "fusion" else []
+        inner = comps.get(called[0], {}) if called else {}
+        root = next((i for i in inner.values() if i.is_root), None)
+        if root is None:
+            return op
+        found = _source(comps, called[0], root.name, nested)
+        if found is None or found.opcode != "parameter" or not found.arguments.isdigit():
+            return found
+        if int(found.arguments) >= len(op.operands):
+            return found
+        name = op.operands[int(found.arguments)]  # back out, at the fusion's operand
+    return None
 
 
 def _short(dtype: str) -> str:
@@ -248,7 +279,9 @@ class Gemm:
 def gemms(hlo: str) -> list[Gemm]:
     """Every GEMM of optimized HLO text."""
     result = []
-    for computation, ops in computations(hlo).items():
+    comps = computations(hlo)
+    fused = _fused(comps)
+    for computation, ops in comps.items():
         for op in ops.values():
             if op.opcode == "dot":
                 target = "dot"
@@ -257,7 +290,10 @@ def gemms(hlo: str) -> list[Gemm]:
             else:
                 continue
             lhs, rhs = (_dtype(ops.get(o)) for o in op.operands[:2])
-            lhs_read, rhs_read = (_dtype(_source(ops, o)) for o in op.operands[:2])
+            nested = computation in fused
+            lhs_read, rhs_read = (
+                _dtype(_source(comps, computation, o, nested)) for o in op.operands[:2]
+            )
             result.append(Gemm(computation, target, lhs, rhs, op.dtype, lhs_read, rhs_read))
     return result
 
@@ -288,7 +324,7 @@ class WeightRead:
 def weight_reads(hlo: str, min_elements: int) -> list[WeightRead]:
     """The non-GEMM kernels reading an s8/s4 array of at least ``min_elements`` elements."""
     comps = computations(hlo)
-    fused = {c for ops in comps.values() for op in ops.values() for c in _called(op, "calls")}
+    fused = _fused(comps)
     with_gemm = {name for name, ops in comps.items() if any(_is_gemm(op) for op in ops.values())}
     result = []
     for name, ops in comps.items():
@@ -299,12 +335,17 @@ def weight_reads(hlo: str, min_elements: int) -> list[WeightRead]:
                 continue
             if any(c in with_gemm for c in _called(op)):
                 continue
-            reads = [_source(ops, o) for o in op.operands]
+            reads = [_source(comps, name, o, nested=False) for o in op.operands]
             ints = [r for r in reads if r and r.dtype in ("s8", "s4") and r.size >= min_elements]
             if ints:
                 copy = op.size >= min_elements
                 result.append(WeightRead(name, op.name, ints[0].dtype, op.dtype, op.shape, copy))
     return result
+
+
+def _fused(comps: dict[str, dict[str, Instruction]]) -> set[str]:
+    """The computations that are a fusion's body."""
+    return {c for ops in comps.values() for op in ops.values() for c in _called(op, "calls")}
 
 
 def _called(op: Instruction, keys: str = "calls|to_apply|body|condition") -> list[str]:

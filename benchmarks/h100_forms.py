@@ -307,10 +307,13 @@ def problems(program: Program, mode: str, found: Forms) -> list[str]:
 
 
 def row(program: Program, results: dict[str, Forms]) -> list[str]:
+    """The program's name, then per mode what XLA made and whether it is the form wanted:
+    ``native`` (``bf16`` for the QAT step and the control), or ``NOT ...``."""
+    word = "bf16" if program.group in ("control", "int8 QAT") else "native"
     cells = [program.name]
     for mode, found in results.items():
         bad = problems(program, mode, found)
-        cells += [found.describe(), "native" if not bad else "NOT native"]
+        cells += [found.describe(), word if not bad else f"NOT {word}"]
     return cells
 
 
@@ -341,12 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import jax
 
+    device = hc.h100_sharding().mesh.devices.flat[0].device_kind
+    print(f"jax {jax.__version__}, compiled for an {device} without a GPU; nothing is timed.")
     print(
-        f"jax {jax.__version__}, compiled for {hc.h100_sharding().mesh.devices.flat[0].device_kind}"
-        " without a GPU; nothing is timed. A form is native when: float8, every GEMM on float8 "
-        "operands (default) / a cuBLASLt fp8 GEMM (Triton off); serving, each layer's s8/s4 "
-        "weights read inside its GEMM or reduction, no copy; int8 x int8, s8 x s8 -> s32; "
-        "QAT and control, bf16 GEMMs."
+        "native: float8, every GEMM on float8 operands (default) or a cuBLASLt fp8 GEMM "
+        "(Triton off);\n  serving, each layer's s8/s4 weights read inside its GEMM, no copy; "
+        "int8 x int8, s8 x s8 -> s32.\n  `a->b`: an operand read as a, converted to b inside "
+        "the GEMM's fusion."
     )
     rows, bad = [], []
     for program in programs():
@@ -361,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
                 for p in problems(program, m, f)
             ]
     print(format_table(rows))
+    print(
+        "Triton GEMMs off, cuBLAS reads no s8/s4 beside bf16: the serving weights are copied to "
+        "a float type first,\n  so on an H100 only Triton's GEMM (if the autotuner picks it) "
+        "reads them in place. int8 x int8 there:\n  the kernel, stored [in, out], is transposed "
+        "to cuBLAS's layout (an s8 copy) at every call."
+    )
     for line in bad:
         print(line)
     return 0

@@ -242,3 +242,65 @@ def test_the_serving_check_fails_on_dequantize_then_dot():
         "0 of 1 layers read their s8 weights inside a GEMM or reduction: "
         "1x bf16 x bf16 -> f32, 1x s8 copy -> bf16[4096,4096]"
     )
+
+
+# -- the HLO reader, on HLO written by hand ----------------------------------------------------
+
+NESTED = """\
+HloModule nested
+
+%rhs_computation (p: s8[64,32]) -> bf16[64,32] {
+  %p = s8[64,32]{1,0} parameter(0)
+  ROOT %c = bf16[64,32]{1,0} convert(%p)
+}
+
+%gemm_fusion_dot_computation (parameter_0: bf16[16,64], parameter_1: s8[64,32]) -> f32[16,32] {
+  %parameter_0 = bf16[16,64]{1,0} parameter(0)
+  %parameter_1 = s8[64,32]{1,0} parameter(1)
+  %rhs = bf16[64,32]{1,0} fusion(%parameter_1), kind=kCustom, calls=%rhs_computation
+  ROOT %dot = f32[16,32]{1,0} dot(%parameter_0, %rhs), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (x: bf16[16,64], w: s8[64,32]) -> f32[16,32] {
+  %x = bf16[16,64]{1,0} parameter(0)
+  %w = s8[64,32]{1,0} parameter(1)
+  ROOT %gemm_fusion_dot = f32[16,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_fusion_dot_computation
+}
+"""
+
+COPIED = """\
+HloModule copied
+
+%fused_convert (param_0: s4[64,32]) -> bf16[64,32] {
+  %param_0 = s4[64,32]{1,0:E(4)} parameter(0)
+  ROOT %convert = bf16[64,32]{1,0} convert(%param_0)
+}
+
+ENTRY %main (x: bf16[16,64], w: s4[64,32]) -> f32[16,32] {
+  %x = bf16[16,64]{1,0} parameter(0)
+  %w = s4[64,32]{1,0:E(4)} parameter(1)
+  %copy = bf16[64,32]{1,0} fusion(%w), kind=kLoop, calls=%fused_convert
+  %cc = (f32[16,32]{1,0}, s8[1024]{0}) custom-call(%x, %copy), custom_call_target="__cublas$lt$matmul"
+  ROOT %gte = f32[16,32]{1,0} get-tuple-element(%cc), index=0
+}
+"""
+
+
+def test_the_reader_follows_weights_into_a_nested_gemm_fusion():
+    """An operand fusion nested in the GEMM's fusion (XLA's nested Triton GEMM fusions) that
+    converts the s8 weights: the GEMM reads them as s8."""
+    (gemm,) = hc.gemms(NESTED)
+    assert (gemm.target, gemm.lhs, gemm.rhs, gemm.result) == ("dot", "bf16", "bf16", "f32")
+    assert (gemm.lhs_read, gemm.rhs_read, gemm.reads_int_weights) == ("bf16", "s8", "s8")
+    assert gemm.describe() == "bf16 x s8->bf16 -> f32"
+    assert hc.weight_reads(NESTED, 64 * 32) == []
+
+
+def test_the_reader_sees_a_float_copy_of_the_weights_before_a_cublas_gemm():
+    (gemm,) = hc.gemms(COPIED)
+    assert gemm.target == "__cublas$lt$matmul"
+    assert (gemm.lhs, gemm.rhs, gemm.result, gemm.rhs_read) == ("bf16", "bf16", "f32", "bf16")
+    assert gemm.reads_int_weights is None  # a separate kernel converted them
+    (copy,) = hc.weight_reads(COPIED, 64 * 32)
+    assert (copy.name, copy.is_copy, copy.describe()) == ("copy", True, "s4 copy -> bf16[64,32]")
+    assert hc.weight_reads(COPIED, 64 * 32 + 1) == []  # smaller than the weights asked about
