@@ -30,9 +30,11 @@ What this shows: the forms XLA makes on an H100. What it does not: any time, or 
 Triton's GEMM and cuBLAS's the autotuner of a real H100 picks (``docs/h100_forms.md`` has the
 measured forms; a GPU measures the library's own times).
 
-Needs the CUDA PJRT plugin at jaxlib's version (``pip install jax-cuda12-plugin==V
-jax-cuda12-pjrt==V``, V = ``python -c 'import jaxlib; print(jaxlib.__version__)'``; no CUDA
-toolkit or driver). Run: ``python benchmarks/h100_forms.py [--only REGEX] [--hlo DIR]``.
+Needs the CUDA PJRT plugin at jaxlib's version (no CUDA toolkit or driver), best installed
+apart as CI does, since in an environment it makes every process that imports jax print
+CUDA-driver lines: ``pip install --no-deps --target .ci-cuda-plugin jax-cuda12-plugin==V
+jax-cuda12-pjrt==V``, V = ``python -c 'import jaxlib; print(jaxlib.__version__)'``. Run:
+``PYTHONPATH=.ci-cuda-plugin python benchmarks/h100_forms.py [--only REGEX] [--hlo DIR]``.
 """
 
 from __future__ import annotations
@@ -248,6 +250,14 @@ class Forms:
         cells = [g.describe() for g in self.gemms] + [w.describe() for w in self.weight_reads]
         return hc.count(cells) or "no GEMM"
 
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Forms:
+        reads = [{**w, "out_shape": tuple(w["out_shape"])} for w in data["weight_reads"]]
+        return cls([hc.Gemm(**g) for g in data["gemms"]], [hc.WeightRead(**w) for w in reads])
+
 
 def forms(program: Program, mode: str, hlo_dir: pathlib.Path | None = None) -> Forms:
     """Compiles ``program`` for an H100 in ``mode`` and reads its GEMMs."""
@@ -340,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     problem = hc.plugin_problem()
     if problem:
-        print(problem, file=sys.stderr)
+        print(f"{problem} (or with --no-deps --target DIR, then PYTHONPATH=DIR)", file=sys.stderr)
         return 2
     import jax
 
