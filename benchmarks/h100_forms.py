@@ -8,7 +8,7 @@ PJRT plugin's compile-only devices) in two modes, and the optimized HLO is read:
 * ``cublas``: Triton GEMMs off; XLA's GEMM rewriter shows which dots can be cuBLASLt fp8
   GEMMs (``__cublas$lt$matmul$f8``) or s8 x s8 -> s32 GEMMs.
 
-Programs (widths 1024-2048; compile time does not depend on the sizes):
+Programs (compile time does not depend on the sizes, but some forms do):
 
 * a float8 training step (``value_and_grad``, ``jp.linen.split_gradients`` /
   ``jp.nnx.split_gradients``, adam) of two float8 layers of one kind with a gelu between,
@@ -18,10 +18,12 @@ Programs (widths 1024-2048; compile time does not depend on the sizes):
   5 per step (forward and both gradients of each layer; the input needs no gradient);
 * an int8 QAT step (``"int8_from_mixed_bfloat16"``, float kernels): by design bf16 GEMMs on
   integer values (an int8 GEMM made inside the step is slow on an H100);
-* weight-only serving of two Dense layers 2048 x 2048 with int8, int4 per channel and int4 in
+* weight-only serving of two Dense layers 4096 x 4096 with int8, int4 per channel and int4 in
   blocks of 128 weights at batch 1, 16 and 256: native when each layer's s8/s4 weights are
   read inside its GEMM fusion (or, for a matrix-vector product, its reduction) with no copy of
-  the weights in a float type;
+  the weights in a float type. 4096, not less: below about that size XLA turns a one-row
+  matmul into a multiply and a reduction, and after a first layer writes the multiply's
+  kernel-sized result, bf16 weights as well (a small layer's form, not the weights');
 * int8 x int8 (int8 weights under ``"int8_from_mixed_bfloat16"``) at 256 rows: native when
   every GEMM is s8 x s8 -> s32;
 * the control: the Linen Dense step under ``"mixed_bfloat16"``, bf16 GEMMs and no fp8 one.
@@ -55,7 +57,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import h100_compile as hc
 
 WIDTH, HIDDEN, TOKENS = 1024, 2048, 2048  # float8, QAT and control steps
-SERVE_DIM, SERVE_LAYERS = 4096, 2
+SERVE_DIM, SERVE_LAYERS = 4096, 2  # at 2048 a one-row matmul is no GEMM (see above)
 LAYERS = 2  # every step: two layers of one kind
 STEP_GEMMS = 3 * LAYERS - 1  # forward and two gradients each; the input needs no gradient
 F8 = {"delayed": "float8_from_mixed_bfloat16", "current": "float8_current_from_mixed_bfloat16"}
