@@ -152,6 +152,33 @@ def test_explain_shows_each_layers_form():
     )
 
 
+@pytest.mark.parametrize("lead", [(1,), (1, 1)], ids=["one row", "one row of one"])
+def test_int4_blocks_multiply_a_single_row_as_two(lead, maybe_jit):
+    """XLA's GPU compiler turns a one-row batched GEMM into a multiply and a reduction that
+    writes a float32 array of the kernel's size (issue #28, seen by compiling for an H100);
+    a zero row added keeps the GEMM. The result is the single row's."""
+    model = nn.Dense(128, use_bias=False)
+    x = jax.random.normal(jax.random.key(4), (*lead, 64))
+    params = model.init(jax.random.key(0), x)["params"]
+    quantized = {"params": jp.get("int4/32_from_float32").quantize(params)}
+    fn = jp.linen.apply(model, "mixed_bfloat16")
+    dots = equations(jax.make_jaxpr(fn)(quantized, x).jaxpr, "dot_general")
+    # The blocks' GEMM on two rows (rows, blocks, size), then the sum over blocks times
+    # their scales (blocks, features): no dot on a single row.
+    assert [tuple(e.invars[0].aval.shape) for e in dots] == [(2, 2, 32), (2, 128)]
+    out = maybe_jit(fn)(quantized, x)
+    assert out.shape == (*lead, 128) and out.dtype == jnp.bfloat16
+    # The same row among others: the same values (rows of a GEMM are independent).
+    others = jax.random.normal(jax.random.key(5), (3, 64))
+    stacked = fn(quantized, jnp.concatenate([x.reshape(1, 64), others]))
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32).reshape(128), np.asarray(stacked[0], np.float32), rtol=1e-2
+    )
+    ref = x.reshape(1, 64) @ _dequantized(quantized["params"])["kernel"]
+    err = np.abs(np.asarray(out, np.float32).reshape(1, 128) - np.asarray(ref)).max()
+    assert err <= 0.02 * np.abs(np.asarray(ref)).max(), err
+
+
 def test_cast_to_compute_still_dequantizes_a_whole_tree():
     _, quantized, _ = _linen("int8")
     cast = jp.get("int8_from_mixed_bfloat16").cast_to_compute(quantized["params"])

@@ -155,21 +155,29 @@ def _fast(
 
 def _int4_blocks(x: jax.Array, q: QuantizedArray, out: np.dtype) -> jax.Array:
     """``x @ kernel`` for an int4 kernel of blocks of rows: a matmul per block (batched
-    over blocks), then the sum of the blocks' results times their scales."""
+    over blocks), then the sum of the blocks' results times their scales.
+
+    A single row is multiplied as two (a zero row added, then dropped): XLA's GPU compiler
+    turns a batched matrix-vector product into a multiply and a reduction, and the multiply
+    writes a float32 array of the kernel's size; two rows keep the GEMM, which reads the
+    int4 weights inside its fusion."""
     rows, n = q.shape
     blocks = q.scale.shape[0]
     size = -(-rows // blocks)
     pad = blocks * size - rows
     lead = x.shape[:-1]
     x2 = x.reshape(-1, rows)
+    m = x2.shape[0]
     values = q.values
     if pad:
         x2 = jnp.pad(x2, ((0, 0), (0, pad)))
         values = jnp.pad(values, ((0, pad), (0, 0)))
+    if m == 1:
+        x2 = jnp.pad(x2, ((0, 1), (0, 0)))
     xb = x2.reshape(x2.shape[0], blocks, size)
     wb = values.reshape(blocks, size, n).astype(x.dtype)
     part = jax.lax.dot_general(
         xb, wb, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32
     )  # (blocks, m, n)
     y = JNP_EINSUM("bmn,bn->mn", part, q.scale)  # not the glue's routed jnp.einsum
-    return y.astype(out).reshape(*lead, n)
+    return y[:m].astype(out).reshape(*lead, n)
