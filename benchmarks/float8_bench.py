@@ -228,10 +228,11 @@ def _time(fns: dict[str, Any], repeats: int) -> dict[str, list[float]]:
 
 
 def measure(
-    args: argparse.Namespace, names: tuple[str, ...] | None = None
+    args: argparse.Namespace, names: tuple[str, ...] | None = None, forward: bool = True
 ) -> dict[str, dict[str, Any]]:
     """Each variant's figures (all of :data:`VARIANTS`, or those ``names``, which must
-    include ``"float32"``: every variant starts from its parameters)."""
+    include ``"float32"``: every variant starts from its parameters); ``forward=False``
+    skips timing one Dense's forward alone (``"forward"`` is then absent)."""
     variants = VARIANTS if names is None else {n: VARIANTS[n] for n in names}
     x, y = make_data(args)
     tx = optax.adam(args.lr)
@@ -269,14 +270,14 @@ def measure(
         results[name]["times"] = times[name]
     # The forward matmul of one Dense (tokens x width -> width) alone.
     forwards = {}
-    for name, policy in variants.items():
+    for name, policy in variants.items() if forward else ():
         dense = nn.Dense(args.width, dot_general_cls=model_for(name, args).op)
         single = SINGLE.get(name, policy)
         variables = jax.jit(jp.linen.init(dense, single))(jax.random.key(2), x[:8])
         fwd = jax.jit(jp.linen.apply(dense, single)).lower(variables, x).compile()
         forwards[name] = lambda fwd=fwd, variables=variables: fwd(variables, x)
     times = _time(forwards, args.repeats)
-    for name in variants:
+    for name in forwards:
         results[name]["forward"] = times[name]
     # Training: the loss after `steps` steps of each variant from the same start.
     for name in variants:

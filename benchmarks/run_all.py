@@ -27,9 +27,11 @@ backend upcasts 16-bit arithmetic, so 16-bit steps are not faster there.
   against ``"mixed_bfloat16"`` and float32: step time, XLA's temp memory, the converts to
   and from float8 (6 per Dense: input, kernel and output gradient), the dots on float8
   operands (the form XLA's GPU GemmRewriter makes native float8 GEMMs of; on a GPU also
-  how many it made), and the training loss after a few hundred steps next to bf16's, from
-  the same start. A CPU has no float8 units: there only the loss and the counts mean
-  something.
+  how many it made), and the final training loss over the first after a few hundred steps
+  (``final / first loss``: how much of it training removed) next to bf16's, from the same
+  start. A CPU has no float8 units: there only the loss and the counts mean something.
+
+After each benchmark's rows a line starting ``=>`` says what they found, in words.
 
 Run: ``python benchmarks/run_all.py`` (``--quick``: small sizes, few repeats; CI runs it).
 """
@@ -167,7 +169,7 @@ def float8_rows(quick: bool) -> Section:
     with warnings.catch_warnings():
         # Its small sizes trip the "float8 will not pay at this size" warning on purpose.
         warnings.filterwarnings("ignore", message="The float8 layer")
-        results = float8_bench.measure(args, ("float8", "bf16", "float32"))
+        results = float8_bench.measure(args, ("float8", "bf16", "float32"), forward=False)
     f8, bf16, f32 = results["float8"], results["bf16"], results["float32"]
     med = statistics.median
     ours = "float8 Dense"
@@ -196,9 +198,9 @@ def float8_rows(quick: bool) -> Section:
             f8["fp8_form"][1],
             "count",
         ),
-        # What training leaves of the first loss: both near 0, so no ratio.
+        # The final loss over the first, from the same start: both near 0, so no ratio.
         Row(
-            f"loss left after {args.steps} steps",
+            f"final / first loss, {args.steps} steps",
             ours,
             f8["losses"][-1] / f8["losses"][0],
             "mixed_bfloat16",
@@ -342,12 +344,72 @@ def policy_map_rows(quick: bool) -> Section:
 HEADER = ("what", "ours", "value", "against", "value", "ratio")
 
 
-def format_table(sections: list[Section]) -> str:
-    """One table, a heading line per benchmark; ratio = ours' value / against's."""
+def _ratio_of(rows: list[Row], what: str, against: str) -> float:
+    row = next(r for r in rows if r.what.startswith(what) and r.against == against)
+    return row.value / row.against_value if row.against_value else float("nan")
+
+
+def findings(sections: list[Section], quick: bool) -> dict[str, str]:
+    """A line per benchmark: what its rows found, in words (timings only at full sizes)."""
+    rows = {heading.partition(":")[0]: section for heading, section in sections}
+    out = {}
+    linen = rows["linen"]
+    line = (
+        f"jp.linen.apply compiles to what casting by hand does (converts "
+        f"{_ratio_of(linen, 'convert ops', 'cast by hand'):.3f}x, temp memory "
+        f"{_ratio_of(linen, 'XLA temp memory', 'cast by hand'):.3f}x); mixed_bfloat16 keeps "
+        f"{_ratio_of(linen, 'activations kept', 'float32'):.2f}x float32's activations"
+    )
+    if not quick:
+        line += f"; step time {_ratio_of(linen, 'step time', 'cast by hand'):.3f}x by hand's"
+    out["linen"] = line
+    scale = rows["loss scale"]
+    out["loss scale"] = (
+        f"the wrapper moves {_ratio_of(scale, 'bytes', 'plain adam'):.2f}x plain adam's bytes "
+        f"(the extra finiteness read any skipping wrapper pays), "
+        f"{_ratio_of(scale, 'bytes', 'jmp-style by hand'):.2f}x a jmp-style loop's and "
+        f"{_ratio_of(scale, 'bytes', 'apply_if_finite'):.2f}x apply_if_finite's"
+    )
+    policy_map = rows["policy map"]
+    whole = policy_map[1]
+    out["policy map"] = f"our whole tree resolves in {format_value(whole.value, 's')}" + (
+        f", {whole.value / whole.against_value:.2f}x Keras's time for its modules alone"
+        if whole.against_value
+        else " (Keras not installed: no comparison)"
+    )
+    quant = rows["quantization"]
+    parts = []
+    for r in quant:
+        if r.what == "parameter bytes":
+            error = next(e for e in quant if e.ours == r.ours and e.what.startswith("output"))
+            parts.append(
+                f"{r.ours} stores {r.value / r.against_value:.2f}x float32's bytes at "
+                f"{error.value:.2%} output error"
+            )
+    out["quantization"] = "; ".join(parts)
+    f8 = rows["float8"]
+    dots = next(r for r in f8 if r.what == "dots on float8 operands")
+    loss = next(r for r in f8 if r.what.startswith("final / first loss"))
+    out["float8"] = (
+        f"{dots.value:.0f} of {dots.against_value:.0f} dots run on float8 operands; training "
+        f"leaves {loss.value:.2%} of the first loss (bf16: {loss.against_value:.2%})"
+    )
+    return out
+
+
+def format_table(sections: list[Section], found: dict[str, str] | None = None) -> str:
+    """One table, a heading line per benchmark; ratio = ours' value / against's; after each
+    benchmark's rows, its line of ``found`` (``=> ...``) where given."""
+    found = found or {}
     cells: list[tuple[str, ...] | str] = [HEADER]
     for heading, rows in sections:
         cells.append(heading)
+        if heading.partition(":")[0] in found:
+            rows = [*rows, found[heading.partition(":")[0]]]  # type: ignore[list-item]
         for r in rows:
+            if isinstance(r, str):
+                cells.append(_wrap("=> " + r))
+                continue
             ratio = "-"
             if r.ratio and r.against_value:  # neither None nor 0
                 ratio = f"{r.value / r.against_value:.3f}x"
@@ -382,12 +444,28 @@ def format_table(sections: list[Section]) -> str:
 _INDENT = "  "
 
 
+def _wrap(text: str, width: int = 100) -> str:
+    """``text`` in lines of at most ``width`` columns, continuations indented by three."""
+    lines, line = [], ""
+    for word in text.split(" "):
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = "   " + word
+        else:
+            line = f"{line} {word}" if line else word
+    return "\n".join([*lines, line])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Full sizes take about 3 minutes on 2 CPU cores; --quick about 1 minute, at "
+        "sizes too small to time (its timings measure fixed costs, not the library).",
     )
-    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes, few repeats (about 1 minute)"
+    )
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     print(
@@ -397,7 +475,12 @@ def main(argv: list[str] | None = None) -> None:
     sections = [linen_rows(args.quick), loss_scaling_rows(args.quick)]
     sections += [policy_map_rows(args.quick), quantization_rows(args.quick)]
     sections.append(float8_rows(args.quick))
-    print(format_table(sections))
+    print(format_table(sections, findings(sections, args.quick)))
+    if args.quick:
+        print(
+            "Quick sizes are too small to time: their time ratios are fixed costs, not the "
+            "library's;\nbytes, counts and errors hold."
+        )
     if device.platform == "cpu":
         print("No speed-up on a CPU: XLA's CPU backend upcasts 16-bit arithmetic to float32.")
 

@@ -30,7 +30,9 @@ def _sections(stdout):
         if re.match(r"[a-z0-9][a-z0-9 ]*: ", line):  # a heading
             rows = []
             sections[line.partition(":")[0]] = (line, rows)
-        elif line.startswith("  ") and sections and not line.strip().startswith("-"):
+        elif line.startswith("  ") and not line.startswith("   ") and sections:
+            if line.strip().startswith("-"):
+                continue
             rows.append(re.split(r"\s{2,}", line.strip()))
     return sections
 
@@ -44,6 +46,12 @@ def _number(cell, unit):
 def test_run_all_quick_prints_values_beside_ratios_in_plain_words():
     result = _run("run_all.py", "--quick")
     lines = result.stdout.splitlines()
+    # A line of findings after each benchmark's rows, and what quick sizes cannot show.
+    found = [line for line in lines if line.startswith("=> ")]
+    assert len(found) == 5, result.stdout
+    assert found[0].startswith("=> jp.linen.apply compiles to what casting by hand does")
+    assert "of the first loss (bf16:" in result.stdout
+    assert "Quick sizes are too small to time" in result.stdout
     assert all(len(line) <= 100 for line in lines)
     header = lines[1].split()
     assert header == ["what", "ours", "value", "against", "value", "ratio"]
@@ -116,7 +124,7 @@ def test_run_all_quick_prints_values_beside_ratios_in_plain_words():
     assert converts[3] == "6 per Dense x 4" and converts[2] == converts[4] == "24"
     assert rows["dots on float8 operands"][2:] == ["12", "all dots", "12", "1.000x"]
     # What training leaves of the first loss, float8 beside bf16: both trained, alike.
-    loss = next(row for what, row in rows.items() if what.startswith("loss left after"))
+    loss = next(row for what, row in rows.items() if what.startswith("final / first loss"))
     assert loss[3] == "mixed_bfloat16" and loss[5] == "-"
     ours, bf16 = (float(v.rstrip("%")) for v in (loss[2], loss[4]))
     assert ours < 50 and bf16 < 50 and abs(ours - bf16) < 5  # percent of the first loss
