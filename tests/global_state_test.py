@@ -175,17 +175,17 @@ def test_policy_scope_is_local_to_its_thread():
         with jp.policy_scope("mixed_float16"):
             seen["worker_inside"] = jp.dtype_policy().name
             entered.set()
-            release.wait(timeout=10)
+            release.wait(timeout=120)
         seen["worker_after"] = jp.dtype_policy().name
 
     with jp.policy_scope("bfloat16"):
         thread = threading.Thread(target=worker)
         thread.start()
-        assert entered.wait(timeout=10)
+        assert entered.wait(timeout=120)
         # The worker's scope does not reach this thread, nor this one the worker's.
         assert jp.dtype_policy().name == "bfloat16"
         release.set()
-        thread.join(timeout=10)
+        thread.join(timeout=120)
     assert seen == {"worker_inside": "mixed_float16", "worker_after": "float32"}
     assert jp.dtype_policy().name == "float32"
 
@@ -199,7 +199,7 @@ def test_set_dtype_policy_is_process_wide():
     jp.set_dtype_policy("mixed_bfloat16")
     thread = threading.Thread(target=worker)
     thread.start()
-    thread.join(timeout=10)
+    thread.join(timeout=120)
     assert result == {"name": "mixed_bfloat16"}
 
 

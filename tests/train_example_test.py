@@ -32,7 +32,6 @@ def _train(tmp_path, *flags, returncode=0):
         [sys.executable, str(SCRIPT), *flags],
         capture_output=True,
         text=True,
-        timeout=180,
         cwd=tmp_path,
         # this checkout's jmp_policy
         env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(temp)},
