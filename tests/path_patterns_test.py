@@ -21,7 +21,7 @@ from jmp_policy._src import path_patterns
 from jmp_policy._src.diagnostics_selection import selection
 from jmp_policy._src.options import make_options
 from jmp_policy._src.path_patterns import compile_pattern
-from jmp_policy._src.stacked_axes import stacked_axes_of
+from jmp_policy._src.quantization.stacked_axes import stacked_axes_of
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True)
 CYRILLIC = "\u0400"  # "Ѐ"
