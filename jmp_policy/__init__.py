@@ -39,7 +39,7 @@ from jmp_policy._src.quantization import QuantizedArray as QuantizedArray
 
 # --- serialization ---
 from jmp_policy._src.serialization import deserialize as deserialize
-from jmp_policy._src.serialization import get as get
+from jmp_policy._src.identifiers import get as get
 from jmp_policy._src.serialization import serialize as serialize
 
 # --- loss scaling ---
