@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmp_policy as jp
-from jmp_policy._src import kernel_matmul
+from jmp_policy._src.quantization import kernel_matmul
 
 FLAG = "xla_gpu_experimental_enable_subchannel_dequantisation_fusion"
 

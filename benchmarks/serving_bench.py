@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmp_policy as jp
-from jmp_policy._src import matmuls
+from jmp_policy._src.quantization import matmuls
 
 
 class Stack(nn.Module):

@@ -39,7 +39,7 @@ from jmp_policy._src.quantization import QuantizedArray as QuantizedArray
 
 # --- serialization ---
 from jmp_policy._src.serialization import deserialize as deserialize
-from jmp_policy._src.serialization import get as get
+from jmp_policy._src.identifiers import get as get
 from jmp_policy._src.serialization import serialize as serialize
 
 # --- loss scaling ---
@@ -54,8 +54,8 @@ from jmp_policy._src.optax_wrapper import loss_scaling as loss_scaling
 from jmp_policy._src.optax_wrapper import scaled_value_and_grad as scaled_value_and_grad
 
 # --- diagnostics ---
-from jmp_policy._src.diagnostics_table import format_report as format_report
-from jmp_policy._src.dtype_profile import dtype_profile as dtype_profile
+from jmp_policy._src.diagnostics.table import format_report as format_report
+from jmp_policy._src.diagnostics.dtype_profile import dtype_profile as dtype_profile
 
 __version__ = "0.1.0"
 

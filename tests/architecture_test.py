@@ -246,8 +246,8 @@ def test_mode_test_finder_finds_string_tests_of_a_mode():
     assert mode_tests('b = getattr(p, "block_size", None)') != []
     assert mode_tests("if p.quantization_mode not in MODES:") != []
     assert mode_tests("mode = policy.quantization_mode") == []
-    assert _is_scheme_module("jmp_policy._src.int_schemes")
-    assert not _is_scheme_module("jmp_policy._src.matmuls")
+    assert _is_scheme_module("jmp_policy._src.quantization.int_schemes")
+    assert not _is_scheme_module("jmp_policy._src.quantization.matmuls")
 
 
 def test_no_quantization_mode_string_test_outside_the_scheme_modules():

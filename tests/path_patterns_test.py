@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 import jmp_policy as jp
 from jmp_policy._src import path_patterns
-from jmp_policy._src.diagnostics_selection import selection
+from jmp_policy._src.diagnostics.tap_selection import selection
 from jmp_policy._src.options import make_options
 from jmp_policy._src.path_patterns import compile_pattern
-from jmp_policy._src.stacked_axes import stacked_axes_of
+from jmp_policy._src.quantization.stacked_axes import stacked_axes_of
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True)
 CYRILLIC = "\u0400"  # "Ѐ"
@@ -321,7 +321,7 @@ def test_timeout_is_documented_and_small():
 def test_no_private_name_of_the_map_is_imported_by_diagnose():
     import inspect
 
-    from jmp_policy._src import diagnostics_selection
+    from jmp_policy._src.diagnostics import tap_selection as diagnostics_selection
 
     assert "policy_map" not in inspect.getsource(diagnostics_selection)
 

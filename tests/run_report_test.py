@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jmp_policy as jp
-from jmp_policy._src import matmuls
+from jmp_policy._src.quantization import matmuls
 
 
 class MLP(nn.Module):

@@ -14,9 +14,10 @@ import pytest
 from flax import nnx
 
 import jmp_policy as jp
-from jmp_policy._src import matmuls, policy_names, quantization, schemes
-from jmp_policy._src.float8_scheme import Float8Scheme
-from jmp_policy._src.int_schemes import Int4Scheme, Int8Scheme
+from jmp_policy._src import policy_names, quantization, schemes
+from jmp_policy._src.quantization import matmuls
+from jmp_policy._src.quantization.float8_scheme import Float8Scheme
+from jmp_policy._src.quantization.int_schemes import Int4Scheme, Int8Scheme
 
 INT6_MAX = 31.0
 

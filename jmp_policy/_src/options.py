@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src import global_state, serialization
+from jmp_policy._src import global_state, identifiers
 from jmp_policy._src.path_patterns import PathPattern, compile_pattern
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.policy_map import DTypePolicyMap
@@ -95,7 +95,7 @@ def as_policy_or_map(policy_or_map: Any, argument: str = "policy_or_map") -> Any
     try:
         if isinstance(policy_or_map, dict) and "class_name" not in policy_or_map:
             return DTypePolicyMap(None, policy_or_map)
-        return serialization.read_policy(policy_or_map, argument)
+        return identifiers.read_policy(policy_or_map, argument)
     except (TypeError, ValueError) as e:
         raise type(e)(f"Invalid `{argument}`: {e}") from e
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src import float8, quantization, schemes
-from jmp_policy._src.float8_scheme import DEFAULT_AMAX_HISTORY_LENGTH, Float8Scheme
-from jmp_policy._src.int_schemes import Int4Scheme
+from jmp_policy._src import quantization, schemes
 from jmp_policy._src.policy import DTypePolicy, T, global_name
-from jmp_policy._src.quantized_array_checks import int4_block
+from jmp_policy._src.quantization import float8
+from jmp_policy._src.quantization.float8_scheme import DEFAULT_AMAX_HISTORY_LENGTH, Float8Scheme
+from jmp_policy._src.quantization.int_schemes import Int4Scheme
+from jmp_policy._src.quantization.quantized_array_checks import int4_block
 
 _DEFAULT_INT4_BLOCK = 128
 

@@ -5,13 +5,13 @@ between formats: the mode its names and configs write (``"int4/128"``) and its c
 fields, how a kernel is quantized and stored, the matmul a layer under it runs (the one
 place that chooses among its forms, which ``explain`` records), and the state it needs
 (none for stateless formats). The policy classes, names, configs, ``quantize``,
-:func:`jmp_policy._src.matmuls.pick` and both glues ask the scheme; none tests a mode's
+:func:`jmp_policy._src.quantization.matmuls.pick` and both glues ask the scheme; none tests a mode's
 text.
 
 **Adding a format** is one module holding a subclass of :class:`Scheme` plus one line,
 ``register(MyScheme)``: its names (``"<token>_from_<source>"``) then read back, its policies
 serialize and its layers run what :meth:`Scheme.matmul` returns. The built-in formats are
-:mod:`jmp_policy._src.int_schemes` (int8, int4) and :mod:`jmp_policy._src.float8_scheme`.
+:mod:`jmp_policy._src.quantization.int_schemes` (int8, int4) and :mod:`jmp_policy._src.quantization.float8_scheme`.
 
 This module imports nothing of jmp_policy: the dtype parser reads the registry's tokens.
 """

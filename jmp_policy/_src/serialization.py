@@ -1,4 +1,4 @@
-"""Serialization of policies (and maps): JSON-ready dicts, Keras 3's own format, and ``get``.
+"""Serialization of policies (and maps): JSON-ready dicts and Keras 3's own format.
 
 Reads this library's configs, Keras 3's (``"module": "keras"``), tf.keras's
 (``{"class_name": "Policy", "config": {"name": ...}}``, and ``None`` for its ``"_infer"``
@@ -13,8 +13,7 @@ import contextvars
 from collections.abc import Mapping
 from typing import Any
 
-from jmp_policy._src import global_state
-from jmp_policy._src.dtypes import INFER, TypeAndValueError, bounded_repr, dtype_or_none
+from jmp_policy._src.dtypes import INFER, bounded_repr
 from jmp_policy._src.policy import DTypePolicy, FloatDTypePolicy, Policy
 from jmp_policy._src.policy_names import policy_from_name
 from jmp_policy._src.quantized_policy import (
@@ -60,7 +59,8 @@ def register_serializable(cls: type[Any]) -> type[Any]:
     return cls
 
 
-def _is_serializable(obj: Any) -> bool:
+def is_serializable(obj: Any) -> bool:
+    """Whether ``obj`` is a policy or map that :func:`serialize` writes."""
     return isinstance(obj, tuple(_OWN_CLASSES)) and hasattr(obj, "get_config")
 
 
@@ -110,7 +110,7 @@ def serialize(obj: Any, format: str = "jmp_policy") -> dict[str, Any] | None:
             f"Unknown `format`; expected one of {', '.join(map(repr, _FORMATS))}. "
             f"Received: format={format!r}"
         )
-    if not _is_serializable(obj):
+    if not is_serializable(obj):
         raise TypeError(
             f"`obj` must be a dtype policy or a DTypePolicyMap. Received: obj={obj!r} "
             f"(of type {type(obj).__name__})"
@@ -254,10 +254,10 @@ def deserialize(config: Any, custom_objects: Mapping[str, type[Any]] | None = No
         >>> jp.deserialize(config, custom_objects={"MyPolicy": MyPolicy})
         <MyPolicy "mixed_float16">
     """
-    return _deserialize(config, custom_objects, "config")
+    return deserialize_argument(config, custom_objects, "config")
 
 
-def _deserialize(config: Any, custom_objects: Any, argument: str) -> Any:
+def deserialize_argument(config: Any, custom_objects: Any, argument: str) -> Any:
     """:func:`deserialize`, its errors naming the caller's ``argument``."""
     known = {**(_CUSTOM_OBJECTS.get() or {}), **_check_custom_objects(custom_objects)}
     if config is None:
@@ -289,58 +289,3 @@ def _deserialize(config: Any, custom_objects: Any, argument: str) -> Any:
         return cls.from_config(inner)
     finally:
         _CUSTOM_OBJECTS.reset(token)
-
-
-def get(identifier: Any = None) -> Any:
-    """Any policy identifier to a policy (or a map, returned as is).
-
-    Args:
-        identifier: ``None`` (the global policy), a name (every accepted form), a config
-            dict, a policy or ``DTypePolicyMap`` (returned as is), or a numpy/JAX dtype.
-
-    Returns:
-        The policy (or map).
-
-    Raises:
-        TypeError: an identifier of another type.
-        ValueError: a name or config that is not accepted.
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> import jmp_policy as jp
-        >>> jp.get("mixed_bfloat16")
-        <DTypePolicy "mixed_bfloat16">
-        >>> jp.get("int8_from_mixed_bfloat16")
-        <QuantizedDTypePolicy "int8_from_mixed_bfloat16">
-        >>> jp.get(jnp.bfloat16)
-        <DTypePolicy "bfloat16">
-        >>> jp.get(None) == jp.dtype_policy()
-        True
-    """
-    return read_policy(identifier, "identifier")
-
-
-def read_policy(identifier: Any, argument: str) -> Any:
-    """:func:`get`, its errors naming the caller's ``argument``."""
-    if identifier is None:
-        return global_state.dtype_policy()
-    if isinstance(identifier, DTypePolicy):
-        return identifier
-    if isinstance(identifier, str):
-        return policy_from_name(identifier, argument)
-    if isinstance(identifier, dict):
-        return _deserialize(identifier, None, argument)
-    if _is_serializable(identifier):  # a DTypePolicyMap (not a class merely named like one)
-        return identifier
-    # Only dtypes (np.dtype, scalar types): never arrays, NumPy scalars or bytes, which
-    # NumPy would read as their dtypes (`np.True_` as bool, `b"h"` as int16).
-    dtype = None if isinstance(identifier, str) else dtype_or_none(identifier)
-    if dtype is None:
-        raise TypeAndValueError(
-            f"Cannot interpret `dtype` argument (`{argument}`) as a dtype policy. Expected "
-            "None, a policy name "
-            "(such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32'), a config dict, a policy, "
-            f"a DTypePolicyMap or a dtype. Received: {argument}={identifier!r} "
-            f"(of type {type(identifier).__name__})"
-        )
-    return DTypePolicy(dtype.name)

@@ -9,9 +9,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jmp_policy._src import matmuls
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.options import OPTION_DEFAULTS, floating_policy_or_map
+from jmp_policy._src.quantization import matmuls
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import resolved_rows
 from jmp_policy.linen._apply import apply_call

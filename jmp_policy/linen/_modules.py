@@ -10,8 +10,8 @@ import flax.linen as nn
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src.identifiers import get as _get_policy
 from jmp_policy._src.options import Island, Options, floating_policy_or_map, make_options
-from jmp_policy._src.serialization import get as _get_policy
 
 NORM_FLOAT32: Mapping[type, Any] = types.MappingProxyType(
     {

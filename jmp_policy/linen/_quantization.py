@@ -3,9 +3,9 @@
 Under an int8 or float8 policy, a ``Dense`` or ``DenseGeneral`` whose user set neither
 ``dot_general`` nor ``dot_general_cls`` runs with a replacement ``dot_general`` for the
 duration of the call (Flax reads the attribute at call time; it is restored after):
-the matmul :func:`jmp_policy._src.matmuls.pick` chooses for the layer's policy and kernel
+the matmul :func:`jmp_policy._src.quantization.matmuls.pick` chooses for the layer's policy and kernel
 (int8 compute, a quantized kernel read whole, or explicit float8 matmuls with delayed
-scaling, reading the call's state, or current scaling: :mod:`jmp_policy._src.float8_matmul`). An ``nn.Einsum`` has no such attribute and calls
+scaling, reading the call's state, or current scaling: :mod:`jmp_policy._src.quantization.float8_matmul`). An ``nn.Einsum`` has no such attribute and calls
 ``jnp.einsum`` itself: while one runs under such a policy, ``jax.numpy.einsum`` is
 replaced by a router that sends the calls of that thread to the replacement (and every
 other thread's calls to the original), restored when the last such call ends.
@@ -29,7 +29,8 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jmp_policy._src import interception, matmuls, state_collections
+from jmp_policy._src import interception, state_collections
+from jmp_policy._src.quantization import matmuls
 
 COLLECTION = state_collections.OVERWRITE_WITH_GRADIENT
 

@@ -66,7 +66,7 @@ def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]
                 and (policy.scheme is None or policy.scheme.reads_stored_kernels)
             ):
                 # The layer's matmul reads the QuantizedArray itself (see
-                # jmp_policy._src.matmuls); NNX's promote_dtype gets its integers.
+                # jmp_policy._src.quantization.matmuls); NNX's promote_dtype gets its integers.
                 casts.whole[module_path] = value
                 ints = value.values
                 return variable.replace(ints.astype(jnp.int8) if ints.dtype == jnp.int4 else ints)

@@ -6,8 +6,8 @@ from typing import Any
 
 from flax import nnx
 
-from jmp_policy._src import matmuls
 from jmp_policy._src.explain import format_matmuls, format_rows
+from jmp_policy._src.quantization import matmuls
 from jmp_policy._src.run_report import resolved_rows
 from jmp_policy.nnx._apply import apply_with
 from jmp_policy.nnx._hook import resolver_for

@@ -4,10 +4,10 @@ Under an int8 or float8 policy, an ``nnx.Linear`` whose ``dot_general`` is JAX's
 ``nnx.LinearGeneral`` whose user set neither ``dot_general`` nor ``dot_general_cls``, and
 an ``nnx.Einsum`` whose ``einsum_op`` is ``jnp.einsum`` run with a replacement in that
 attribute for the duration of the call, on the policy-running copy of the model (it is
-restored after): the matmul :func:`jmp_policy._src.matmuls.pick` chooses for the layer's
+restored after): the matmul :func:`jmp_policy._src.quantization.matmuls.pick` chooses for the layer's
 policy and kernel (int8 compute, a quantized kernel read whole, or explicit float8 matmuls
 with delayed scaling, reading the layer's state, or current scaling:
-:mod:`jmp_policy._src.float8_matmul`). A layer whose user set their own matmul is left alone.
+:mod:`jmp_policy._src.quantization.float8_matmul`). A layer whose user set their own matmul is left alone.
 
 **float8 state.** A float8 layer reads its state from its attribute ``float8``
 (:data:`ATTR`), a :class:`Float8State` that :func:`jmp_policy.nnx.init_float8` creates:
@@ -26,7 +26,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jmp_policy._src import interception, matmuls, quantized_matmul
+from jmp_policy._src import interception
+from jmp_policy._src.quantization import matmuls, quantized_matmul
 
 ATTR = "float8"  # the attribute of a float8 layer that holds its Float8State
 

@@ -126,7 +126,7 @@ def test_linen_dot_general_is_restored_after_the_call(linen_mlp):
     model, variables = linen_mlp
     jp.linen.apply(model, INT8)(variables, X)
     assert jnp.einsum is jax.numpy.einsum and jnp.einsum.__name__ == "einsum"
-    from jmp_policy._src import quantized_matmul
+    from jmp_policy._src.quantization import quantized_matmul
 
     assert jnp.einsum is quantized_matmul.JNP_EINSUM
     # An Einsum outside a wrapper is float again.

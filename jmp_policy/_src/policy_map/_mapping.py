@@ -16,7 +16,7 @@ import numpy as np
 import jmp_policy._src.policy_map._index as _index
 import jmp_policy._src.policy_map._trees as _trees
 import jmp_policy._src.policy_map._values as _values
-from jmp_policy._src import global_state, serialization
+from jmp_policy._src import global_state, identifiers, serialization
 from jmp_policy._src.policy import DTypePolicy
 
 _MISSING: Any = object()
@@ -29,7 +29,7 @@ def _as_default(default_policy: Any) -> DTypePolicy | None:
         raise ValueError("`default_policy` cannot be a `DTypePolicyMap`.")
     _values.check_config(default_policy, "Invalid `default_policy`")
     try:
-        return serialization.get(default_policy)  # type: ignore[no-any-return]
+        return identifiers.get(default_policy)  # type: ignore[no-any-return]
     except (TypeError, ValueError) as e:
         raise type(e)(f"Invalid `default_policy`: {e}") from e
 

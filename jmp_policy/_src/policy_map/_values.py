@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jmp_policy._src import serialization
+from jmp_policy._src import identifiers, serialization
 from jmp_policy._src.dtypes import TypeAndValueError, bounded_repr
 from jmp_policy._src.policy import DTypePolicy
 
@@ -48,7 +48,7 @@ def as_policy(value: Any, key: str) -> DTypePolicy:
         )
     check_config(value, argument)
     try:
-        return serialization.read_policy(value, "value")  # type: ignore[no-any-return]
+        return identifiers.read_policy(value, "value")  # type: ignore[no-any-return]
     except (TypeError, ValueError) as e:
         raise ValueError(f"{argument}: {e}") from e
 

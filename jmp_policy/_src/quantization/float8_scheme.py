@@ -4,7 +4,7 @@
 scale comes from an amax history kept as each layer's state) and
 ``"float8_current_from_<source>"`` (current scaling: the tensor's own amax, no state).
 Kernels are not stored quantized: they are quantized to e4m3 at compute time
-(:mod:`jmp_policy._src.float8_matmul`; the scaling is :mod:`jmp_policy._src.float8`).
+(:mod:`jmp_policy._src.quantization.float8_matmul`; the scaling is :mod:`jmp_policy._src.quantization.float8`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from jmp_policy._src import float8, float8_matmul, matmuls
 from jmp_policy._src.dtypes import MAX_AMAX_HISTORY
+from jmp_policy._src.quantization import float8, float8_matmul, matmuls
 from jmp_policy._src.schemes import Scheme, register
 
 SCALINGS = float8.SCALINGS
@@ -27,7 +27,7 @@ class Float8Scheme(Scheme):
     ``amax_history_length`` steps per tensor) or ``"current"`` (no state).
 
     Examples:
-        >>> from jmp_policy._src.float8_scheme import Float8Scheme
+        >>> from jmp_policy._src.quantization.float8_scheme import Float8Scheme
         >>> Float8Scheme.parse("float8_current")
         Float8Scheme(scaling='current', amax_history_length=1024)
         >>> Float8Scheme(amax_history_length=4).init_state()["input_amax_history"].shape

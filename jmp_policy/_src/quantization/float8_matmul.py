@@ -1,7 +1,7 @@
 """The explicit float8 matmul: two float8 operands per ``dot_general``, scales on the result.
 
 A layer's input and kernel are quantized to e4m3 and the gradient reaching its output to
-e5m2 (:mod:`jmp_policy._src.float8` holds the scaling and its state); each of the three
+e5m2 (:mod:`jmp_policy._src.quantization.float8` holds the scaling and its state); each of the three
 matmuls (the forward and both gradients) is a ``dot_general`` of two float8 operands, the
 form XLA's GEMM rewriter turns into one native float8 GEMM on GPUs that have one (H100 and
 later). The state's "gradient" is its new value (Flax's ``_overwrite_with_gradient``
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import float8
-from jmp_policy._src.float8 import E4M3, E5M2
+from jmp_policy._src.quantization import float8
+from jmp_policy._src.quantization.float8 import E4M3, E5M2
 
 
 def _quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> tuple[jax.Array, jax.Array]:
@@ -190,7 +190,7 @@ def matmul(
     Examples:
         >>> import jax
         >>> import jax.numpy as jnp
-        >>> from jmp_policy._src import float8_matmul
+        >>> from jmp_policy._src.quantization import float8_matmul
         >>> x, w = jnp.full((2, 3), 0.1), jnp.full((3, 4), 0.5)
         >>> dims = (((1,), (0,)), ((), ()))
         >>> y = float8_matmul.matmul(x, w, dims, None)   # current scaling
@@ -223,7 +223,7 @@ def dot_general(state: Any) -> Callable[..., jax.Array]:
     Examples:
         >>> import jax
         >>> import jax.numpy as jnp
-        >>> from jmp_policy._src import float8, float8_matmul
+        >>> from jmp_policy._src.quantization import float8, float8_matmul
         >>> state = float8.init_state(8)
         >>> x, w = jnp.full((2, 3), 0.1), jnp.full((3, 4), 0.5)
         >>> y = float8_matmul.dot_general(state)(x, w, (((1,), (0,)), ((), ())))

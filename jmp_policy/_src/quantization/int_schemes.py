@@ -16,9 +16,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from jmp_policy._src import matmuls, quantization, quantized_matmul
 from jmp_policy._src.dtypes import MAX_INT4_BLOCK, bounded_repr
-from jmp_policy._src.quantized_array_checks import is_bad_block
+from jmp_policy._src.quantization import matmuls, quantized_matmul
+from jmp_policy._src.quantization import quantized_array as quantization
+from jmp_policy._src.quantization.quantized_array_checks import is_bad_block
 from jmp_policy._src.schemes import Scheme, register
 
 
@@ -27,7 +28,7 @@ class Int8Scheme(Scheme):
     """int8 weights and int8 compute (``"int8_from_<source>"``).
 
     Examples:
-        >>> from jmp_policy._src.int_schemes import Int8Scheme
+        >>> from jmp_policy._src.quantization.int_schemes import Int8Scheme
         >>> Int8Scheme.parse("int8"), Int8Scheme().stores_weights
         (Int8Scheme(), True)
     """
@@ -63,7 +64,7 @@ class Int4Scheme(Scheme):
     (``"int4/<block>"``).
 
     Examples:
-        >>> from jmp_policy._src.int_schemes import Int4Scheme
+        >>> from jmp_policy._src.quantization.int_schemes import Int4Scheme
         >>> scheme = Int4Scheme.parse("int4/128")
         >>> scheme, scheme.mode_text(), Int4Scheme.parse("int4").mode_text("int4")
         (Int4Scheme(block_size=128), 'int4/128', 'int4')

@@ -3,7 +3,7 @@
 The recipe of Transformer Engine, Keras and Flax: a matmul's two operands (the layer's
 input and kernel) are quantized to ``float8_e4m3fn`` in the forward pass and the gradient
 reaching its output to ``float8_e5m2`` in the backward pass, and each of the three matmuls
-is a ``dot_general`` of two float8 operands (:mod:`jmp_policy._src.float8_matmul`), which
+is a ``dot_general`` of two float8 operands (:mod:`jmp_policy._src.quantization.float8_matmul`), which
 XLA runs as a native float8 GEMM on GPUs that have one (H100 and later). This module holds
 the scaling: how a tensor's scale is computed (delayed, from a history kept as state, or
 current, from the tensor's own amax) and the state it keeps.
@@ -40,8 +40,8 @@ with respect to the variables returns the updated state where the state was, and
 optimizer must replace, not update, it. Under ``jit`` a forward pass without ``grad``
 computes no new state.
 
-The explicit float8 matmul that layers run is :mod:`jmp_policy._src.float8_matmul`.
-Nothing here imports Flax: :mod:`jmp_policy._src.matmuls` picks the layers that run it,
+The explicit float8 matmul that layers run is :mod:`jmp_policy._src.quantization.float8_matmul`.
+Nothing here imports Flax: :mod:`jmp_policy._src.quantization.matmuls` picks the layers that run it,
 and the glue keeps the state where its framework does (Linen: in the collection of
 :mod:`jmp_policy._src.state_collections`).
 """
@@ -86,7 +86,7 @@ def init_state(amax_history_length: int) -> dict[str, jax.Array]:
     """One call's float8 state: scales 1, empty (zero) histories, all float32.
 
     Examples:
-        >>> from jmp_policy._src import float8
+        >>> from jmp_policy._src.quantization import float8
         >>> state = float8.init_state(4)
         >>> sorted(state)[:2]
         ['input_amax_history', 'input_scale']
@@ -127,7 +127,7 @@ def update(
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> from jmp_policy._src import float8
+        >>> from jmp_policy._src.quantization import float8
         >>> scale, history = float8.update(
         ...     jnp.float32(1.0), jnp.zeros(2, jnp.float32), jnp.float32(2.0), float8.E4M3)
         >>> float(scale), history.tolist()
@@ -154,7 +154,7 @@ def step_scale(
 
     Examples:
         >>> import jax.numpy as jnp
-        >>> from jmp_policy._src import float8
+        >>> from jmp_policy._src.quantization import float8
         >>> zeros = jnp.zeros(4, jnp.float32)
         >>> float(float8.step_scale(jnp.float32(7.0), zeros, jnp.float32(2.0), float8.E4M3))
         224.0

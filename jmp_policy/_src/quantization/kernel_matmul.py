@@ -3,9 +3,9 @@
 :func:`quantized_kernel_dot_general` reads the quantized kernel itself: weight-only with
 the per-channel scale applied to the result, int4 blocks as a matmul per block and a
 scaled sum, or int8 x int8 (an int8 policy with int8 weights, at enough rows) in cuBLAS's
-int8 GEMM layout (:func:`jmp_policy._src.quantized_matmul.int8_weights_dot`).
+int8 GEMM layout (:func:`jmp_policy._src.quantization.quantized_matmul.int8_weights_dot`).
 
-Nothing here knows Flax: :mod:`jmp_policy._src.matmuls` picks the layers that run these.
+Nothing here knows Flax: :mod:`jmp_policy._src.quantization.matmuls` picks the layers that run these.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.quantization import QuantizedArray
-from jmp_policy._src.quantized_matmul import (
+from jmp_policy._src.quantization.quantized_array import QuantizedArray
+from jmp_policy._src.quantization.quantized_matmul import (
     JNP_EINSUM,
     DimensionNumbers,
     int8_weights_dot,

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import jmp_policy as jp
-from jmp_policy._src import diagnostics, interception
-from jmp_policy._src.diagnostics_report import Report
-from jmp_policy._src.diagnostics_stats import Stats, stats_of
+from jmp_policy._src import interception
+from jmp_policy._src.diagnostics import taps as diagnostics
+from jmp_policy._src.diagnostics.report import Report
+from jmp_policy._src.diagnostics.stats import Stats, stats_of
 from jmp_policy._src.options import Options
 from jmp_policy._src.resolution import Resolver
 

@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 import jmp_policy as jp
-from jmp_policy._src import quantization
-from jmp_policy._src.einsum_plan import plan
+from jmp_policy._src.quantization import quantized_array as quantization
+from jmp_policy._src.quantization.einsum_plan import plan
 
 # (subscripts, kernel shape, input shape): the kernel first in jnp.einsum's dot_general
 # for the first (its leading free axes C, K lead the output), second for the others.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jmp_policy as jp
-from jmp_policy._src import quantized_array_checks as checks
+from jmp_policy._src.quantization import quantized_array_checks as checks
 
 
 @pytest.mark.parametrize("block", [None, -1, 1, 128])

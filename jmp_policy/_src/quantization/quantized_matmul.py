@@ -6,9 +6,9 @@ dimensions (per row for activations, per output channel for kernels), and multip
 exactly; its gradient is the float matmul's (straight-through), so a float kernel keeps
 training. :func:`int8_weights_dot` is the
 int8 x int8 GEMM of a layer whose int8 ``QuantizedArray`` kernel reaches it
-(:mod:`jmp_policy._src.kernel_matmul` picks it).
+(:mod:`jmp_policy._src.quantization.kernel_matmul` picks it).
 
-Nothing here knows Flax: :mod:`jmp_policy._src.matmuls` picks the layers that run these.
+Nothing here knows Flax: :mod:`jmp_policy._src.quantization.matmuls` picks the layers that run these.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.quantization import (
+from jmp_policy._src.quantization.quantized_array import (
     INT8_MAX,
     QuantizedArray,
     abs_max_scale,

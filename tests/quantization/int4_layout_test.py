@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmp_policy._src import int4_layout
+from jmp_policy._src.quantization import int4_layout
 
 
 @pytest.mark.parametrize("rows", [1, 6, 7])

@@ -38,7 +38,7 @@ def plan(
     kernel.
 
     Examples:
-        >>> from jmp_policy._src.einsum_plan import plan
+        >>> from jmp_policy._src.quantization.einsum_plan import plan
         >>> plan("BTD,CKDH->CBTKH", (2, 6, 8), (2, 3, 8, 4))
         EinsumPlan(dims=(((2,), (2,)), ((), ())), perm=(2, 0, 1, 3, 4))
         >>> plan("BTNH,NHD->BTD", (2, 6, 3, 4), (3, 4, 8))

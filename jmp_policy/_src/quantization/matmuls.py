@@ -25,13 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import (
-    einsum_plan,
-    kernel_matmul,
-    quantization,
-    quantized_matmul,
-    user_warnings,
-)
+from jmp_policy._src import user_warnings
+from jmp_policy._src.quantization import einsum_plan, kernel_matmul, quantized_matmul
+from jmp_policy._src.quantization import quantized_array as quantization
 
 JNP_EINSUM = quantized_matmul.JNP_EINSUM
 
@@ -127,7 +123,7 @@ def kernel_on_the_right(fn: Callable[..., jax.Array], kernel: Any) -> Callable[.
 def as_einsum(dot_general_for: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
     """``jnp.einsum`` for ``(subscripts, input, kernel)`` whose contraction runs through
     ``dot_general_for(kernel)`` with the kernel on the right: a plain contraction as one
-    ``dot_general`` (:mod:`jmp_policy._src.einsum_plan`), any other through
+    ``dot_general`` (:mod:`jmp_policy._src.quantization.einsum_plan`), any other through
     ``jnp.einsum``'s ``_dot_general`` (the route JAX's own AQT integration takes)."""
 
     def einsum(subscripts: str, lhs: Any, rhs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -152,7 +148,7 @@ def as_einsum(dot_general_for: Callable[[Any], Callable[..., Any]]) -> Callable[
 
 def stored_kernel(kind: str, path: str, kernel: Any, int8_compute: bool) -> Callable[..., Any]:
     """The matmul of a layer whose ``QuantizedArray`` ``kernel`` reaches it whole
-    (:func:`jmp_policy._src.kernel_matmul.quantized_kernel_dot_general`), recorded."""
+    (:func:`jmp_policy._src.quantization.kernel_matmul.quantized_kernel_dot_general`), recorded."""
 
     def quantized_for(_: Any) -> Callable[..., Any]:
         def record_form(form: str) -> None:

@@ -1,4 +1,4 @@
-"""float8 delayed scaling on plain arrays (``jmp_policy._src.float8``), with and without jit.
+"""float8 delayed scaling on plain arrays (``jmp_policy._src.quantization.float8``), with and without jit.
 
 The amax history and scale sequences are written down by hand first (history newest
 first; e4m3's maximum is 448, e5m2's 57344):
@@ -31,7 +31,7 @@ import pytest
 from flax_examples import measure
 
 import jmp_policy as jp
-from jmp_policy._src import float8, float8_matmul
+from jmp_policy._src.quantization import float8, float8_matmul
 
 E4M3, E5M2 = float8.E4M3, float8.E5M2
 INF, NAN = float("inf"), float("nan")
@@ -331,7 +331,7 @@ def test_a_kernel_on_the_left_of_einsum_keeps_its_role_and_layout():
     kernel's, and the result in einsum's layout."""
     x = jax.random.normal(jax.random.key(0), (2, 5, 3, 4))
     w = jax.random.normal(jax.random.key(1), (3, 4, 7)) * 10.0
-    from jmp_policy._src import matmuls
+    from jmp_policy._src.quantization import matmuls
 
     policy = jp.get("float8_from_mixed_bfloat16")
     state = float8.init_state(2)

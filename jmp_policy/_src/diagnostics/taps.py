@@ -3,9 +3,9 @@
 A statistics **tap** is an extension of the one per-submodule hook
 (:mod:`jmp_policy._src.interception`); it exists only while a ``diagnose`` wrapper runs a
 model, so plain ``apply`` pays nothing. For each submodule call it records the statistics
-(:mod:`~jmp_policy._src.diagnostics_stats`) of the floating leaves of the call's inputs and
+(:mod:`~jmp_policy._src.diagnostics.stats`) of the floating leaves of the call's inputs and
 outputs, and of the cotangents that reach its outputs in the backward pass, into a
-:class:`~jmp_policy._src.diagnostics_report.Report` pytree. Execution order survives
+:class:`~jmp_policy._src.diagnostics.report.Report` pytree. Execution order survives
 ``jit`` because it is taken at trace time (a sequence number per tap, in the order the
 Python code calls the modules) and kept in the report's static metadata.
 
@@ -16,7 +16,7 @@ cotangents unchanged and, as the cotangent of that row, the statistics of the co
 Differentiating the user's unchanged loss with respect to the probe therefore gives the
 backward statistics; ``Report.with_gradients`` puts them into the report.
 
-**Tapping less.** With a :class:`~jmp_policy._src.diagnostics_selection.Selection` only the
+**Tapping less.** With a :class:`~jmp_policy._src.diagnostics.tap_selection.Selection` only the
 submodules it names are tapped, and each statistic sits in a ``lax.cond`` on
 ``step % every == 0``, so the other steps skip the reductions with no recompilation.
 
@@ -39,10 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import numerics
-from jmp_policy._src.diagnostics_report import PathInfo, Report
-from jmp_policy._src.diagnostics_selection import Selection
-from jmp_policy._src.diagnostics_selection import selection as selection  # the glue's entry
-from jmp_policy._src.diagnostics_stats import NUM_STATS, Stats, no_stats, stats_of
+from jmp_policy._src.diagnostics.report import PathInfo, Report
+from jmp_policy._src.diagnostics.stats import NUM_STATS, Stats, no_stats, stats_of
+from jmp_policy._src.diagnostics.tap_selection import Selection
+from jmp_policy._src.diagnostics.tap_selection import selection as selection  # the glue's entry
 
 try:  # The current trace, to tell a module called inside a transform of its own.
     from jax._src import core as _jax_core

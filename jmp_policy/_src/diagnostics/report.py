@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jmp_policy._src.diagnostics_stats import NUM_STATS, Stats
+from jmp_policy._src.diagnostics.stats import NUM_STATS, Stats
 
 
 class PathInfo(NamedTuple):

@@ -12,7 +12,8 @@ from flax_examples.measure import dot_kinds as _dots
 from flax_examples.measure import equations
 
 import jmp_policy as jp
-from jmp_policy._src import int4_layout, quantization, quantized_matmul
+from jmp_policy._src.quantization import int4_layout, quantized_matmul
+from jmp_policy._src.quantization import quantized_array as quantization
 
 INT8 = jp.QuantizedDTypePolicy("int8", "mixed_bfloat16")
 

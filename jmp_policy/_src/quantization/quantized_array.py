@@ -7,11 +7,11 @@ rows (``-1``: one block, per channel), one scale per block and last-axis index; 
 size that does not divide axis 0 leaves the last block shorter (no padding is stored).
 int4 values are stored as ``jnp.int4`` (XLA packs them two per byte and its GEMM fusions
 read them natively); the packed ``uint8`` layout of earlier versions still loads
-(:mod:`jmp_policy._src.int4_layout`).
+(:mod:`jmp_policy._src.quantization.int4_layout`).
 
-The fields' checks are :mod:`jmp_policy._src.quantized_array_checks`; the matmuls that
-read quantized values are :mod:`jmp_policy._src.quantized_matmul` (int8 compute) and
-:mod:`jmp_policy._src.kernel_matmul` (a ``QuantizedArray`` kernel reaching its layer).
+The fields' checks are :mod:`jmp_policy._src.quantization.quantized_array_checks`; the matmuls that
+read quantized values are :mod:`jmp_policy._src.quantization.quantized_matmul` (int8 compute) and
+:mod:`jmp_policy._src.quantization.kernel_matmul` (a ``QuantizedArray`` kernel reaching its layer).
 Nothing here knows Flax: the glue decides which module calls use these.
 """
 
@@ -27,9 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.int4_layout import blocked, dequantize_int4
-from jmp_policy._src.quantized_array_checks import MODES, check_stacked, int4_block, validate
-from jmp_policy._src.stacked_axes import stacked_axes_of
+from jmp_policy._src.quantization.int4_layout import blocked, dequantize_int4
+from jmp_policy._src.quantization.quantized_array_checks import (
+    MODES,
+    check_stacked,
+    int4_block,
+    validate,
+)
+from jmp_policy._src.quantization.stacked_axes import stacked_axes_of
 from jmp_policy._src.tree_paths import leaf_path
 
 INT8_MAX = 127.0

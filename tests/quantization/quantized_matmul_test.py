@@ -10,7 +10,7 @@ from flax import nnx
 from flax_examples.measure import equations
 
 import jmp_policy as jp
-from jmp_policy._src import quantization
+from jmp_policy._src.quantization import quantized_array as quantization
 
 X_SMALL = jax.random.normal(jax.random.key(1), (4, 64))  # 4 rows: weight-only
 X_LARGE = jax.random.normal(jax.random.key(2), (256, 64))  # 256 rows: int8 x int8

@@ -7,8 +7,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from jmp_policy._src.diagnostics_report import Report
-from jmp_policy._src.diagnostics_stats import Stats
+from jmp_policy._src.diagnostics.report import Report
+from jmp_policy._src.diagnostics.stats import Stats
 
 _PATH_WIDTH = 34
 _HEADER = (
