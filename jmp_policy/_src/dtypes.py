@@ -54,6 +54,8 @@ INFER = "_infer"
 
 INT_QUANTIZATION_MODES = ("int8", "int4")
 QUANTIZATION_MODES = ("int8", "int4", "float8")
+# Modes whose weights are chosen on calibration inputs (Keras 3's "gptq/4/128", "awq/4/128").
+CALIBRATED_MODES = ("gptq", "awq")
 
 VALID_FORMS = (
     "a dtype name ('float16', 'bfloat16', 'float32', 'float64'), "
@@ -289,7 +291,7 @@ def split_quantized_name(name: str, argument: str = "policy") -> tuple[str, str]
     if not sep:
         # "float8_e4m3fn" is a dtype name, not a quantized name without its "_from_".
         if mode not in (*DTYPE_NAMES, "float8_current") and re.match(
-            r"(int8|int4|float8)(/-?\d+)?_", mode
+            r"(int8|int4|float8|gptq|awq)(/-?\d+)*_", mode
         ):
             raise ValueError(
                 "Cannot convert `policy` into a valid pair (`mode`, `source_name`): a quantized "
@@ -297,7 +299,7 @@ def split_quantized_name(name: str, argument: str = "policy") -> tuple[str, str]
                 f"'int8_from_mixed_bfloat16'. Received: {argument}={name!r}"
             )
         return None
-    if mode.split("/")[0] not in (*QUANTIZATION_MODES, "float8_current"):
+    if mode.split("/")[0] not in (*QUANTIZATION_MODES, *CALIBRATED_MODES, "float8_current"):
         return None
     return mode, source
 

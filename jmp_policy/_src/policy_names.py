@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src.calibrated_policy import AWQDTypePolicy, GPTQDTypePolicy
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.quantized_policy import (
     Int4DTypePolicy,
@@ -28,7 +29,8 @@ def _policy_from_name(name: str, argument: str) -> DTypePolicy:
     ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"int4_from_…"`` and
     ``"int8_from_…"`` a :class:`QuantizedDTypePolicy`, ``"float8_from_…"`` (delayed
     scaling) and ``"float8_current_from_…"`` (current scaling) a
-    :class:`QuantizedFloat8DTypePolicy`, every other name a :class:`DTypePolicy`.
+    :class:`QuantizedFloat8DTypePolicy`, ``"gptq/…"`` and ``"awq/…"`` a
+    :class:`GPTQDTypePolicy` and an :class:`AWQDTypePolicy`, every other name a :class:`DTypePolicy`.
     ``argument`` names the caller's argument in error messages.
     """
     dt.check_name_type(name, argument)
@@ -42,6 +44,10 @@ def _policy_from_name(name: str, argument: str) -> DTypePolicy:
     try:
         if mode in ("float8", "float8_current"):
             return QuantizedFloat8DTypePolicy(mode, source)
+        if mode.startswith("gptq/"):
+            return GPTQDTypePolicy(mode, source)
+        if mode.startswith("awq/"):
+            return AWQDTypePolicy(mode, source)
         if mode.startswith("int4/"):
             return Int4DTypePolicy(mode, source)
         return QuantizedDTypePolicy(mode, source)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jmp_policy._src import global_state
+from jmp_policy._src.calibrated_policy import AWQDTypePolicy, GPTQDTypePolicy
 from jmp_policy._src.dtypes import INFER, TypeAndValueError, dtype_or_none
 from jmp_policy._src.policy import DTypePolicy, FloatDTypePolicy, Policy
 from jmp_policy._src.policy_names import policy_from_name
@@ -32,6 +33,8 @@ _CLASSES: dict[str, type[Any]] = {
     "QuantizedDTypePolicy": QuantizedDTypePolicy,
     "Int4DTypePolicy": Int4DTypePolicy,
     "QuantizedFloat8DTypePolicy": QuantizedFloat8DTypePolicy,
+    "GPTQDTypePolicy": GPTQDTypePolicy,
+    "AWQDTypePolicy": AWQDTypePolicy,
 }
 _OWN_CLASSES: set[type[Any]] = set(_CLASSES.values())
 
@@ -168,8 +171,8 @@ def _to_keras(obj: Any) -> dict[str, Any]:
         class_name = "FloatDTypePolicy" if type(obj) is FloatDTypePolicy else "DTypePolicy"
         return _keras_entry("keras", class_name, {"name": _keras_float_name(obj)})
     config = {**obj.get_config(), "source_name": _keras_float_name(obj)}
-    if isinstance(obj, QuantizedFloat8DTypePolicy):
-        class_name = "QuantizedFloat8DTypePolicy"
+    if isinstance(obj, (QuantizedFloat8DTypePolicy, GPTQDTypePolicy, AWQDTypePolicy)):
+        class_name = type(obj).__name__
     else:
         # Keras's QuantizedDTypePolicy takes no block ("int4/128"): its Int4DTypePolicy does.
         class_name = "Int4DTypePolicy" if "/" in config["mode"] else "QuantizedDTypePolicy"
