@@ -41,8 +41,8 @@ def _brute_force(w, x, group, n=20):
     return np.array(losses), scales
 
 
-def _loss(w, x, q, s):
-    w_hat = np.asarray(q.dequantize(), np.float64) / np.asarray(s, np.float64)[:, None]
+def _loss(w, x, q):
+    w_hat = np.asarray(q.dequantize(), np.float64)
     return np.sum((x.astype(np.float64) @ (w.astype(np.float64) - w_hat)) ** 2)
 
 
@@ -50,14 +50,15 @@ def _loss(w, x, q, s):
 def test_awq_finds_the_brute_force_best_exponent(group, maybe_jit):
     x, w = _salient(1024, 128, seed=0), _kernel(128, 16)
     mean_abs, gram = _stats(x)
-    q, s = maybe_jit(lambda w, m, g: awq.awq_quantize(w, m, g, group_size=group))(
+    q = maybe_jit(lambda w, m, g: awq.awq_quantize(w, m, g, group_size=group))(
         jnp.asarray(w), mean_abs, gram
     )
     losses, scales = _brute_force(w, x, group)
     best = int(np.argmin(losses))
     assert 0 < best < 20  # an interior optimum: the test would notice a wrong grid
     # float32 Gram against float64 inputs: the chosen exponent is the best or ties with it
-    assert _loss(w, x, q, s) <= losses.min() * (1 + 1e-4)
+    assert _loss(w, x, q) <= losses.min() * (1 + 1e-4)
+    s = q.input_scale
     np.testing.assert_allclose(np.asarray(s), scales[best], rtol=1e-4)
     assert s.dtype == jnp.float32 and s.shape == (128,)
     assert q.mode == "int4" and q.block_size == group and q.values.dtype == jnp.int4
@@ -66,19 +67,19 @@ def test_awq_finds_the_brute_force_best_exponent(group, maybe_jit):
 def test_awq_beats_round_to_nearest_on_held_out_inputs():
     x = _salient(3072, 256, seed=1)
     w = _kernel(256, 32)
-    q, s = awq.awq_quantize(jnp.asarray(w), *_stats(x[:2048]), group_size=128)
+    q = awq.awq_quantize(jnp.asarray(w), *_stats(x[:2048]), group_size=128)
     rtn = quantization.quantize(jnp.asarray(w), "int4", 128)
     held_out = x[2048:]
-    ours = _loss(w, held_out, q, s)
-    theirs = _loss(w, held_out, rtn, np.ones(256))
+    ours = _loss(w, held_out, q)
+    theirs = _loss(w, held_out, rtn)
     assert ours < 0.8 * theirs
 
 
 def test_uniform_inputs_give_a_scale_of_one_and_round_to_nearest():
     x = np.ones((8, 16), np.float32)
     w = _kernel(16, 4)
-    q, s = awq.awq_quantize(jnp.asarray(w), *_stats(x), group_size=-1)
-    np.testing.assert_array_equal(np.asarray(s), np.ones(16, np.float32))
+    q = awq.awq_quantize(jnp.asarray(w), *_stats(x), group_size=-1)
+    np.testing.assert_array_equal(np.asarray(q.input_scale), np.ones(16, np.float32))
     rtn = quantization.quantize(jnp.asarray(w), "int4", -1)
     np.testing.assert_array_equal(np.asarray(q.values), np.asarray(rtn.values))
 
@@ -93,10 +94,10 @@ def test_candidate_scales_are_normalised_and_floored():
 
 def test_awq_int8_per_channel():
     x, w = _salient(512, 64, seed=2), _kernel(64, 8)
-    q, s = awq.awq_quantize(jnp.asarray(w), *_stats(x), weight_bits=8, group_size=-1)
+    q = awq.awq_quantize(jnp.asarray(w), *_stats(x), weight_bits=8, group_size=-1)
     assert q.mode == "int8" and q.values.dtype == jnp.int8 and q.scale.shape == (8,)
     rtn = quantization.quantize(jnp.asarray(w), "int8")
-    assert _loss(w, x, q, s) <= _loss(w, x, rtn, np.ones(64)) * (1 + 1e-5)
+    assert _loss(w, x, q) <= _loss(w, x, rtn) * (1 + 1e-5)
 
 
 def test_awq_searches_each_stacked_layer_on_its_own(maybe_jit):
@@ -105,13 +106,17 @@ def test_awq_searches_each_stacked_layer_on_its_own(maybe_jit):
     stats = [_stats(x) for x in xs]
     mean_abs = jnp.stack([m for m, _ in stats])
     gram = jnp.stack([g for _, g in stats])
-    q, s = maybe_jit(lambda w, m, g: awq.awq_quantize(w, m, g, group_size=16, stacked=1))(
+    q = maybe_jit(lambda w, m, g: awq.awq_quantize(w, m, g, group_size=16, stacked=1))(
         jnp.asarray(ws), mean_abs, gram
     )
+    s = q.input_scale
     assert q.stacked == 1 and q.scale.shape == (2, 2, 8) and s.shape == (2, 32)
     for i in range(2):
-        one, s1 = awq.awq_quantize(jnp.asarray(ws[i]), *stats[i], group_size=16)
-        np.testing.assert_allclose(np.asarray(s[i]), np.asarray(s1), rtol=1e-6)
+        one = awq.awq_quantize(jnp.asarray(ws[i]), *stats[i], group_size=16)
+        np.testing.assert_allclose(np.asarray(s[i]), np.asarray(one.input_scale), rtol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(q.dequantize()[i]), np.asarray(one.dequantize()), rtol=1e-6
+        )
         np.testing.assert_array_equal(np.asarray(q.values[i]), np.asarray(one.values))
 
 
@@ -151,3 +156,16 @@ def test_layer_stats_sum_over_batches_of_any_rows(maybe_jit):
         stats.update(np.ones((2, 4)))
     leaves = jax.tree.leaves(jax.tree.map(lambda x: x, stats))
     assert len(leaves) == 3
+
+
+def test_input_scaled_array_is_a_pytree_that_keeps_its_scale_and_checks_its_shape(maybe_jit):
+    x, w = _salient(256, 32, seed=8), _kernel(32, 8)
+    q = awq.awq_quantize(jnp.asarray(w), *_stats(x), group_size=-1)
+    back = maybe_jit(lambda q: jax.tree.map(lambda a: a, q))(q)
+    assert isinstance(back, awq.InputScaledArray) and isinstance(back, quantization.QuantizedArray)
+    np.testing.assert_array_equal(np.asarray(back.input_scale), np.asarray(q.input_scale))
+    assert back.nbytes == quantization.quantize(jnp.asarray(w), "int4", -1).nbytes + 32 * 4
+    with pytest.raises(ValueError, match=r"`input_scale` must have shape \(32,\).*\(31,\)"):
+        awq.InputScaledArray(
+            q.values, q.scale, "int4", -1, (32, 8), np.dtype("float32"), 0, jnp.ones(31)
+        )

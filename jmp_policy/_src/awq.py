@@ -13,6 +13,7 @@ the calibration inputs. Nothing here knows Flax.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -79,8 +80,8 @@ def awq_quantize(
     group_size: int = 128,
     num_grid_points: int = DEFAULT_NUM_GRID_POINTS,
     stacked: int = 0,
-) -> tuple[QuantizedArray, jax.Array]:
-    """AWQ-quantizes ``kernel``: the searched input scale ``s`` and ``Q(diag(s) W)``.
+) -> InputScaledArray:
+    """AWQ-quantizes ``kernel``: ``Q(diag(s) W)`` with the searched input scale ``s``.
 
     Args:
         kernel: a floating kernel ``[in, ..., out]`` (``[*depth, in, ..., out]`` stacked).
@@ -93,10 +94,9 @@ def awq_quantize(
         stacked: leading axes of ``kernel`` that stack layers, each searched on its own.
 
     Returns:
-        ``(q, s)``: ``q`` the :class:`~jmp_policy.QuantizedArray` of the scaled kernel, in
-        round-to-nearest's storage, and ``s`` (float32, ``[*depth, in]``) the scale to
-        divide the layer's inputs by (``x @ W ≈ (x / s) @ q.dequantize()``). Works under
-        ``jit``.
+        An :class:`InputScaledArray`: the scaled kernel in round-to-nearest's storage and
+        ``input_scale`` ``s`` (float32, ``[*depth, in]``), the scale the matmul divides the
+        layer's inputs by; its ``dequantize()`` is ``W``'s estimate. Works under ``jit``.
 
     Raises:
         ValueError: unsupported ``weight_bits``/``group_size``/``num_grid_points``, or
@@ -126,4 +126,44 @@ def awq_quantize(
     s, _ = search(w32, mean_abs.astype(jnp.float32), gram.astype(jnp.float32))
     scaled = w32 * s.reshape(*lead, rows, *([1] * (len(shape) - stacked - 1)))
     q = quantize(scaled, mode, block, stacked)
-    return QuantizedArray(q.values, q.scale, mode, block, shape, np.dtype(kernel.dtype), stacked), s
+    return InputScaledArray(
+        q.values, q.scale, mode, block, shape, np.dtype(kernel.dtype), stacked, s
+    )
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["values", "scale", "input_scale"],
+    meta_fields=["mode", "block_size", "shape", "original_dtype", "stacked"],
+)
+@dataclasses.dataclass(frozen=True)
+class InputScaledArray(QuantizedArray):
+    """An AWQ kernel: a :class:`~jmp_policy.QuantizedArray` of ``diag(s) W`` and ``s``,
+    ``input_scale`` (float32, ``[*depth, in]``), which the matmul divides the layer's inputs
+    by; :meth:`dequantize` gives ``W`` itself (the rows divided by ``s``), so every path that
+    dequantizes reads the right kernel."""
+
+    input_scale: Any = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        s = self.input_scale
+        want = (*self.shape[: self.stacked], self.shape[self.stacked])
+        concrete = isinstance(s, (jax.Array, np.ndarray)) and not isinstance(s, jax.core.Tracer)
+        if concrete and tuple(s.shape) != want:
+            raise ValueError(
+                f"`input_scale` must have shape {want} (one per input row) for a kernel "
+                f"of shape {self.shape}. Received: input_scale of shape {tuple(s.shape)}"
+            )
+
+    def dequantize(self, dtype: Any = None) -> jax.Array:
+        dtype = self.original_dtype if dtype is None else dtype
+        real = super().dequantize(jnp.float32)
+        s = jnp.asarray(self.input_scale, jnp.float32)
+        s = s.reshape(*s.shape, *([1] * (len(self.shape) - self.stacked - 1)))
+        return (real / s).astype(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored: values, scales and the input scale."""
+        return super().nbytes + int(self.input_scale.size) * 4

@@ -45,6 +45,8 @@ def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> 
     last_free = q.ndim - 1 not in rc and q.ndim - 1 not in rb
     if q.packed or q.stacked or lb or rb or not last_free:
         return "dequantized"
+    if getattr(q, "input_scale", None) is not None and 0 not in rc:
+        return "dequantized"  # an AWQ scale on rows the input does not contract
     if int8_compute and q.mode == "int8" and rows >= INT8_GEMM_MIN_ROWS:
         return "int8 x int8"
     if _per_channel(q):
@@ -108,6 +110,7 @@ def quantized_kernel_dot_general(
         elif form == "dequantized":
             w = kernel.dequantize(compute)
         else:
+            lhs = _divided_by_input_scale(lhs, kernel, dims)
             return _fast(form, lhs, kernel, dims, compute, out, precision)
         return jax.lax.dot_general(
             lhs.astype(compute), w, dims, precision=precision, preferred_element_type=out
@@ -127,9 +130,22 @@ def _as_called(q: QuantizedArray, shape: tuple[int, ...]) -> QuantizedArray | No
             f"{shape}: run the model through jmp_policy's apply wrappers, which "
             "pass quantized kernels whole."
         )
-    if q.stacked or not _per_channel(q):
+    if q.stacked or not _per_channel(q) or getattr(q, "input_scale", None) is not None:
         return None
     return dataclasses.replace(q, values=q.values.reshape(shape), shape=shape)
+
+
+def _divided_by_input_scale(lhs: jax.Array, kernel: QuantizedArray, dims: Any) -> jax.Array:
+    """``lhs`` divided by an AWQ kernel's per-input-row scale (in float32) along the axis
+    it contracts with the kernel's axis 0; ``lhs`` itself for other kernels."""
+    s = getattr(kernel, "input_scale", None)
+    if s is None:
+        return lhs
+    (lc, rc), _ = dims
+    axis = lc[list(rc).index(0)]
+    shape = [1] * lhs.ndim
+    shape[axis] = -1
+    return (lhs.astype(jnp.float32) / s.reshape(shape)).astype(lhs.dtype)
 
 
 def _fast(
