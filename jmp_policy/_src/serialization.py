@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jmp_policy._src import global_state
+from jmp_policy._src.calibrated_policy import AWQDTypePolicy, GPTQDTypePolicy
 from jmp_policy._src.dtypes import INFER, TypeAndValueError, bounded_repr, dtype_or_none
 from jmp_policy._src.policy import DTypePolicy, FloatDTypePolicy, Policy
 from jmp_policy._src.policy_names import policy_from_name
@@ -32,6 +33,8 @@ _CLASSES: dict[str, type[Any]] = {
     "QuantizedDTypePolicy": QuantizedDTypePolicy,
     "Int4DTypePolicy": Int4DTypePolicy,
     "QuantizedFloat8DTypePolicy": QuantizedFloat8DTypePolicy,
+    "GPTQDTypePolicy": GPTQDTypePolicy,
+    "AWQDTypePolicy": AWQDTypePolicy,
 }
 _OWN_CLASSES: set[type[Any]] = set(_CLASSES.values())
 
