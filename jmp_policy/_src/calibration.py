@@ -13,6 +13,7 @@ the rest stay float. Nothing here knows Flax.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import warnings
 from collections.abc import Mapping
@@ -69,6 +70,7 @@ def quantize_calibrated(
     stacked: Mapping[str, int],
     options: Mapping[str, Any],
     unseen_reason: Mapping[str, str] | None = None,
+    progress: Any = False,
 ) -> tuple[Any, list[LayerReport]]:
     """``params`` with every kernel quantized as its policy says (see the module docstring).
 
@@ -79,6 +81,7 @@ def quantize_calibrated(
         stacked: parameter path -> its leading stacked axes (absent: 0).
         options: ``hessian_damping`` and ``num_grid_points``.
         unseen_reason: module path -> why its layer's inputs were not gathered.
+        progress: see :func:`check_progress`.
 
     Returns:
         The quantized tree and a report per calibrated kernel.
@@ -88,6 +91,11 @@ def quantize_calibrated(
     flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=quantization.is_quantized)
     reports: list[LayerReport] = []
     out = []
+    total = sum(
+        is_calibrated(p) and quantization.quantizable_layers(x, 0)
+        for (_, x), p in zip(flat, policies, strict=True)
+    )
+    tell, close = _progress(progress, total)
     for (kp, x), policy in zip(flat, policies, strict=True):
         path = leaf_path(kp)
         k = stacked.get(path, 0)
@@ -95,11 +103,64 @@ def quantize_calibrated(
             out.append(x)
         elif is_calibrated(policy):
             out.append(_calibrated_leaf(path, x, k, policy, stats, options, unseen_reason, reports))
+            tell(path, reports[-1] if reports and reports[-1].path == path else None)
         elif getattr(policy, "scheme", None) is not None and policy.scheme.stores_weights:
             out.append(policy.scheme.quantize(x, k))
         else:
             out.append(x)
+    close()
     return jax.tree_util.tree_unflatten(treedef, out), reports
+
+
+def check_progress(progress: Any) -> Any:
+    """``progress`` of ``calibrate``: ``False`` (quiet), ``True`` (a ``tqdm`` bar over the
+    calibrated layers when ``tqdm`` is installed, else a line per layer on stderr) or a
+    callable given each layer's :class:`LayerReport` as it is solved.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if isinstance(progress, bool) or callable(progress):
+        return progress
+    raise TypeError(
+        "`progress` must be True (a progress bar over layers), False or a callable given "
+        f"each LayerReport. Received: progress={progress!r} (of type {type(progress).__name__})"
+    )
+
+
+def _progress(progress: Any, total: int) -> tuple[Any, Any]:
+    """``(tell(path, report_or_None), close())`` for :func:`check_progress`'s values."""
+    if progress is False:
+        return (lambda path, report: None), (lambda: None)
+    if progress is not True:
+
+        def call(path: str, report: LayerReport | None) -> None:
+            if report is not None:
+                progress(report)
+
+        return call, (lambda: None)
+    try:
+        from tqdm.auto import tqdm  # optional: not a dependency of jmp_policy
+    except ImportError:
+        done = [0]
+
+        def line(path: str, report: LayerReport | None) -> None:
+            done[0] += 1
+            what = _row(report) if report else f"{path} rounded to nearest"
+            print(f"calibrate [{done[0]}/{total}] {what}", file=sys.stderr)
+
+        return line, (lambda: None)
+    bar = tqdm(total=total, desc="calibrate", unit="layer")
+
+    def step(path: str, report: LayerReport | None) -> None:
+        bar.set_postfix_str(path)
+        bar.update(1)
+
+    return step, bar.close
+
+
+def _row(r: LayerReport) -> str:
+    return f"{r.path:40s} {r.method:6s} {r.rtn_error:8.4f} {r.error:8.4f} {r.seconds:6.2f}"
 
 
 def _calibrated_leaf(
@@ -146,10 +207,7 @@ def _calibrated_leaf(
 def format_report(reports: list[LayerReport]) -> str:
     """The report as a table: one row per calibrated kernel."""
     rows = [f"{'layer':40s} {'method':6s} {'RTN err':>8s} {'err':>8s} {'s':>6s}"]
-    for r in reports:
-        rows.append(
-            f"{r.path:40s} {r.method:6s} {r.rtn_error:8.4f} {r.error:8.4f} {r.seconds:6.2f}"
-        )
+    rows.extend(_row(r) for r in reports)
     return "\n".join(rows)
 
 
@@ -170,6 +228,26 @@ def check_batches(batches: Any) -> list[tuple[Any, ...]]:
     if not items:
         raise ValueError("`batches` holds no batch: calibration needs at least one.")
     return [b if isinstance(b, tuple) else (b,) for b in items]
+
+
+def capturing_dot_general(
+    path: str, shape: tuple[int, ...], stats: dict[str, LayerStats], unseen: dict[str, str]
+) -> Any:
+    """A drop-in ``jax.lax.dot_general`` for the layer at ``path`` (kernel ``shape``) that
+    adds its input rows to ``stats[path]`` (or says in ``unseen`` why it cannot), then
+    multiplies as written."""
+
+    def dot_general(lhs: Any, rhs: Any, dims: Any, *a: Any, **k: Any) -> Any:
+        rows = None
+        if tuple(rhs.shape) == shape:
+            rows = rows_for_kernel(lhs, shape, dims)
+        if rows is None:
+            unseen[path] = "its matmul contracts the kernel in a layout GPTQ/AWQ do not read"
+        else:
+            stats[path] = stats[path].update(rows)
+        return jax.lax.dot_general(lhs, rhs, dims, *a, **k)
+
+    return dot_general
 
 
 def rows_for_kernel(lhs: Any, rhs_shape: tuple[int, ...], dims: Any) -> jax.Array | None:

@@ -40,21 +40,6 @@ def _collect(
     def run(variables: Any, stats: dict[str, LayerStats], args: tuple[Any, ...]) -> Any:
         stats = dict(stats)
 
-        def capture(path: str, shape: tuple[int, ...]) -> Any:
-            def dot_general(lhs: Any, rhs: Any, dims: Any, *a: Any, **k: Any) -> Any:
-                rows = None
-                if tuple(rhs.shape) == shape:
-                    rows = calibration.rows_for_kernel(lhs, shape, dims)
-                if rows is None:
-                    unseen[path] = (
-                        "its matmul contracts the kernel in a layout GPTQ/AWQ do not read"
-                    )
-                else:
-                    stats[path] = stats[path].update(rows)
-                return jax.lax.dot_general(lhs, rhs, dims, *a, **k)
-
-            return dot_general
-
         def intercept(next_fun: Any, a: Any, k: Any, context: Any) -> Any:
             mod = context.module
             path = path_of(mod)
@@ -68,7 +53,8 @@ def _collect(
                     f"its layer is a {type(mod).__name__}, whose matmul calibrate does not see"
                 )
                 return next_fun(*a, **k)
-            with interception.attribute_set(mod, "dot_general", capture(path, targets[path])):
+            capture = calibration.capturing_dot_general(path, targets[path], stats, unseen)
+            with interception.attribute_set(mod, "dot_general", capture):
                 return next_fun(*a, **k)
 
         with nn.intercept_methods(intercept):
@@ -88,6 +74,7 @@ def calibrate(
     hessian_damping: float = DEFAULT_HESSIAN_DAMPING,
     num_grid_points: int = DEFAULT_NUM_GRID_POINTS,
     return_report: bool = False,
+    progress: Any = False,
     **kwargs: Any,
 ) -> Any:
     """``variables`` with kernels under GPTQ/AWQ policies calibrated, int8/int4 rounded.
@@ -112,7 +99,12 @@ def calibrate(
         method: the method to run (as ``module.apply``'s).
         hessian_damping: GPTQ's damping, a fraction of the mean Hessian diagonal.
         num_grid_points: AWQ's exponent grid ``0, 1/n, ..., 1``.
-        return_report: also return the per-layer report (a list of ``LayerReport``).
+        return_report: also return the per-layer report (a list of ``LayerReport``: per
+            calibrated kernel, the relative output error of round-to-nearest and of the
+            method on the calibration inputs, and seconds).
+        progress: ``True`` shows a progress bar over the calibrated layers (``tqdm`` when
+            installed, else a line per layer on stderr); a callable is given each
+            ``LayerReport`` as its layer is solved; ``False`` (default) is quiet.
         **kwargs: keyword arguments of each call (``rngs=`` when it needs them).
 
     Returns:
@@ -149,6 +141,7 @@ def calibrate(
             f"variables with collections {sorted(variables)}"
         )
     calls = calibration.check_batches(batches)
+    progress = calibration.check_progress(progress)
     policies = as_policy_or_map(policy_or_map)
     if policies is None:
         policies = global_state.dtype_policy()
@@ -167,7 +160,7 @@ def calibrate(
             stats = run(variables, stats, args)
     options = {"hessian_damping": hessian_damping, "num_grid_points": num_grid_points}
     new, report = calibration.quantize_calibrated(
-        params, policy_tree, stats, stacked, options, unseen
+        params, policy_tree, stats, stacked, options, unseen, progress
     )
     result = {**variables, "params": new}
     return (result, report) if return_report else result
