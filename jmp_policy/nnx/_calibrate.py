@@ -139,7 +139,7 @@ def calibrate(
                 if path in targets:
                     shape = targets[path]
                     capture = calibration.capturing_dot_general(path, shape, stats, unseen)
-                    setattr(m, "dot_general", capture)  # a Linear or LinearGeneral
+                    m.dot_general = capture  # type: ignore[attr-defined]  # a Linear(General)
             live(*args, **kwargs)
             return stats
 
