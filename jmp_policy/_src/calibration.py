@@ -92,8 +92,8 @@ def quantize_calibrated(
     reports: list[LayerReport] = []
     out = []
     total = sum(
-        is_calibrated(p) and quantization.quantizable_layers(x, 0)
-        for (_, x), p in zip(flat, policies, strict=True)
+        is_calibrated(p) and kernel_module(leaf_path(kp)) is not None
+        for (kp, _), p in zip(flat, policies, strict=True)
     )
     tell, close = _progress(progress, total)
     for (kp, x), policy in zip(flat, policies, strict=True):
@@ -174,8 +174,10 @@ def _calibrated_leaf(
     reports: list[LayerReport],
 ) -> Any:
     module = kernel_module(path)
-    layer = None if module is None or k else stats.get(module)
     scheme = policy.scheme
+    if module is None:  # not a kernel (DenseGeneral's 2-D bias): rounded as quantize does
+        return scheme.round_to_nearest(x, k)
+    layer = None if k else stats.get(module)
     block = scheme.block_size
     mode = scheme.storage_mode
     if layer is None or float(layer.count) == 0:

@@ -37,6 +37,57 @@ def _stacked_params(model: nnx.Module, params: Any) -> dict[str, int]:
     return found
 
 
+def _targets(
+    model: nnx.Module, params: Any, policy_tree: Any, stacked_params: Mapping[str, int]
+) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """``(targets, unseen)``: module path -> kernel shape of each GPTQ/AWQ layer whose
+    matmul calibrate sees; module path -> why it does not see the others'."""
+    modules = {path_of(parts): m for parts, m in nnx.iter_modules(model)}
+    targets, unseen = {}, {}
+    for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        path = leaf_path(kp)
+        module = calibration.kernel_module(path)
+        policy = policy_tree_leaf(policy_tree, kp)
+        if module is None or path in stacked_params or not calibration.is_calibrated(policy):
+            continue
+        if _seeable(modules.get(module)):
+            targets[module] = tuple(x.shape)
+        else:
+            name = type(modules.get(module)).__name__
+            unseen[module] = f"its layer is a {name}, whose matmul calibrate does not see"
+    return targets, unseen
+
+
+def _gather(
+    model: nnx.Module,
+    targets: Mapping[str, tuple[int, ...]],
+    unseen: dict[str, str],
+    calls: list[tuple[Any, ...]],
+    kwargs: Mapping[str, Any],
+) -> dict[str, LayerStats]:
+    """Each target's statistics over the calls (one jit-compiled run per batch shape)."""
+    stats = {p: LayerStats.zeros(s[0]) for p, s in targets.items()}
+    if not targets:
+        return stats
+    graphdef, whole = nnx.split(model)
+
+    def run(whole: Any, stats: Mapping[str, LayerStats], args: tuple[Any, ...]) -> Any:
+        stats = dict(stats)
+        live = nnx.merge(graphdef, whole)
+        for parts, m in nnx.iter_modules(live):
+            path = path_of(parts)
+            if path in targets:
+                capture = calibration.capturing_dot_general(path, targets[path], stats, unseen)
+                m.dot_general = capture  # type: ignore[attr-defined]  # a Linear(General)
+        live(*args, **kwargs)
+        return stats
+
+    run_jit = jax.jit(run)
+    for args in calls:
+        stats = run_jit(whole, stats, args)
+    return stats
+
+
 def calibrate(
     model: M,
     policy_or_map: Any,
@@ -114,38 +165,8 @@ def calibrate(
     params = nnx.to_pure_dict(state)
     policy_tree = policies.policy_tree(params)
     stacked_params = _stacked_params(copy, params)
-    modules = {path_of(parts): m for parts, m in nnx.iter_modules(copy)}
-    targets, unseen = {}, {}
-    for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-        path = leaf_path(kp)
-        module = calibration.kernel_module(path)
-        policy = policy_tree_leaf(policy_tree, kp)
-        if module is None or path in stacked_params or not calibration.is_calibrated(policy):
-            continue
-        if _seeable(modules.get(module)):
-            targets[module] = tuple(x.shape)
-        else:
-            name = type(modules.get(module)).__name__
-            unseen[module] = f"its layer is a {name}, whose matmul calibrate does not see"
-    stats = {p: LayerStats.zeros(s[0]) for p, s in targets.items()}
-    if targets:
-        graphdef, whole = nnx.split(copy)
-
-        def run(whole: Any, stats: Mapping[str, LayerStats], args: tuple[Any, ...]) -> Any:
-            stats = dict(stats)
-            live = nnx.merge(graphdef, whole)
-            for parts, m in nnx.iter_modules(live):
-                path = path_of(parts)
-                if path in targets:
-                    shape = targets[path]
-                    capture = calibration.capturing_dot_general(path, shape, stats, unseen)
-                    m.dot_general = capture  # type: ignore[attr-defined]  # a Linear(General)
-            live(*args, **kwargs)
-            return stats
-
-        run_jit = jax.jit(run)
-        for args in calls:
-            stats = run_jit(whole, stats, args)
+    targets, unseen = _targets(copy, params, policy_tree, stacked_params)
+    stats = _gather(copy, targets, unseen, calls, kwargs)
     options = {"hessian_damping": hessian_damping, "num_grid_points": num_grid_points}
     new, report = calibration.quantize_calibrated(
         params, policy_tree, stats, stacked_params, options, unseen, progress
