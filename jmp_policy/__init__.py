@@ -15,6 +15,8 @@ from jmp_policy._src.policy import DTypePolicy as DTypePolicy
 from jmp_policy._src.policy import FloatDTypePolicy as FloatDTypePolicy
 from jmp_policy._src.policy import Policy as Policy
 from jmp_policy._src.policy_names import get_policy as get_policy
+from jmp_policy._src.calibrated_policy import AWQDTypePolicy as AWQDTypePolicy
+from jmp_policy._src.calibrated_policy import GPTQDTypePolicy as GPTQDTypePolicy
 from jmp_policy._src.quantized_policy import Int4DTypePolicy as Int4DTypePolicy
 from jmp_policy._src.quantized_policy import QuantizedDTypePolicy as QuantizedDTypePolicy
 from jmp_policy._src.quantized_policy import (
@@ -64,6 +66,8 @@ __all__ = [
     "DTypePolicy",
     "FloatDTypePolicy",
     "Int4DTypePolicy",
+    "GPTQDTypePolicy",
+    "AWQDTypePolicy",
     "Policy",
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",

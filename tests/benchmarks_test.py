@@ -203,3 +203,38 @@ def test_policy_map_bench_quick_prints_the_regex_key_rows():
     result = _run("policy_map_bench.py", "--quick")
     rows = re.findall(r"^\s+1,000\s+(without|with \|)\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.M)
     assert [row[0] for row in rows] == ["without", "with |"], result.stdout
+
+
+def test_quantization_bench_quick_prints_the_calibrated_int4_rows():
+    result = _run("quantization_bench.py", "--quick", "--calibrated-only")
+    assert "Warning" not in result.stderr, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("calibrated int4: lm_task LM") or lines[1].startswith(
+        "calibrated int4: lm_task LM"
+    )
+    rows = {}
+    for line in lines:
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) == 5 and cells[0] != "blocks under":
+            rows[cells[0]] = cells[1:]
+    assert list(rows) == [
+        "bf16",
+        "int8 (round to nearest)",
+        "gptq/8/-1",
+        "int4/128 (round to nearest)",
+        "gptq/4/128",
+        "awq/4/128",
+    ]
+    bytes_ = {k: int(v[0].replace(",", "")) for k, v in rows.items()}
+    # The calibrated kernels are stored as round-to-nearest stores them (AWQ adds its scale).
+    assert bytes_["gptq/4/128"] == bytes_["int4/128 (round to nearest)"] < bytes_["bf16"] / 3
+    assert bytes_["int8 (round to nearest)"] == bytes_["gptq/8/-1"]
+    assert bytes_["awq/4/128"] > bytes_["gptq/4/128"]
+    assert rows["bf16"][2] == "0.0000" and rows["bf16"][3] == "-"
+    assert all(float(v[3]) > 0 for k, v in rows.items() if k.startswith(("gptq", "awq")))
+    summary = {line.partition(":")[0]: line for line in lines if "loss gap" in line}
+    assert list(summary) == ["gptq/4/128", "awq/4/128", "gptq/8/-1"]
+    gptq = re.search(
+        r"output error (\d+)% below .* \((\d+)/(\d+) layers below\)", summary["gptq/4/128"]
+    )
+    assert int(gptq[1]) >= 30 and gptq[2] == gptq[3] == "20"  # every solved layer, 30%+

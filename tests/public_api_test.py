@@ -20,6 +20,8 @@ DOCUMENTED = [
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",
     "Int4DTypePolicy",
+    "GPTQDTypePolicy",
+    "AWQDTypePolicy",
     "get",
     "get_policy",
     "serialize",
@@ -107,6 +109,8 @@ def test_module_docstring_has_example():
         jp.QuantizedDTypePolicy,
         jp.QuantizedFloat8DTypePolicy,
         jp.Int4DTypePolicy,
+        jp.GPTQDTypePolicy,
+        jp.AWQDTypePolicy,
     ],
 )
 @pytest.mark.parametrize("member", POLICY_MEMBERS)
@@ -119,6 +123,8 @@ def test_policy_classes_are_one_family():
         assert issubclass(cls, jp.DTypePolicy)
     assert issubclass(jp.QuantizedFloat8DTypePolicy, jp.QuantizedDTypePolicy)
     assert issubclass(jp.Int4DTypePolicy, jp.QuantizedDTypePolicy)
+    assert issubclass(jp.GPTQDTypePolicy, jp.QuantizedDTypePolicy)
+    assert issubclass(jp.AWQDTypePolicy, jp.QuantizedDTypePolicy)
 
 
 def test_version_is_a_string():

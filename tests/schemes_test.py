@@ -16,6 +16,7 @@ from flax import nnx
 import jmp_policy as jp
 from jmp_policy._src import policy_names, quantization, schemes
 from jmp_policy._src.quantization import matmuls
+from jmp_policy._src.quantization.calibrated_schemes import AWQScheme, GPTQScheme
 from jmp_policy._src.quantization.float8_scheme import Float8Scheme
 from jmp_policy._src.quantization.int_schemes import Int4Scheme, Int8Scheme
 
@@ -63,9 +64,14 @@ def _examples():
     found = []
     for cls in schemes.registered():
         for token in cls.tokens or (cls.mode,):
+            if cls in (GPTQScheme, AWQScheme):  # the bare token is no mode: "gptq/4/128" is
+                continue
             scheme = cls.parse(token)
             found += [(scheme.mode_text(token), scheme), (scheme.mode_text(), scheme)]
     found.append(("int4/64", Int4Scheme(block_size=64)))
+    found.append(("gptq/4/128", GPTQScheme(weight_bits=4, group_size=128)))
+    found.append(("gptq/8/-1", GPTQScheme(weight_bits=8, group_size=-1)))
+    found.append(("awq/4/-1", AWQScheme(weight_bits=4, group_size=-1)))
     return list(dict.fromkeys(found))
 
 
@@ -84,8 +90,14 @@ def test_every_registered_scheme_round_trips_through_names_and_configs(mode, sch
 
 
 def test_the_built_in_formats_are_registered_by_their_tokens():
-    assert set(schemes.tokens()) == {"int8", "int4", "float8", "float8_current"}
-    assert set(schemes.registered()) == {Int8Scheme, Int4Scheme, Float8Scheme}
+    assert set(schemes.tokens()) == {"int8", "int4", "float8", "float8_current", "gptq", "awq"}
+    assert set(schemes.registered()) == {
+        Int8Scheme,
+        Int4Scheme,
+        Float8Scheme,
+        GPTQScheme,
+        AWQScheme,
+    }
     assert schemes.lookup("int4/128") is Int4Scheme and schemes.lookup("int7") is None
 
 

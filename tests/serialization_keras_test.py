@@ -24,6 +24,9 @@ POLICIES = [
     lambda: jp.Int4DTypePolicy("int4", "mixed_bfloat16", 128),
     lambda: jp.Int4DTypePolicy("int4", "float32", -1),
     lambda: jp.QuantizedFloat8DTypePolicy("float8", "mixed_bfloat16", 16),
+    lambda: jp.GPTQDTypePolicy("gptq/4/128", "mixed_bfloat16"),
+    lambda: jp.GPTQDTypePolicy("gptq/8/-1", "float32"),
+    lambda: jp.AWQDTypePolicy("awq/4/-1", "mixed_bfloat16"),
 ]
 
 
@@ -36,6 +39,10 @@ def _same_as_keras(ours, theirs):
         assert theirs.block_size == ours.block_size
     if isinstance(ours, jp.QuantizedFloat8DTypePolicy):
         assert theirs.amax_history_length == ours.amax_history_length
+    if isinstance(ours, (jp.GPTQDTypePolicy, jp.AWQDTypePolicy)):
+        assert type(theirs).__name__ == type(ours).__name__
+        assert (theirs.weight_bits, theirs.group_size) == (ours.weight_bits, ours.group_size)
+        assert theirs.name == ours.name
 
 
 @pytest.mark.parametrize("make", POLICIES)
@@ -81,3 +88,28 @@ def test_default_format_is_not_keras_format():
     # The library's own format names its classes under `jmp_policy`: Keras cannot read it.
     with pytest.raises(TypeError, match="Could not locate class 'DTypePolicyMap'"):
         keras.saving.deserialize_keras_object(jp.serialize(jp.DTypePolicyMap()))
+
+
+@pytest.mark.parametrize(
+    ("make", "ours"),
+    [
+        (lambda: keras.dtype_policies.GPTQDTypePolicy("gptq/4/128", "float32"), jp.GPTQDTypePolicy),
+        (lambda: keras.dtype_policies.GPTQDTypePolicy("gptq/8/-1", "bfloat16"), jp.GPTQDTypePolicy),
+        (
+            lambda: keras.dtype_policies.AWQDTypePolicy("awq/4/64", "mixed_bfloat16"),
+            jp.AWQDTypePolicy,
+        ),
+    ],
+)
+def test_we_read_keras_calibrated_policies(make, ours):
+    theirs = make()
+    policy = jp.deserialize(json.loads(json.dumps(keras.saving.serialize_keras_object(theirs))))
+    assert type(policy) is ours
+    _same_as_keras(policy, theirs)
+    assert jp.get(theirs.name) == policy
+
+
+def test_keras_gptq_bits_we_cannot_store_are_a_clear_error():
+    theirs = keras.dtype_policies.GPTQDTypePolicy("gptq/3/128", "float32")
+    with pytest.raises(ValueError, match=r"GPTQ weights of 3 bits are not supported.*4 or 8"):
+        jp.deserialize(keras.saving.serialize_keras_object(theirs))

@@ -24,6 +24,9 @@ POLICIES = [
     jp.QuantizedDTypePolicy("int4/128", "mixed_bfloat16"),
     jp.QuantizedFloat8DTypePolicy("float8", "mixed_bfloat16"),
     jp.QuantizedFloat8DTypePolicy("float8", "float32", 16),
+    jp.GPTQDTypePolicy("gptq/4/128", "mixed_bfloat16"),
+    jp.GPTQDTypePolicy("gptq/8/-1", "float32"),
+    jp.AWQDTypePolicy("awq/4/-1", "mixed_bfloat16"),
 ]
 
 

@@ -301,7 +301,7 @@ def split_quantized_name(name: str, argument: str = "policy") -> tuple[str, str]
         # "float8_e4m3fn" is a dtype name, not a quantized name without its "_from_".
         tokens = schemes.tokens()
         if mode not in (*DTYPE_NAMES, *tokens) and re.match(
-            rf"({'|'.join(map(re.escape, tokens))})(/-?\d+)?_", mode
+            rf"({'|'.join(map(re.escape, tokens))})(/-?\d+)*_", mode
         ):
             raise ValueError(
                 "Cannot convert `policy` into a valid pair (`mode`, `source_name`): a quantized "

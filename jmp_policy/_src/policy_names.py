@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import functools
 
+from jmp_policy._src import (
+    calibrated_policy,  # noqa: F401  (GPTQ/AWQ classes and formats)
+    schemes,
+)
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src import schemes
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.quantized_policy import CLASSES, QuantizedDTypePolicy
 
@@ -26,7 +29,9 @@ def _policy_from_name(name: str, argument: str) -> DTypePolicy:
     ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"int4_from_…"`` and
     ``"int8_from_…"`` a :class:`QuantizedDTypePolicy`, ``"float8_from_…"`` (delayed
     scaling) and ``"float8_current_from_…"`` (current scaling) a
-    :class:`QuantizedFloat8DTypePolicy`; every other name gives a :class:`DTypePolicy`.
+    :class:`QuantizedFloat8DTypePolicy`, ``"gptq/…"`` and ``"awq/…"`` a
+    :class:`GPTQDTypePolicy` and an :class:`AWQDTypePolicy`; every other name gives a
+    :class:`DTypePolicy`.
     ``argument`` names the caller's argument in error messages.
     """
     split = dt.split_quantized_name(name, argument)

@@ -13,6 +13,7 @@ import contextvars
 from collections.abc import Mapping
 from typing import Any
 
+from jmp_policy._src.calibrated_policy import AWQDTypePolicy, GPTQDTypePolicy
 from jmp_policy._src.dtypes import INFER, bounded_repr
 from jmp_policy._src.policy import DTypePolicy, FloatDTypePolicy, Policy
 from jmp_policy._src.policy_names import policy_from_name
@@ -31,6 +32,8 @@ _CLASSES: dict[str, type[Any]] = {
     "QuantizedDTypePolicy": QuantizedDTypePolicy,
     "Int4DTypePolicy": Int4DTypePolicy,
     "QuantizedFloat8DTypePolicy": QuantizedFloat8DTypePolicy,
+    "GPTQDTypePolicy": GPTQDTypePolicy,
+    "AWQDTypePolicy": AWQDTypePolicy,
 }
 _OWN_CLASSES: set[type[Any]] = set(_CLASSES.values())
 

@@ -40,6 +40,7 @@ Examples:
 from __future__ import annotations
 
 from jmp_policy.linen._apply import apply as apply
+from jmp_policy.linen._calibrate import calibrate as calibrate
 from jmp_policy.linen._diagnose import diagnose as diagnose
 from jmp_policy.linen._explain import explain as explain
 from jmp_policy.linen._init import init as init
@@ -50,6 +51,7 @@ from jmp_policy.linen._quantize import quantize as quantize
 __all__ = [
     "NORM_FLOAT32",
     "apply",
+    "calibrate",
     "diagnose",
     "explain",
     "init",

@@ -37,6 +37,7 @@ Examples:
 from __future__ import annotations
 
 from jmp_policy.nnx._apply import apply as apply
+from jmp_policy.nnx._calibrate import calibrate as calibrate
 from jmp_policy.nnx._diagnose import diagnose as diagnose
 from jmp_policy.nnx._explain import explain as explain
 from jmp_policy.nnx._init import init_float8 as init_float8
@@ -49,6 +50,7 @@ __all__ = [
     "NORM_FLOAT32",
     "Float8State",
     "apply",
+    "calibrate",
     "diagnose",
     "explain",
     "init_float8",

@@ -15,6 +15,9 @@ which the dtype parser reads, is :mod:`jmp_policy._src.schemes`, below this pack
 * ``float8``: float8 scaling and its state (delayed, current);
   ``float8_matmul``: the explicit float8 matmul;
 * ``int_schemes``, ``float8_scheme``: the built-in formats (int8, int4; float8).
+* ``gptq``, ``awq``: the calibrated int4/int8 solves of one kernel; ``calibration_stats``:
+  the statistics they need; ``calibration``: a model's layers calibrated from them;
+  ``calibrated_schemes``: the GPTQ and AWQ formats.
 
 The package hands on the storage API that the rest of ``_src`` and the glue read as
 ``quantization.quantize``, ``quantization.QuantizedArray``, ...

@@ -45,6 +45,8 @@ def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> 
     last_free = q.ndim - 1 not in rc and q.ndim - 1 not in rb
     if q.packed or q.stacked or lb or rb or not last_free:
         return "dequantized"
+    if getattr(q, "input_scale", None) is not None:
+        return "dequantized"  # an AWQ kernel outside its scheme's matmul (which divides x)
     if int8_compute and q.mode == "int8" and rows >= INT8_GEMM_MIN_ROWS:
         return "int8 x int8"
     if _per_channel(q):
@@ -127,7 +129,7 @@ def _as_called(q: QuantizedArray, shape: tuple[int, ...]) -> QuantizedArray | No
             f"{shape}: run the model through jmp_policy's apply wrappers, which "
             "pass quantized kernels whole."
         )
-    if q.stacked or not _per_channel(q):
+    if q.stacked or not _per_channel(q) or getattr(q, "input_scale", None) is not None:
         return None
     return dataclasses.replace(q, values=q.values.reshape(shape), shape=shape)
 

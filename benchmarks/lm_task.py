@@ -1,0 +1,241 @@
+"""A small trained transformer LM and a structured synthetic task, for the quantization benchmarks.
+
+Shared by ``search_bench.py`` (issue 33) and the GPTQ/AWQ benchmark (issue 32): both need
+*trained* weights, on which the quality gap between formats shows (Gaussian initial weights
+hide it), and the same held-out loss.
+
+The model is a Flax Linen decoder: ``embed`` (token) and ``pos_embed`` (position)
+embeddings, ``blocks_{i}`` (``norm1``, ``attn`` with ``query``/``key``/``value``/``out``,
+``norm2``, ``mlp`` with ``up``/``down``), ``final_norm`` and the ``head`` Dense.
+
+The task mixes three kinds of sequence, each opened by its own marker token, so that the
+model learns real structure (attention, look-up and arithmetic), not only unigram counts:
+
+- Markov (marker 1): a random first-order chain over 240 symbols, each with four likely
+  successors (probabilities 0.6, 0.25, 0.1, 0.05);
+- copy (marker 2): 8 random symbols, repeated (copy with an offset of 8): attention;
+- look-up (marker 3): pairs ``k table[k]`` for a fixed random permutation ``table`` of the
+  symbols: a memorised table (the MLPs).
+
+Everything is deterministic: the chain, the batches and the training follow their seeds;
+``train`` caches its result within the process.
+
+Usage::
+
+    import lm_task                      # from benchmarks/ (or sys.path)
+    model = lm_task.model()
+    params = lm_task.train(lm_task.STEPS, seed=0)           # ~a minute on a laptop CPU
+    params = lm_task.train(lm_task.QUICK_STEPS, seed=0)     # a few seconds
+    loss = lm_task.held_out_loss(model, params, lm_task.held_out_batches())
+    batches = lm_task.calibration_batches(4)
+
+Run alone (``python benchmarks/lm_task.py [--quick]``) it trains and prints the losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+VOCAB, SEQ, D, HEADS, MLP, LAYERS = 256, 64, 128, 4, 512, 4
+BATCH = 16
+STEPS, QUICK_STEPS = 400, 40
+LEARNING_RATE = 5e-3
+
+# Token ranges: 0 pad (unused), 1..3 markers, 16..255 the symbols.
+_MARKERS = {"markov": 1, "copy": 2, "lookup": 3}
+_SYMBOLS = np.arange(16, VOCAB)  # 240 symbols
+_SUCCESSOR_PROBS = np.array([0.6, 0.25, 0.1, 0.05])
+_CHAIN_SEED = 1234
+_OFFSET = 8  # the copy task repeats its first 8 symbols
+
+
+class MLPBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(D, name="down")(nn.gelu(nn.Dense(MLP, name="up")(x)))
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm(name="norm1")(x)
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:-1], jnp.int32))
+        x = x + nn.MultiHeadDotProductAttention(HEADS, name="attn")(h, mask=mask)
+        return x + MLPBlock(name="mlp")(nn.LayerNorm(name="norm2")(x))
+
+
+class LM(nn.Module):
+    """The decoder: int tokens ``(batch, seq)`` to logits ``(batch, seq, VOCAB)``."""
+
+    layers: int = LAYERS
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(VOCAB, D, name="embed")(tokens)
+        x = x + nn.Embed(SEQ, D, name="pos_embed")(jnp.arange(tokens.shape[-1]))
+        for i in range(self.layers):
+            x = Block(name=f"blocks_{i}")(x)
+        return nn.Dense(VOCAB, name="head")(nn.LayerNorm(name="final_norm")(x))
+
+
+def model() -> LM:
+    """The benchmark's model (the same architecture at every training length)."""
+    return LM()
+
+
+@functools.cache
+def _chain() -> tuple[np.ndarray, np.ndarray]:
+    """Successors (240, 4) as indices into _SYMBOLS, and the start distribution."""
+    rng = np.random.default_rng(_CHAIN_SEED)
+    n = len(_SYMBOLS)
+    successors = np.stack([rng.choice(n, size=4, replace=False) for _ in range(n)])
+    return successors, np.full(n, 1.0 / n)
+
+
+def _markov(rng: np.random.Generator, length: int) -> np.ndarray:
+    successors, start = _chain()
+    out = np.empty(length, np.int64)
+    state = rng.choice(len(start), p=start)
+    picks = rng.choice(4, size=length, p=_SUCCESSOR_PROBS)
+    for t in range(length):
+        out[t] = state
+        state = successors[state, picks[t]]
+    return _SYMBOLS[out]
+
+
+def _copy(rng: np.random.Generator, length: int) -> np.ndarray:
+    first = rng.choice(_SYMBOLS, size=_OFFSET)
+    return np.tile(first, -(-length // _OFFSET))[:length]
+
+
+@functools.cache
+def _table() -> np.ndarray:
+    return np.random.default_rng(_CHAIN_SEED + 1).permutation(len(_SYMBOLS))
+
+
+def _lookup(rng: np.random.Generator, length: int) -> np.ndarray:
+    keys = rng.integers(0, len(_SYMBOLS), -(-length // 2))
+    return _SYMBOLS[np.stack([keys, _table()[keys]], 1).reshape(-1)][:length]
+
+
+_MAKERS = {"markov": _markov, "copy": _copy, "lookup": _lookup}
+
+
+def sample(seed: int, batch: int = BATCH) -> np.ndarray:
+    """One batch of sequences ``(batch, SEQ)`` int32: a marker, then its task's tokens."""
+    rng = np.random.default_rng(seed)
+    kinds = list(_MAKERS)
+    rows = []
+    for _ in range(batch):
+        kind = kinds[rng.integers(len(kinds))]
+        body = _MAKERS[kind](rng, SEQ - 1)
+        rows.append(np.concatenate([[_MARKERS[kind]], body]))
+    return np.asarray(rows, np.int32)
+
+
+# Disjoint seed ranges: training batches, calibration batches, held-out batches.
+_TRAIN_SEED, _CALIB_SEED, _HELD_OUT_SEED = 0, 10_000_000, 20_000_000
+
+
+def calibration_batches(n: int, batch: int = BATCH) -> list[np.ndarray]:
+    """``n`` calibration batches ``(batch, SEQ)`` int32 (never seen in training or held out)."""
+    return [sample(_CALIB_SEED + i, batch) for i in range(n)]
+
+
+def held_out_batches(n: int = 8, batch: int = BATCH) -> list[np.ndarray]:
+    """``n`` held-out batches ``(batch, SEQ)`` int32, for :func:`held_out_loss`."""
+    return [sample(_HELD_OUT_SEED + i, batch) for i in range(n)]
+
+
+def loss_fn(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy (nats) of ``logits`` for ``tokens``."""
+    logits = logits[:, :-1].astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+_CACHE: dict[tuple[int, int], Any] = {}
+
+
+def train(steps: int = STEPS, seed: int = 0) -> Any:
+    """The ``params`` collection after ``steps`` of adam on the task (cached per process)."""
+    key = (int(steps), int(seed))
+    if key in _CACHE:
+        return _CACHE[key]
+    net = model()
+    params = jax.jit(net.init)(jax.random.key(seed), jnp.zeros((1, SEQ), jnp.int32))["params"]
+    schedule = optax.warmup_cosine_decay_schedule(0.0, LEARNING_RATE, max(steps // 10, 1), steps)
+    opt = optax.adam(schedule)
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, tokens):
+        loss, grads = jax.value_and_grad(
+            lambda p: loss_fn(net.apply({"params": p}, tokens), tokens)
+        )(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    for i in range(steps):
+        params, state, _ = step(params, state, sample(_TRAIN_SEED + seed * 1_000_003 + i))
+    params = jax.device_get(params)
+    _CACHE[key] = params
+    return params
+
+
+def held_out_loss(
+    model: nn.Module | Callable[..., Any],
+    params: Any,
+    batches: Sequence[np.ndarray],
+) -> float:
+    """Mean next-token cross-entropy over ``batches``.
+
+    ``model`` is the Linen module (run with ``model.apply``) or any apply function taking
+    ``(variables, tokens)`` (for example ``jp.linen.apply(model, policy_map)``);
+    ``params`` is the ``params`` collection (or full variables with a ``params`` key).
+    """
+    variables = params if isinstance(params, dict) and "params" in params else {"params": params}
+    apply_fn = model.apply if isinstance(model, nn.Module) else model
+
+    @jax.jit
+    def one(variables, tokens):
+        return loss_fn(apply_fn(variables, tokens), tokens)
+
+    return float(np.mean([float(one(variables, b)) for b in batches]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_STEPS} steps")
+    args = parser.parse_args()
+    steps = QUICK_STEPS if args.quick else STEPS
+    start = time.perf_counter()
+    params = train(steps)
+    took = time.perf_counter() - start
+    net = model()
+    held = held_out_batches()
+    n = sum(x.size for x in jax.tree.leaves(params))
+    print(f"LM: {LAYERS} blocks, d={D}, MLP {MLP}, vocab {VOCAB}, seq {SEQ}; {n:,} parameters")
+    print(
+        f"trained {steps} steps in {took:.1f} s; held-out loss {held_out_loss(net, params, held):.4f}"
+    )
+    for kind in _MAKERS:  # per task, to see what was learned
+        rng_batches = [b[b[:, 0] == _MARKERS[kind]] for b in held]
+        print(f"  {kind:7} {held_out_loss(net, params, [b for b in rng_batches if len(b)]):.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Calibrated int4/int8 policies, Keras 3's ``GPTQDTypePolicy`` ("gptq/<bits>/<group>") and
+``AWQDTypePolicy`` ("awq/<bits>/<group>"): quantized policies whose scheme
+(:mod:`jmp_policy._src.quantization.calibrated_schemes`) chooses the weights on calibration inputs
+(:func:`jmp_policy.linen.calibrate`, :func:`jmp_policy.nnx.calibrate`)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from jmp_policy._src import schemes
+from jmp_policy._src.policy import DTypePolicy, T
+from jmp_policy._src.quantization.calibrated_schemes import AWQScheme, CalibratedScheme, GPTQScheme
+from jmp_policy._src.quantized_policy import CLASSES, QuantizedDTypePolicy
+
+
+class _CalibratedDTypePolicy(QuantizedDTypePolicy):
+    """What GPTQ and AWQ policies share: ``weight_bits``, ``group_size`` and their mode."""
+
+    __slots__ = ()
+    _scheme: CalibratedScheme
+    _scheme_class: ClassVar[type[CalibratedScheme]] = CalibratedScheme
+
+    def __init__(self, mode: str, source_name: str | None = None):
+        cls, example = self._scheme_class.policy_class, f"'{self._scheme_class.mode}/4/128'"
+        if not isinstance(mode, str):
+            raise TypeError(
+                f"`mode` of {cls} must be a string such as {example}. "
+                f"Received: mode={mode!r} (of type {type(mode).__name__})"
+            )
+        scheme = schemes.parse_mode(mode, self._scheme_class.policy_class)
+        self._init_quantized(scheme.mode_text(), scheme, source_name)
+
+    @property
+    def weight_bits(self) -> int:
+        """The bits per weight: 4 (``jnp.int4``) or 8 (``jnp.int8``)."""
+        return self._scheme.weight_bits
+
+    @property
+    def group_size(self) -> int:
+        """Input rows per scale (-1: per output channel), as Keras's ``group_size``."""
+        return self._scheme.group_size
+
+    @property
+    def storage_mode(self) -> str:
+        """The :class:`~jmp_policy.QuantizedArray` mode its weights are stored in."""
+        return self._scheme.storage_mode
+
+    def quantize(self, tree: T, *, stacked_axes: Any = None) -> T:
+        """Not available: calibrated weights need calibration inputs.
+
+        Raises:
+            ValueError: always, naming ``calibrate``.
+        """
+        return self._scheme.quantize(tree, 0)  # type: ignore[no-any-return]
+
+    def _rebuild_from(self, source: DTypePolicy) -> _CalibratedDTypePolicy:
+        return type(self)(self._mode, source.name)
+
+
+class GPTQDTypePolicy(_CalibratedDTypePolicy):
+    """Keras 3's GPTQ policy: ``"gptq/<weight_bits>/<group_size>_from_<source>"``.
+
+    Weights chosen by GPTQ (Frantar et al., 2022) on calibration inputs by
+    ``jmp_policy.linen.calibrate`` / ``jmp_policy.nnx.calibrate``, stored as int4 in groups
+    of ``group_size`` input rows (-1 per channel), or int8 per channel (``gptq/8/-1``). Keras
+    also allows 2 and 3 bits, which have no storage here (a ``ValueError``).
+
+    Args:
+        mode: ``"gptq/<weight_bits>/<group_size>"``, such as ``"gptq/4/128"``.
+        source_name: the float policy the dtypes come from; ``None`` takes the global one.
+
+    Raises:
+        ValueError: another mode, 2 or 3 bits, 8 bits with groups, or a bad source name.
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> policy = jp.get("gptq/4/128_from_mixed_bfloat16")
+        >>> policy
+        <GPTQDTypePolicy "gptq/4/128_from_mixed_bfloat16">
+        >>> policy.quantization_mode, policy.weight_bits, policy.group_size
+        ('gptq', 4, 128)
+        >>> policy.get_config()
+        {'mode': 'gptq/4/128', 'source_name': 'mixed_bfloat16'}
+    """
+
+    __slots__ = ()
+    _scheme_class: ClassVar[type[CalibratedScheme]] = GPTQScheme
+
+
+class AWQDTypePolicy(_CalibratedDTypePolicy):
+    """Keras 3's AWQ policy: ``"awq/4/<group_size>_from_<source>"``.
+
+    Weights chosen by AWQ (Lin et al., 2023) on calibration inputs by
+    ``jmp_policy.linen.calibrate`` / ``jmp_policy.nnx.calibrate``: a per-input-channel
+    scale, searched, divides the layer's inputs in the matmul, and the kernel times it is
+    stored as int4 in groups of ``group_size`` input rows (-1 per channel). As in Keras,
+    only 4 bits.
+
+    Args:
+        mode: ``"awq/4/<group_size>"``, such as ``"awq/4/128"``.
+        source_name: the float policy the dtypes come from; ``None`` takes the global one.
+
+    Raises:
+        ValueError: another mode, bits other than 4, or a bad source name.
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> policy = jp.AWQDTypePolicy("awq/4/-1", "float32")
+        >>> policy.name, policy.group_size
+        ('awq/4/-1_from_float32', -1)
+        >>> jp.get("awq/4/-1_from_float32") == policy
+        True
+    """
+
+    __slots__ = ()
+    _scheme_class: ClassVar[type[CalibratedScheme]] = AWQScheme
+
+
+CLASSES["GPTQDTypePolicy"] = GPTQDTypePolicy
+CLASSES["AWQDTypePolicy"] = AWQDTypePolicy

@@ -1,0 +1,264 @@
+"""From gathered input statistics to quantized parameters: the part of ``calibrate`` that
+both glues share (they gather :class:`~jmp_policy._src.quantization.calibration_stats.LayerStats` per
+layer path; this picks, per kernel, GPTQ, AWQ, round-to-nearest or nothing).
+
+A kernel under a GPTQ or AWQ policy whose layer was seen on the calibration batches is
+solved (:func:`~jmp_policy._src.quantization.gptq.gptq_quantize`,
+:func:`~jmp_policy._src.quantization.awq.awq_quantize`); one whose layer was not seen (a matmul the glue
+cannot see, or a stacked layer) is rounded to nearest in the same storage, with a warning
+naming it. Kernels under int8/int4 policies are rounded to nearest, as ``quantize`` does;
+the rest stay float. Nothing here knows Flax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmp_policy._src.quantization import awq
+from jmp_policy._src.quantization import quantized_array as quantization
+from jmp_policy._src.quantization.calibrated_schemes import CalibratedScheme
+from jmp_policy._src.quantization.calibration_stats import LayerStats
+from jmp_policy._src.tree_paths import leaf_path
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReport:
+    """One calibrated kernel: its method, the relative output error on the calibration
+    inputs, ``|XW - XŴ| / |XW|``, of round-to-nearest and of the method, and seconds."""
+
+    path: str
+    method: str
+    rtn_error: float
+    error: float
+    seconds: float
+
+
+def calibrated_scheme(policy: Any) -> CalibratedScheme | None:
+    """The GPTQ or AWQ scheme of ``policy``; ``None`` for other policies."""
+    scheme = getattr(policy, "scheme", None)
+    return scheme if isinstance(scheme, CalibratedScheme) else None
+
+
+def is_calibrated(policy: Any) -> bool:
+    """Whether ``policy`` is a GPTQ or AWQ policy."""
+    return calibrated_scheme(policy) is not None
+
+
+def kernel_module(path: str) -> str | None:
+    """The module path of a ``".../kernel"`` parameter path; ``None`` for other leaves."""
+    module, _, name = path.rpartition("/")
+    return module if name == "kernel" else None
+
+
+def _relative(w: jax.Array, w_hat: jax.Array, gram: jax.Array) -> float:
+    err = awq.output_error(w, w_hat, gram)
+    ref = awq.output_error(w, jnp.zeros_like(w), gram)
+    return float(jnp.sqrt(err / jnp.maximum(ref, 1e-30)))
+
+
+def quantize_calibrated(
+    params: Any,
+    policy_tree: Any,
+    stats: Mapping[str, LayerStats],
+    stacked: Mapping[str, int],
+    options: Mapping[str, Any],
+    unseen_reason: Mapping[str, str] | None = None,
+    progress: Any = False,
+) -> tuple[Any, list[LayerReport]]:
+    """``params`` with every kernel quantized as its policy says (see the module docstring).
+
+    Args:
+        params: the float parameter tree.
+        policy_tree: the policy of each leaf (``DTypePolicyMap.policy_tree(params)``).
+        stats: module path -> the statistics its layer's matmul inputs gave.
+        stacked: parameter path -> its leading stacked axes (absent: 0).
+        options: ``hessian_damping`` and ``num_grid_points``.
+        unseen_reason: module path -> why its layer's inputs were not gathered.
+        progress: see :func:`check_progress`.
+
+    Returns:
+        The quantized tree and a report per calibrated kernel.
+    """
+    unseen_reason = unseen_reason or {}
+    policies = jax.tree.leaves(policy_tree, is_leaf=lambda p: not isinstance(p, (dict, list)))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=quantization.is_quantized)
+    reports: list[LayerReport] = []
+    out = []
+    total = sum(
+        is_calibrated(p) and kernel_module(leaf_path(kp)) is not None
+        for (kp, _), p in zip(flat, policies, strict=True)
+    )
+    tell, close = _progress(progress, total)
+    for (kp, x), policy in zip(flat, policies, strict=True):
+        path = leaf_path(kp)
+        k = stacked.get(path, 0)
+        if not quantization.quantizable_layers(x, k):
+            out.append(x)
+        elif is_calibrated(policy):
+            out.append(_calibrated_leaf(path, x, k, policy, stats, options, unseen_reason, reports))
+            tell(path, reports[-1] if reports and reports[-1].path == path else None)
+        elif getattr(policy, "scheme", None) is not None and policy.scheme.stores_weights:
+            out.append(policy.scheme.quantize(x, k))
+        else:
+            out.append(x)
+    close()
+    return jax.tree_util.tree_unflatten(treedef, out), reports
+
+
+def check_progress(progress: Any) -> Any:
+    """``progress`` of ``calibrate``: ``False`` (quiet), ``True`` (a ``tqdm`` bar over the
+    calibrated layers when ``tqdm`` is installed, else a line per layer on stderr) or a
+    callable given each layer's :class:`LayerReport` as it is solved.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if isinstance(progress, bool) or callable(progress):
+        return progress
+    raise TypeError(
+        "`progress` must be True (a progress bar over layers), False or a callable given "
+        f"each LayerReport. Received: progress={progress!r} (of type {type(progress).__name__})"
+    )
+
+
+def _progress(progress: Any, total: int) -> tuple[Any, Any]:
+    """``(tell(path, report_or_None), close())`` for :func:`check_progress`'s values."""
+    if progress is False:
+        return (lambda path, report: None), (lambda: None)
+    if progress is not True:
+
+        def call(path: str, report: LayerReport | None) -> None:
+            if report is not None:
+                progress(report)
+
+        return call, (lambda: None)
+    try:
+        from tqdm.auto import tqdm  # optional: not a dependency of jmp_policy
+    except ImportError:
+        done = [0]
+
+        def line(path: str, report: LayerReport | None) -> None:
+            done[0] += 1
+            what = _row(report) if report else f"{path} rounded to nearest"
+            print(f"calibrate [{done[0]}/{total}] {what}", file=sys.stderr)
+
+        return line, (lambda: None)
+    bar = tqdm(total=total, desc="calibrate", unit="layer")
+
+    def step(path: str, report: LayerReport | None) -> None:
+        bar.set_postfix_str(path)
+        bar.update(1)
+
+    return step, bar.close
+
+
+def _row(r: LayerReport) -> str:
+    return f"{r.path:40s} {r.method:6s} {r.rtn_error:8.4f} {r.error:8.4f} {r.seconds:6.2f}"
+
+
+def _calibrated_leaf(
+    path: str,
+    x: Any,
+    k: int,
+    policy: Any,
+    stats: Mapping[str, LayerStats],
+    options: Mapping[str, Any],
+    unseen_reason: Mapping[str, str],
+    reports: list[LayerReport],
+) -> Any:
+    module = kernel_module(path)
+    scheme = policy.scheme
+    if module is None:  # not a kernel (DenseGeneral's 2-D bias): rounded as quantize does
+        return scheme.round_to_nearest(x, k)
+    layer = None if k else stats.get(module)
+    block = scheme.block_size
+    mode = scheme.storage_mode
+    if layer is None or float(layer.count) == 0:
+        why = (
+            f"it is stacked ({k} leading axes): calibrate stacked layers is not supported yet"
+            if k
+            else unseen_reason.get(module or "", "no calibration batch reached its matmul")
+        )
+        warnings.warn(
+            f"calibrate: {path!r} is under {policy.name!r} but is rounded to nearest "
+            f"({mode}{'' if block is None else f'/{block}'}) because {why}. Give it an "
+            "'int4/<block>' or 'int8' policy in the map to say so, or make its layer a "
+            "Dense/DenseGeneral (Linen) or Linear/LinearGeneral (NNX) with its own matmul.",
+            stacklevel=4,
+        )
+        return scheme.round_to_nearest(x, k)
+    start = time.perf_counter()
+    q = scheme.solve(x, layer.gram, layer.mean_abs, options)
+    jax.block_until_ready(q.values)
+    seconds = time.perf_counter() - start
+    w = jnp.asarray(x, jnp.float32)
+    rtn = scheme.round_to_nearest(x).dequantize(jnp.float32)
+    rtn_error = _relative(w, rtn, layer.gram)
+    error = _relative(w, q.dequantize(jnp.float32), layer.gram)
+    reports.append(LayerReport(path, scheme.mode, rtn_error, error, seconds))
+    return q
+
+
+def format_report(reports: list[LayerReport]) -> str:
+    """The report as a table: one row per calibrated kernel."""
+    rows = [f"{'layer':40s} {'method':6s} {'RTN err':>8s} {'err':>8s} {'s':>6s}"]
+    rows.extend(_row(r) for r in reports)
+    return "\n".join(rows)
+
+
+def check_batches(batches: Any) -> list[tuple[Any, ...]]:
+    """Calibration batches as a list of argument tuples (a non-tuple batch is one argument).
+
+    Raises:
+        TypeError: ``batches`` is not iterable.
+        ValueError: it holds no batch.
+    """
+    try:
+        items = list(batches)
+    except TypeError:
+        raise TypeError(
+            "`batches` must be an iterable of the model's call arguments (a tuple per call, "
+            f"or one array). Received: batches of type {type(batches).__name__}"
+        ) from None
+    if not items:
+        raise ValueError("`batches` holds no batch: calibration needs at least one.")
+    return [b if isinstance(b, tuple) else (b,) for b in items]
+
+
+def capturing_dot_general(
+    path: str, shape: tuple[int, ...], stats: dict[str, LayerStats], unseen: dict[str, str]
+) -> Any:
+    """A drop-in ``jax.lax.dot_general`` for the layer at ``path`` (kernel ``shape``) that
+    adds its input rows to ``stats[path]`` (or says in ``unseen`` why it cannot), then
+    multiplies as written."""
+
+    def dot_general(lhs: Any, rhs: Any, dims: Any, *a: Any, **k: Any) -> Any:
+        rows = None
+        if tuple(rhs.shape) == shape:
+            rows = rows_for_kernel(lhs, shape, dims)
+        if rows is None:
+            unseen[path] = "its matmul contracts the kernel in a layout GPTQ/AWQ do not read"
+        else:
+            stats[path] = stats[path].update(rows)
+        return jax.lax.dot_general(lhs, rhs, dims, *a, **k)
+
+    return dot_general
+
+
+def rows_for_kernel(lhs: Any, rhs_shape: tuple[int, ...], dims: Any) -> jax.Array | None:
+    """The matmul input as rows of the kernel's input features when the kernel's axis 0
+    alone is contracted with no batch axes (Dense, DenseGeneral over one axis); ``None``
+    for other layouts."""
+    (lc, rc), (lb, rb) = dims
+    if tuple(rc) != (0,) or lb or rb or len(lc) != 1:
+        return None
+    lhs = jnp.asarray(lhs)
+    return jnp.moveaxis(lhs, int(lc[0]), -1).reshape(-1, int(rhs_shape[0]))

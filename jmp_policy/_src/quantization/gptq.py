@@ -1,0 +1,257 @@
+"""GPTQ (Frantar et al., 2022): int4/int8 weights that minimise the layer's output error on
+calibration inputs, ``‖XW - XŴ‖``, given their Gram matrix ``H = XᵀX``.
+
+The kernel's input rows (axis 0 of a Flax kernel ``[in, ..., out]``) are quantized one at a
+time, in blocks; each row's rounding error is spread over the rows not yet quantized through
+the upper Cholesky factor ``U`` of the damped inverse Hessian (``H⁻¹ = UᵀU``): row ``i``'s
+error ``e = (w_i - ŵ_i) / U[i, i]`` moves each later row ``j`` by ``-U[i, j] e`` (within a
+block at once, to later blocks once per block). Damping adds ``hessian_damping`` times the
+mean diagonal to the diagonal (Keras's default 0.01); an input never seen (a zero diagonal)
+gets a diagonal of 1, so its row is rounded to nearest.
+
+The result is stored exactly as round-to-nearest stores it
+(:func:`jmp_policy._src.quantization.quantize`): symmetric abs-max scales, int4 in groups
+of ``group_size`` rows (``-1``: per channel; a group's scale is taken from the rows as GPTQ
+has updated them when the group starts), int8 per channel. So the serving matmuls read a
+GPTQ kernel as they read any other. Nothing here knows Flax.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_policy._src import dtypes as dt
+from jmp_policy._src.quantization.quantized_array import (
+    INT4_MAX,
+    INT8_MAX,
+    QuantizedArray,
+    abs_max_scale,
+    quantize,
+    round_to_grid,
+)
+from jmp_policy._src.quantization.quantized_array_checks import check_stacked
+
+BITS = (4, 8)
+DEFAULT_HESSIAN_DAMPING = 0.01
+DEFAULT_BLOCK_SIZE = 128
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def check_bits_and_group(bits: Any, group_size: Any, what: str = "GPTQ") -> int:
+    """``bits`` and ``group_size`` checked; returns int4's block (-1 per channel) or -1."""
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ValueError(
+            f"`weight_bits` must be 4 or 8 for {what} (stored as jnp.int4 or jnp.int8); 2 "
+            f"and 3 bits have no storage here. Received: weight_bits={bits!r}"
+        )
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or group_size == 0
+        or group_size < -1
+    ):
+        raise ValueError(
+            "`group_size` must be -1 (per channel) or a positive integer. "
+            f"Received: group_size={group_size!r}"
+        )
+    if bits == 8 and group_size != -1:
+        raise ValueError(
+            f"8-bit {what} weights are stored as int8 per output channel: use group_size=-1 "
+            f"(or 4 bits for groups). Received: weight_bits=8, group_size={group_size!r}"
+        )
+    return group_size  # type: ignore[no-any-return]
+
+
+def check_positive(value: Any, name: str) -> None:
+    """``value`` must be a positive int."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+
+
+def check_kernel(kernel: Any, stacked: Any) -> tuple[int, ...]:
+    """``kernel`` must be a floating array of rank >= 2 after ``stacked`` axes; its shape."""
+    check_stacked(stacked)
+    if not isinstance(kernel, (jax.Array, np.ndarray)) or not dt.is_floating(
+        np.dtype(kernel.dtype)
+    ):
+        raise TypeError(
+            "`kernel` must be a floating array. Received: "
+            f"{type(kernel).__name__} of dtype {getattr(kernel, 'dtype', None)}"
+        )
+    shape = tuple(kernel.shape)
+    if len(shape) - stacked < 2:
+        raise ValueError(
+            f"`kernel` must have rank >= {stacked + 2} (a kernel after {stacked} stacked "
+            f"axes). Received: a kernel of shape {shape}"
+        )
+    return shape
+
+
+def damped_hessian(hessian: jax.Array, damping: Any) -> jax.Array:
+    """``hessian`` with a zero diagonal entry set to 1 and ``damping`` times the mean
+    diagonal added to the diagonal (as GPTQ's reference code and Keras do)."""
+    h = jnp.asarray(hessian, jnp.float32)
+    diag = jnp.diagonal(h)
+    diag = jnp.where(diag == 0, 1.0, diag)
+    diag = diag + damping * jnp.mean(diag)
+    return h - jnp.diag(jnp.diagonal(h)) + jnp.diag(diag)
+
+
+def inverse_cholesky(h: jax.Array) -> jax.Array:
+    """The upper Cholesky factor ``U`` of ``h``'s inverse (``h⁻¹ = UᵀU``); NaN where ``h``
+    is not positive definite."""
+    low = jnp.linalg.cholesky(h)
+    eye = jnp.eye(h.shape[0], dtype=h.dtype)
+    h_inv = jax.scipy.linalg.cho_solve((low, True), eye)
+    h_inv = (h_inv + h_inv.T) / 2
+    return jnp.linalg.cholesky(h_inv).T
+
+
+def _channel_scale(
+    rows: jax.Array, rest: tuple[int, ...], qmax: float
+) -> tuple[jax.Array, jax.Array]:
+    """The abs-max scale of ``rows`` (``[r, M]``, ``M = prod(rest)``) per index of the last
+    axis of ``rest``, broadcast back to ``[M]``, and the ``[n]`` scale itself."""
+    cols = jnp.max(jnp.abs(rows), axis=0).reshape(rest)
+    scale = abs_max_scale(cols, tuple(range(len(rest) - 1)), qmax).reshape(rest[-1])
+    return jnp.broadcast_to(scale, rest).reshape(-1), scale
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group", "block", "rest"))
+def _solve(
+    w2: jax.Array,
+    hessian: jax.Array,
+    damping: jax.Array,
+    *,
+    bits: int,
+    group: int,
+    block: int,
+    rest: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """GPTQ on one kernel ``w2`` (``[in, M]``, float32): integer values (float32, ``[in, M]``),
+    scales (``[groups, n]``; ``[n]`` per channel) and whether the factorisation was finite."""
+    qmax = INT4_MAX if bits == 4 else INT8_MAX
+    rows, m = w2.shape
+    size = group if group > 0 else block
+    blocks = -(-rows // size)
+    padded = blocks * size
+    # Padded rows: zero weights and a unit, uncoupled diagonal, so they change nothing.
+    w = jnp.pad(w2, ((0, padded - rows), (0, 0)))
+    h = damped_hessian(hessian, damping)
+    h = jnp.pad(h, ((0, padded - rows), (0, padded - rows)))
+    pad_diag = jnp.arange(padded) >= rows
+    h = h + jnp.diag(pad_diag.astype(h.dtype))
+    u = inverse_cholesky(h)
+    ok = jnp.all(jnp.isfinite(u))
+    per_channel_m, per_channel_n = _channel_scale(w2, rest, qmax)
+    later = jnp.arange(size)[None, :] > jnp.arange(size)[:, None]  # [j, k]: k after j
+
+    def one_block(w: jax.Array, k: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        start = k * size
+        w1 = jax.lax.dynamic_slice(w, (start, 0), (size, m))
+        u1 = jax.lax.dynamic_slice(u, (start, start), (size, size))
+        if group > 0:
+            scale_m, scale_n = _channel_scale(w1, rest, qmax)
+        else:
+            scale_m, scale_n = per_channel_m, per_channel_n
+
+        def one_row(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            w1, q1, err1 = carry
+            row = w1[j]
+            q = round_to_grid(row, scale_m, qmax)
+            e = (row - q * scale_m) / u1[j, j]
+            w1 = w1 - jnp.outer(jnp.where(later[j], u1[j], 0.0), e)
+            return w1, q1.at[j].set(q), err1.at[j].set(e)
+
+        zeros = jnp.zeros((size, m), jnp.float32)
+        _, q1, err1 = jax.lax.fori_loop(0, size, one_row, (w1, zeros, zeros))
+        # Later blocks: U is upper triangular, so the rows before this block stay as they are
+        # (the rows of this block are quantized already and are not read again).
+        u_rows = jax.lax.dynamic_slice(u, (start, 0), (size, padded))
+        w = w - jnp.matmul(u_rows.T, err1, precision=_HIGHEST)
+        return w, (q1, scale_n)
+
+    _, (q, scales) = jax.lax.scan(one_block, w, jnp.arange(blocks))
+    q = q.reshape(padded, m)[:rows]
+    if group <= 0:
+        scales = per_channel_n
+    return q, scales, ok
+
+
+def gptq_quantize(
+    kernel: Any,
+    hessian: Any,
+    *,
+    weight_bits: int = 4,
+    group_size: int = 128,
+    hessian_damping: float = DEFAULT_HESSIAN_DAMPING,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    stacked: int = 0,
+) -> QuantizedArray:
+    """GPTQ-quantizes ``kernel`` for inputs whose Gram matrix is ``hessian``.
+
+    Args:
+        kernel: a floating kernel ``[in, ..., out]`` (Flax's layout; with ``stacked``
+            leading layer axes, ``[*depth, in, ..., out]``).
+        hessian: ``XᵀX`` of the layer's inputs, ``[in, in]`` (``[*depth, in, in]``); any
+            positive multiple gives the same result.
+        weight_bits: 4 (``jnp.int4`` values) or 8 (``jnp.int8``, per channel only).
+        group_size: int4's rows per scale (``-1``: per channel), as ``int4/<group_size>``.
+        hessian_damping: the fraction of the mean diagonal added to the diagonal.
+        block_size: rows per block of the lazy batch update when ``group_size`` is -1
+            (groups are the blocks otherwise); changes the speed, not the result.
+        stacked: leading axes of ``kernel`` that stack layers, each solved on its own.
+
+    Returns:
+        A :class:`~jmp_policy.QuantizedArray` in the storage round-to-nearest gives
+        (``int4/<group_size>`` or ``int8``). If a Hessian cannot be factorised, that layer
+        is rounded to nearest (with a warning outside ``jit``). Works under ``jit``.
+
+    Raises:
+        ValueError: unsupported ``weight_bits``/``group_size``, or shapes that disagree.
+        TypeError: ``kernel`` is not a floating array.
+    """
+    group = check_bits_and_group(weight_bits, group_size)
+    check_positive(block_size, "block_size")
+    shape = check_kernel(kernel, stacked)
+    lead, rows, rest = shape[:stacked], shape[stacked], shape[stacked + 1 :]
+    hessian = jnp.asarray(hessian)
+    if tuple(hessian.shape) != (*lead, rows, rows):
+        raise ValueError(
+            f"`hessian` must have shape {(*lead, rows, rows)} for a kernel of shape {shape} "
+            f"(stacked={stacked}). Received: hessian of shape {tuple(hessian.shape)}"
+        )
+    mode = "int4" if weight_bits == 4 else "int8"
+    rtn = quantize(kernel, mode, group if weight_bits == 4 else None, stacked)
+    if rows == 0 or math.prod(rest) == 0:
+        return rtn
+    solve = functools.partial(_solve, bits=weight_bits, group=group, block=block_size, rest=rest)
+    for _ in range(stacked):
+        solve = jax.vmap(solve, in_axes=(0, 0, None))
+    w2 = jnp.asarray(kernel).astype(jnp.float32).reshape(*lead, rows, -1)
+    q, scales, ok = solve(w2, hessian.astype(jnp.float32), jnp.float32(hessian_damping))
+    if weight_bits == 4 and group == -1:
+        scales = scales[..., None, :]  # int4 per channel: one block
+    dtype = jnp.int4 if weight_bits == 4 else jnp.int8
+    ok_b = ok.reshape(*lead, *([1] * (q.ndim - stacked)))
+    values = jnp.where(ok_b, q.reshape(shape), rtn.values.astype(jnp.float32)).astype(dtype)
+    ok_s = ok.reshape(*lead, *([1] * (scales.ndim - stacked)))
+    scales = jnp.where(ok_s, scales, rtn.scale)
+    if not isinstance(ok, jax.core.Tracer) and not bool(jnp.all(ok)):
+        warnings.warn(
+            "GPTQ could not factorise a Hessian (a layer whose calibration inputs make it "
+            "singular even after damping): that layer is rounded to nearest. Raise "
+            "`hessian_damping` or calibrate on more varied batches.",
+            stacklevel=2,
+        )
+    return QuantizedArray(
+        values, scales, mode, group if weight_bits == 4 else None, shape,
+        np.dtype(kernel.dtype), stacked,
+    )  # fmt: skip

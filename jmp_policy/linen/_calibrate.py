@@ -1,0 +1,184 @@
+"""Calibrating a Linen model: GPTQ and AWQ kernels from the inputs each layer sees."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from jmp_policy._src import global_state, interception, quantization
+from jmp_policy._src.options import as_policy_or_map
+from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path
+from jmp_policy._src.quantization import calibration
+from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
+from jmp_policy._src.quantization.calibration_stats import LayerStats
+from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
+from jmp_policy.linen._modules import check_variables, path_of
+from jmp_policy.linen._quantize import _seen_shapes
+
+
+def _targets(params: Any, policy_tree: Any) -> dict[str, tuple[int, ...]]:
+    """Module path -> its kernel's stored shape, for kernels under GPTQ/AWQ policies."""
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=quantization.is_quantized)[0]
+    policies = jax.tree.leaves(policy_tree, is_leaf=lambda p: not isinstance(p, (dict, list)))
+    found = {}
+    for (kp, x), policy in zip(flat, policies, strict=True):
+        module = calibration.kernel_module(leaf_path(kp))
+        if module is not None and calibration.is_calibrated(policy):
+            found[module] = tuple(getattr(x, "shape", ()))
+    return found
+
+
+def _collect(
+    module: nn.Module, targets: Mapping[str, tuple[int, ...]], method: Any, kwargs: Any
+) -> tuple[Any, dict[str, str]]:
+    """``(run, unseen)``: ``run(variables, stats, args) -> stats`` adds one batch's inputs
+    (jit it); ``unseen`` collects, as runs are traced, why a target's inputs were not."""
+    unseen: dict[str, str] = {}
+
+    def run(variables: Any, stats: dict[str, LayerStats], args: tuple[Any, ...]) -> Any:
+        stats = dict(stats)
+
+        def intercept(next_fun: Any, a: Any, k: Any, context: Any) -> Any:
+            mod = context.module
+            path = path_of(mod)
+            if context.method_name != "__call__" or path not in targets:
+                return next_fun(*a, **k)
+            routable = isinstance(mod, (nn.Dense, nn.DenseGeneral)) and (
+                mod.dot_general is None and mod.dot_general_cls is None
+            )
+            if not routable:
+                unseen[path] = (
+                    f"its layer is a {type(mod).__name__}, whose matmul calibrate does not see"
+                )
+                return next_fun(*a, **k)
+            capture = calibration.capturing_dot_general(path, targets[path], stats, unseen)
+            with interception.attribute_set(mod, "dot_general", capture):
+                return next_fun(*a, **k)
+
+        with nn.intercept_methods(intercept):
+            module.apply(variables, *args, method=method, mutable=True, **kwargs)
+        return stats
+
+    return run, unseen
+
+
+def calibrate(
+    module: nn.Module,
+    policy_or_map: Any,
+    variables: Mapping[str, Any],
+    batches: Iterable[Any],
+    *,
+    method: Any = None,
+    hessian_damping: float = DEFAULT_HESSIAN_DAMPING,
+    num_grid_points: int = DEFAULT_NUM_GRID_POINTS,
+    return_report: bool = False,
+    progress: Any = False,
+    **kwargs: Any,
+) -> Any:
+    """``variables`` with kernels under GPTQ/AWQ policies calibrated, int8/int4 rounded.
+
+    Runs the unmodified model (``module.apply(variables, *batch, method=method,
+    **kwargs)``) on each calibration batch, gathering, for each ``Dense``/``DenseGeneral``
+    whose kernel is under a :class:`~jmp_policy.GPTQDTypePolicy` or
+    :class:`~jmp_policy.AWQDTypePolicy`, the Gram matrix ``XᵀX`` (float32) and ``mean |x|``
+    of the inputs of its matmul; then solves each kernel (GPTQ, or AWQ's scale search,
+    each jit-compiled) in the int4/int8 storage the serving matmuls read. Kernels under
+    int8/int4 policies are rounded to nearest, as :func:`quantize` does; the rest stay
+    float. Each layer sees the float model's inputs (not those of already-quantized
+    earlier layers). A layer under a GPTQ/AWQ policy whose matmul is not seen (an
+    ``nn.Einsum``, a custom matmul, a stacked ``nn.scan`` layer) is rounded to nearest with
+    a warning naming it. Batches of different shapes each compile the run once.
+
+    Args:
+        module: a ``flax.linen`` Module instance.
+        policy_or_map: a policy (or name), a :class:`~jmp_policy.DTypePolicyMap` or a dict.
+        variables: the model's float variables (``{"params": ...}``).
+        batches: an iterable of calls' arguments (a tuple per call, or one array).
+        method: the method to run (as ``module.apply``'s).
+        hessian_damping: GPTQ's damping, a fraction of the mean Hessian diagonal.
+        num_grid_points: AWQ's exponent grid ``0, 1/n, ..., 1``.
+        return_report: also return the per-layer report (a list of ``LayerReport``: per
+            calibrated kernel, the relative output error of round-to-nearest and of the
+            method on the calibration inputs, and seconds).
+        progress: ``True`` shows a progress bar over the calibrated layers (``tqdm`` when
+            installed, else a line per layer on stderr); a callable is given each
+            ``LayerReport`` as its layer is solved; ``False`` (default) is quiet.
+        **kwargs: keyword arguments of each call (``rngs=`` when it needs them).
+
+    Returns:
+        The variables, their ``"params"`` quantized (and the report if asked).
+
+    Raises:
+        TypeError: ``module`` is not a Linen module, ``variables`` not a mapping, or
+            ``batches`` not iterable.
+        ValueError: no ``"params"``, or no batch.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
+        >>> import jmp_policy as jp
+        >>> model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(8)])
+        >>> x = jax.random.normal(jax.random.key(0), (256, 32))
+        >>> variables = model.init(jax.random.key(1), x)
+        >>> policies = jp.DTypePolicyMap("float32", {"layers_0": "gptq/4/16_from_float32",
+        ...                                          "layers_2": "int8_from_float32"})
+        >>> q = jp.linen.calibrate(model, policies, variables, [x[:128], x[128:]])
+        >>> q["params"]["layers_0"]["kernel"]
+        QuantizedArray(int4/16, shape=(32, 64), original_dtype=float32)
+        >>> jp.linen.apply(model, policies)(q, x).shape
+        (256, 8)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            "`module` must be a flax.linen Module instance. Received: "
+            f"module={module!r} (of type {type(module).__name__})"
+        )
+    check_variables(variables)
+    if "params" not in variables:
+        raise ValueError(
+            "`variables` has no 'params' collection: nothing to calibrate. Received: "
+            f"variables with collections {sorted(variables)}"
+        )
+    calls = calibration.check_batches(batches)
+    progress = calibration.check_progress(progress)
+    policies = as_policy_or_map(policy_or_map)
+    if policies is None:
+        policies = global_state.dtype_policy()
+    if not isinstance(policies, DTypePolicyMap):
+        policies = DTypePolicyMap(policies)
+    params = variables["params"]
+    policy_tree = policies.policy_tree(params)
+    targets = _targets(params, policy_tree)
+    stacked = _stacked(module, variables, calls[0], kwargs, method)
+    targets = {p: s for p, s in targets.items() if f"{p}/kernel" not in stacked}
+    stats = {p: LayerStats.zeros(s[0]) for p, s in targets.items()}
+    run, unseen = _collect(module, targets, method, kwargs)
+    if targets:
+        run = jax.jit(run)
+        for args in calls:
+            stats = run(variables, stats, args)
+    options = {"hessian_damping": hessian_damping, "num_grid_points": num_grid_points}
+    new, report = calibration.quantize_calibrated(
+        params, policy_tree, stats, stacked, options, unseen, progress
+    )
+    result = {**variables, "params": new}
+    return (result, report) if return_report else result
+
+
+def _stacked(
+    module: nn.Module, variables: Mapping[str, Any], args: Any, kwargs: Any, method: Any
+) -> dict[str, int]:
+    """Parameter path -> its leading stacked axes (as :func:`quantize` finds them)."""
+    seen = _seen_shapes(module, variables, args, kwargs, method)
+    found = {}
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(
+        variables["params"], is_leaf=quantization.is_quantized
+    )[0]:
+        path = leaf_path(kp)
+        stored, shape = tuple(getattr(leaf, "shape", ())), seen.get(path)
+        lead = 0 if shape is None else len(stored) - len(shape)
+        if lead > 0 and stored[lead:] == shape:
+            found[path] = lead
+    return found

@@ -1,0 +1,185 @@
+"""Calibrating an NNX model: GPTQ and AWQ kernels from the inputs each layer sees."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+import jax
+from flax import nnx
+
+from jmp_policy._src import global_state
+from jmp_policy._src.options import as_policy_or_map
+from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path
+from jmp_policy._src.quantization import calibration
+from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
+from jmp_policy._src.quantization.calibration_stats import LayerStats
+from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
+from jmp_policy.nnx._modules import check_model, path_of
+from jmp_policy.nnx._quantization import routable, stacked
+
+M = TypeVar("M", bound=nnx.Module)
+
+
+def _seeable(module: Any) -> bool:
+    """Whether calibrate sees the module's matmul (a plain ``Linear``/``LinearGeneral``)."""
+    return isinstance(module, (nnx.Linear, nnx.LinearGeneral)) and routable(module)
+
+
+def _stacked_params(model: nnx.Module, params: Any) -> dict[str, int]:
+    """Parameter path -> the leading stacked axes of its layer (``nnx.vmap``-created)."""
+    lead = {path_of(parts): len(stacked(m)) for parts, m in nnx.iter_modules(model)}
+    found = {}
+    for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+        path = leaf_path(kp)
+        k = lead.get(path.rpartition("/")[0], 0)
+        if k:
+            found[path] = k
+    return found
+
+
+def _targets(
+    model: nnx.Module, params: Any, policy_tree: Any, stacked_params: Mapping[str, int]
+) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """``(targets, unseen)``: module path -> kernel shape of each GPTQ/AWQ layer whose
+    matmul calibrate sees; module path -> why it does not see the others'."""
+    modules = {path_of(parts): m for parts, m in nnx.iter_modules(model)}
+    targets, unseen = {}, {}
+    for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        path = leaf_path(kp)
+        module = calibration.kernel_module(path)
+        policy = policy_tree_leaf(policy_tree, kp)
+        if module is None or path in stacked_params or not calibration.is_calibrated(policy):
+            continue
+        if _seeable(modules.get(module)):
+            targets[module] = tuple(x.shape)
+        else:
+            name = type(modules.get(module)).__name__
+            unseen[module] = f"its layer is a {name}, whose matmul calibrate does not see"
+    return targets, unseen
+
+
+def _gather(
+    model: nnx.Module,
+    targets: Mapping[str, tuple[int, ...]],
+    unseen: dict[str, str],
+    calls: list[tuple[Any, ...]],
+    kwargs: Mapping[str, Any],
+) -> dict[str, LayerStats]:
+    """Each target's statistics over the calls (one jit-compiled run per batch shape)."""
+    stats = {p: LayerStats.zeros(s[0]) for p, s in targets.items()}
+    if not targets:
+        return stats
+    graphdef, whole = nnx.split(model)
+
+    def run(whole: Any, stats: Mapping[str, LayerStats], args: tuple[Any, ...]) -> Any:
+        stats = dict(stats)
+        live = nnx.merge(graphdef, whole)
+        for parts, m in nnx.iter_modules(live):
+            path = path_of(parts)
+            if path in targets:
+                capture = calibration.capturing_dot_general(path, targets[path], stats, unseen)
+                m.dot_general = capture  # type: ignore[attr-defined]  # a Linear(General)
+        live(*args, **kwargs)
+        return stats
+
+    run_jit = jax.jit(run)
+    for args in calls:
+        stats = run_jit(whole, stats, args)
+    return stats
+
+
+def calibrate(
+    model: M,
+    policy_or_map: Any,
+    batches: Iterable[Any],
+    *,
+    hessian_damping: float = DEFAULT_HESSIAN_DAMPING,
+    num_grid_points: int = DEFAULT_NUM_GRID_POINTS,
+    return_report: bool = False,
+    progress: Any = False,
+    **kwargs: Any,
+) -> Any:
+    """A copy of ``model`` with kernels under GPTQ/AWQ policies calibrated, int8/int4 rounded.
+
+    Runs a copy of the unmodified model (``model(*batch, **kwargs)``, jit-compiled, one
+    compilation per batch shape) on each calibration batch, gathering, for each
+    ``nnx.Linear``/``nnx.LinearGeneral`` whose kernel is under a
+    :class:`~jmp_policy.GPTQDTypePolicy` or :class:`~jmp_policy.AWQDTypePolicy`, the Gram
+    matrix ``XᵀX`` (float32) and ``mean |x|`` of its matmul's inputs; then solves each
+    kernel (GPTQ, or AWQ's scale search, each jit-compiled) in the int4/int8 storage the
+    serving matmuls read. Kernels under int8/int4 policies are rounded to nearest, as
+    :func:`quantize` does; the rest stay float. Each layer sees the float model's inputs.
+    A layer under a GPTQ/AWQ policy whose matmul is not seen (an ``nnx.Einsum``, a custom
+    ``dot_general``, a stacked layer) is rounded to nearest with a warning naming it.
+
+    Args:
+        model: an ``nnx.Module``; never modified (the copy is made with ``nnx.clone``).
+        policy_or_map: a policy (or name), a :class:`~jmp_policy.DTypePolicyMap` or a dict.
+        batches: an iterable of calls' arguments (a tuple per call, or one array).
+        hessian_damping: GPTQ's damping, a fraction of the mean Hessian diagonal.
+        num_grid_points: AWQ's exponent grid ``0, 1/n, ..., 1``.
+        return_report: also return the per-layer report (a list of ``LayerReport``: per
+            calibrated kernel, the relative output error of round-to-nearest and of the
+            method on the calibration inputs, and seconds).
+        progress: ``True`` shows a progress bar over the calibrated layers (``tqdm`` when
+            installed, else a line per layer on stderr); a callable is given each
+            ``LayerReport`` as its layer is solved; ``False`` (default) is quiet.
+        **kwargs: keyword arguments of each call.
+
+    Returns:
+        The calibrated copy (and the report if asked).
+
+    Raises:
+        TypeError: ``model`` is not an ``nnx.Module``, ``batches`` not iterable or
+            ``progress`` neither a bool nor a callable.
+        ValueError: no batch.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jmp_policy as jp
+        >>> class MLP(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.up, self.head = nnx.Linear(32, 64, rngs=rngs), nnx.Linear(64, 8, rngs=rngs)
+        ...     def __call__(self, x):
+        ...         return self.head(nnx.relu(self.up(x)))
+        >>> x = jax.random.normal(jax.random.key(0), (256, 32))
+        >>> policies = jp.DTypePolicyMap("float32", {"up": "gptq/4/16_from_float32",
+        ...                                          "head": "int8_from_float32"})
+        >>> q = jp.nnx.calibrate(MLP(nnx.Rngs(0)), policies, [x[:128], x[128:]])
+        >>> q.up.kernel.get_value()
+        QuantizedArray(int4/16, shape=(32, 64), original_dtype=float32)
+        >>> jp.nnx.apply(q, policies)(x).shape
+        (256, 8)
+    """
+    check_model(model)
+    calls = calibration.check_batches(batches)
+    progress = calibration.check_progress(progress)
+    policies = as_policy_or_map(policy_or_map)
+    if policies is None:
+        policies = global_state.dtype_policy()
+    if not isinstance(policies, DTypePolicyMap):
+        policies = DTypePolicyMap(policies)
+    copy = nnx.clone(model)
+    state = nnx.state(copy, nnx.Param)
+    params = nnx.to_pure_dict(state)
+    policy_tree = policies.policy_tree(params)
+    stacked_params = _stacked_params(copy, params)
+    targets, unseen = _targets(copy, params, policy_tree, stacked_params)
+    stats = _gather(copy, targets, unseen, calls, kwargs)
+    options = {"hessian_damping": hessian_damping, "num_grid_points": num_grid_points}
+    new, report = calibration.quantize_calibrated(
+        params, policy_tree, stats, stacked_params, options, unseen, progress
+    )
+    nnx.replace_by_pure_dict(state, new)
+    nnx.update(copy, state)
+    return (copy, report) if return_report else copy
+
+
+def policy_tree_leaf(policy_tree: Any, key_path: Any) -> Any:
+    """The policy at ``key_path`` of a policy tree shaped as the parameters."""
+    node = policy_tree
+    for key in key_path:
+        node = node[getattr(key, "key", getattr(key, "idx", key))]
+    return node

@@ -1,0 +1,164 @@
+"""jp.linen.calibrate: GPTQ and AWQ kernels of an unmodified Linen model, int8 beside them,
+served through the weight-only matmul."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_policy as jp
+from jmp_policy._src.quantization import awq
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(64, name="up")(x))
+        x = nn.relu(nn.Dense(64, name="mid")(x))
+        return nn.Dense(8, name="head")(x)
+
+
+def _inputs(rows, seed=0):
+    """Correlated features of unequal sizes; one mixing for every seed (held-out rows)."""
+    fixed = np.random.default_rng(123)
+    mix = fixed.normal(size=(32, 32)) / np.sqrt(32)
+    scale = np.exp(fixed.normal(size=32))
+    rng = np.random.default_rng(seed)
+    return jnp.asarray((rng.normal(size=(rows, 32)) @ mix) * scale, jnp.float32)
+
+
+MAP = jp.DTypePolicyMap(
+    "float32",
+    {
+        "up": "awq/4/16_from_float32",
+        "mid": "gptq/4/16_from_float32",
+        "head": "int8_from_float32",
+    },
+)
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    model, x = MLP(), _inputs(512)
+    variables = model.init(jax.random.key(0), x)
+    q, report = jp.linen.calibrate(model, MAP, variables, [x[:256], x[256:]], return_report=True)
+    return model, variables, q, report
+
+
+def test_the_map_chooses_gptq_awq_and_int8_per_layer(calibrated):
+    _, variables, q, report = calibrated
+    up, mid, head = (q["params"][n]["kernel"] for n in ("up", "mid", "head"))
+    assert (mid.mode, mid.block_size, mid.values.dtype) == ("int4", 16, jnp.int4)
+    assert isinstance(up, awq.InputScaledArray) and up.input_scale.shape == (32,)
+    assert (head.mode, head.values.dtype) == ("int8", jnp.int8)
+    assert q["params"]["up"]["bias"] is variables["params"]["up"]["bias"]
+    assert [(r.path, r.method) for r in report] == [("mid/kernel", "gptq"), ("up/kernel", "awq")]
+    for r in report:  # on the calibration inputs, each beats round-to-nearest
+        assert r.error < r.rtn_error
+
+
+def test_calibrated_model_serves_close_to_float_with_and_without_jit(calibrated):
+    model, variables, q, _ = calibrated
+    x = _inputs(128, seed=1)
+    want = model.apply(variables, x)
+    fn = jp.linen.apply(model, MAP)
+    got, got_jit = fn(q, x), jax.jit(fn)(q, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(got_jit), rtol=1e-5, atol=1e-5)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < 0.15
+    rtn_map = {"up|mid": "int4/16_from_float32", "head": "int8_from_float32"}
+    rtn = jp.linen.quantize(model, jp.DTypePolicyMap("float32", rtn_map), variables, x)
+    rtn_rel = np.linalg.norm(fn(rtn, x) - want) / np.linalg.norm(want)
+    assert rel < rtn_rel
+
+
+def _int4_converts_into_dots(jaxpr):
+    """How many dot_generals read an operand converted from int4."""
+    produced = {}
+    count = 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            produced[v] = eqn
+        if eqn.primitive.name == "dot_general":
+            for v in eqn.invars:
+                src = produced.get(v)
+                if (
+                    src is not None
+                    and src.primitive.name == "convert_element_type"
+                    and str(src.invars[0].aval.dtype) == "int4"
+                ):
+                    count += 1
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                count += _int4_converts_into_dots(inner)
+    return count
+
+
+def test_calibrated_int4_kernels_reach_the_dot_as_int4(calibrated):
+    model, _, q, _ = calibrated
+    jaxpr = jax.make_jaxpr(jp.linen.apply(model, MAP))(q, _inputs(128, seed=2))
+    assert _int4_converts_into_dots(jaxpr.jaxpr) == 2  # GPTQ's and AWQ's kernels
+
+
+class WithEinsum(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16, name="dense")(x)
+        return nn.Einsum((16, 8), "bi,io->bo", name="einsum")(x)
+
+
+def test_a_layer_whose_matmul_is_not_seen_is_rounded_to_nearest_with_a_warning():
+    model, x = WithEinsum(), _inputs(64)
+    variables = model.init(jax.random.key(0), x)
+    with pytest.warns(UserWarning, match=r"'einsum/kernel'.*rounded to nearest.*Einsum"):
+        q = jp.linen.calibrate(model, "gptq/4/-1_from_float32", variables, [x])
+    assert q["params"]["einsum"]["kernel"].mode == "int4"
+    assert q["params"]["dense"]["kernel"].mode == "int4"
+
+
+class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, x, _):
+                return nn.relu(nn.Dense(32)(x)), None
+
+        layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+        return layers(name="layers")(x, None)[0]
+
+
+def test_stacked_layers_are_rounded_to_nearest_per_layer_with_a_warning():
+    model, x = Stack(), _inputs(64)
+    variables = model.init(jax.random.key(0), x)
+    with pytest.warns(UserWarning, match=r"'layers/Dense_0/kernel'.*stacked.*not supported"):
+        q = jp.linen.calibrate(model, "gptq/4/16_from_float32", variables, [x])
+    kernel = q["params"]["layers"]["Dense_0"]["kernel"]
+    assert kernel.stacked == 1 and kernel.scale.shape == (2, 2, 32)
+
+
+def test_bad_arguments_are_clear_errors():
+    model, x = MLP(), _inputs(8)
+    variables = model.init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"`batches` holds no batch"):
+        jp.linen.calibrate(model, MAP, variables, [])
+    with pytest.raises(TypeError, match=r"`batches` must be an iterable.*int"):
+        jp.linen.calibrate(model, MAP, variables, 3)
+    with pytest.raises(ValueError, match=r"no 'params' collection"):
+        jp.linen.calibrate(model, MAP, {"stats": {}}, [x])
+    with pytest.raises(TypeError, match=r"flax.linen Module"):
+        jp.linen.calibrate(object(), MAP, variables, [x])
+
+
+def test_batches_of_different_shapes_add_up():
+    model, x = MLP(), _inputs(96)
+    variables = model.init(jax.random.key(0), x)
+    policy = jp.DTypePolicyMap("float32", {"up": "gptq/4/16_from_float32"})
+    a = jp.linen.calibrate(model, policy, variables, [x[:32], x[32:96].reshape(2, 32, 32)])
+    b = jp.linen.calibrate(model, policy, variables, [x])
+    np.testing.assert_array_equal(
+        np.asarray(a["params"]["up"]["kernel"].values),
+        np.asarray(b["params"]["up"]["kernel"].values),
+    )

@@ -1,0 +1,197 @@
+"""jp.nnx.calibrate: GPTQ and AWQ kernels of an unmodified NNX model, int8 beside them,
+served through the weight-only matmul, with and without jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmp_policy as jp
+from jmp_policy._src.quantization import awq
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(32, 64, rngs=rngs)
+        self.mid = nnx.Linear(64, 64, rngs=rngs)
+        self.head = nnx.Linear(64, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.mid(nnx.relu(self.up(x)))))
+
+
+def _inputs(rows, seed=0):
+    """Correlated features of unequal sizes; one mixing for every seed (held-out rows)."""
+    fixed = np.random.default_rng(123)
+    mix = fixed.normal(size=(32, 32)) / np.sqrt(32)
+    scale = np.exp(fixed.normal(size=32))
+    rng = np.random.default_rng(seed)
+    return jnp.asarray((rng.normal(size=(rows, 32)) @ mix) * scale, jnp.float32)
+
+
+MAP = jp.DTypePolicyMap(
+    "float32",
+    {"up": "awq/4/16_from_float32", "mid": "gptq/4/16_from_float32", "head": "int8_from_float32"},
+)
+
+
+@pytest.fixture(scope="module")
+def calibrated():
+    model, x = MLP(nnx.Rngs(0)), _inputs(512)
+    before = np.asarray(model.up.kernel.get_value())
+    q, report = jp.nnx.calibrate(model, MAP, [x[:256], x[256:]], return_report=True)
+    np.testing.assert_array_equal(np.asarray(model.up.kernel.get_value()), before)  # untouched
+    return model, q, report
+
+
+def test_the_map_chooses_gptq_awq_and_int8_per_layer(calibrated):
+    _, q, report = calibrated
+    up, mid, head = (getattr(q, n).kernel.get_value() for n in ("up", "mid", "head"))
+    assert (mid.mode, mid.block_size, mid.values.dtype) == ("int4", 16, jnp.int4)
+    assert isinstance(up, awq.InputScaledArray) and up.input_scale.shape == (32,)
+    assert (head.mode, head.values.dtype) == ("int8", jnp.int8)
+    assert q.up.bias.get_value().dtype == jnp.float32
+    assert [(r.path, r.method) for r in report] == [("mid/kernel", "gptq"), ("up/kernel", "awq")]
+    for r in report:  # on the calibration inputs, each beats round-to-nearest
+        assert r.error < r.rtn_error
+
+
+def test_deterministic_for_fixed_batches(calibrated):
+    model, q, _ = calibrated
+    x = _inputs(512)
+    again = jp.nnx.calibrate(model, {"mid": "gptq/4/16_from_float32"}, [x[:256], x[256:]])
+    np.testing.assert_array_equal(
+        np.asarray(again.mid.kernel.get_value().values),
+        np.asarray(q.mid.kernel.get_value().values),
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
+def test_calibrated_model_serves_close_to_float(calibrated, jit):
+    model, q, _ = calibrated
+    x = _inputs(128, seed=1)
+    want = model(x)
+    run = (
+        (lambda m, x: jp.nnx.apply(m, MAP)(x))
+        if not jit
+        else nnx.jit(lambda m, x: jp.nnx.apply(m, MAP)(x))
+    )
+    got = run(q, x)
+    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    rtn_map = {"up|mid": "int4/16_from_float32", "head": "int8_from_float32"}
+    rtn = jp.nnx.quantize(model, jp.DTypePolicyMap("float32", rtn_map))
+    rtn_rel = float(jnp.linalg.norm(run(rtn, x) - want) / jnp.linalg.norm(want))
+    assert rel < rtn_rel and rel < 0.15
+
+
+def _int4_converts_into_dots(jaxpr):
+    """How many dot_generals read an operand converted from int4."""
+    produced, count = {}, 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            produced[v] = eqn
+        if eqn.primitive.name == "dot_general":
+            for v in eqn.invars:
+                src = produced.get(v)
+                if (
+                    src is not None
+                    and src.primitive.name == "convert_element_type"
+                    and str(src.invars[0].aval.dtype) == "int4"
+                ):
+                    count += 1
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                count += _int4_converts_into_dots(inner)
+    return count
+
+
+def test_calibrated_int4_kernels_reach_the_dot_as_int4(calibrated):
+    _, q, _ = calibrated
+    graphdef, state = nnx.split(q)
+
+    def serve(state, x):
+        return jp.nnx.apply(nnx.merge(graphdef, state), MAP)(x)
+
+    jaxpr = jax.make_jaxpr(serve)(state, _inputs(128, seed=2))
+    assert _int4_converts_into_dots(jaxpr.jaxpr) == 2  # GPTQ's and AWQ's kernels
+
+
+class WithEinsum(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(32, 16, rngs=rngs)
+        self.einsum = nnx.Einsum("bi,io->bo", (16, 8), rngs=rngs)
+
+    def __call__(self, x):
+        return self.einsum(self.dense(x))
+
+
+def test_a_layer_whose_matmul_is_not_seen_is_rounded_to_nearest_with_a_warning():
+    model, x = WithEinsum(nnx.Rngs(0)), _inputs(64)
+    with pytest.warns(UserWarning, match=r"'einsum/kernel'.*rounded to nearest.*Einsum"):
+        q, report = jp.nnx.calibrate(model, "gptq/4/-1_from_float32", [x], return_report=True)
+    assert q.einsum.kernel.get_value().mode == "int4"
+    assert [r.path for r in report] == ["dense/kernel"]
+
+
+class Stack(nnx.Module):
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap
+        def make(rngs):
+            return nnx.Linear(32, 32, rngs=rngs)
+
+        self.layers = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, layer):
+            return nnx.relu(layer(x))
+
+        return body(x, self.layers)
+
+
+def test_stacked_layers_are_rounded_to_nearest_per_layer_with_a_warning():
+    model, x = Stack(nnx.Rngs(0)), _inputs(64)
+    with pytest.warns(UserWarning, match=r"'layers/kernel'.*stacked.*not supported"):
+        q = jp.nnx.calibrate(model, "gptq/4/16_from_float32", [x])
+    kernel = q.layers.kernel.get_value()
+    assert kernel.stacked == 1 and kernel.scale.shape == (2, 2, 32)
+    assert q.layers.bias.get_value().dtype == jnp.float32
+
+
+def test_progress_tells_each_layer_and_a_bad_progress_is_a_type_error(capsys):
+    model, x = MLP(nnx.Rngs(0)), _inputs(64)
+    seen = []
+    _, report = jp.nnx.calibrate(model, MAP, [x], progress=seen.append, return_report=True)
+    assert seen == report and len(seen) == 2
+    jp.nnx.calibrate(model, MAP, [x], progress=True)
+    assert "calibrate" in capsys.readouterr().err
+    with pytest.raises(TypeError, match=r"`progress` must be True.*Received: progress='yes'"):
+        jp.nnx.calibrate(model, MAP, [x], progress="yes")
+
+
+def test_bad_arguments_are_clear_errors():
+    model, x = MLP(nnx.Rngs(0)), _inputs(8)
+    with pytest.raises(ValueError, match=r"`batches` holds no batch"):
+        jp.nnx.calibrate(model, MAP, [])
+    with pytest.raises(TypeError, match=r"`batches` must be an iterable.*int"):
+        jp.nnx.calibrate(model, MAP, 3)
+    with pytest.raises(TypeError, match=r"nnx.Module"):
+        jp.nnx.calibrate({"a": 1}, MAP, [x])
+
+
+def test_quantize_of_a_gptq_map_points_to_calibrate():
+    with pytest.raises(ValueError, match=r"calibration inputs.*jmp_policy.nnx.calibrate"):
+        jp.nnx.quantize(MLP(nnx.Rngs(0)), MAP)
+
+
+def test_batches_of_different_shapes_add_up():
+    model, x = MLP(nnx.Rngs(0)), _inputs(96)
+    policy = {"up": "gptq/4/16_from_float32"}
+    a = jp.nnx.calibrate(model, policy, [x[:32], x[32:96].reshape(2, 32, 32)])
+    b = jp.nnx.calibrate(model, policy, [x])
+    np.testing.assert_array_equal(
+        np.asarray(a.up.kernel.get_value().values), np.asarray(b.up.kernel.get_value().values)
+    )

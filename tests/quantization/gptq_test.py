@@ -1,0 +1,194 @@
+"""GPTQ on one kernel: against a NumPy reference of the algorithm, against round-to-nearest,
+in the storage round-to-nearest uses, stacked, and its errors."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmp_policy._src import quantization
+from jmp_policy._src.quantization import calibration_stats, gptq
+
+
+def _correlated(rows, features, seed):
+    """Inputs whose features are strongly correlated (where GPTQ's error feedback pays)."""
+    rng = np.random.default_rng(seed)
+    mix = rng.normal(size=(features, features)) / np.sqrt(features)
+    return (
+        rng.normal(size=(rows, features)) @ mix + 0.2 * rng.normal(size=(rows, features))
+    ).astype(np.float32)
+
+
+def _kernel(rows, cols, seed=1):
+    return np.random.default_rng(seed).normal(size=(rows, cols)).astype(np.float32)
+
+
+def _reference(w, h, bits, group, damping=0.01, block=128):
+    """GPTQ as Frantar et al. write it (float64; blocks are the groups when grouped)."""
+    qmax = 7.0 if bits == 4 else 127.0
+    w = np.array(w, np.float64)
+    h = np.array(h, np.float64)
+    rows = w.shape[0]
+    diag = np.diag(h).copy()
+    diag[diag == 0] = 1.0
+    diag += damping * diag.mean()
+    h[np.diag_indices(rows)] = diag
+    u = np.linalg.cholesky(np.linalg.inv(h)).T
+    size = group if group > 0 else block
+
+    def scale_of(x):
+        amax = np.abs(x).max(axis=0)
+        return np.where(amax > 0, amax / qmax, 1.0)
+
+    q = np.zeros_like(w)
+    scales = []
+    per_channel = scale_of(w)
+    for i1 in range(0, rows, size):
+        i2 = min(i1 + size, rows)
+        w1 = w[i1:i2].copy()
+        err = np.zeros_like(w1)
+        scale = scale_of(w1) if group > 0 else per_channel
+        scales.append(scale)
+        for j in range(i2 - i1):
+            qj = np.clip(np.round(w1[j] / scale), -qmax, qmax)
+            e = (w1[j] - qj * scale) / u[i1 + j, i1 + j]
+            w1[j + 1 :] -= np.outer(u[i1 + j, i1 + j + 1 : i2], e)
+            q[i1 + j], err[j] = qj, e
+        w[i2:] -= u[i1:i2, i2:].T @ err
+    return q, (np.stack(scales) if group > 0 else per_channel)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(4, 16), (4, -1), (8, -1), (4, 20)])
+def test_gptq_matches_the_numpy_reference(bits, group, maybe_jit):
+    x = _correlated(512, 72, seed=0)  # 72 rows: group 20 leaves a short last group
+    w = _kernel(72, 12)
+    h = calibration_stats.gram(x)
+    q = maybe_jit(lambda w, h: gptq.gptq_quantize(w, h, weight_bits=bits, group_size=group))(
+        jnp.asarray(w), h
+    )
+    ref_q, ref_scale = _reference(w, np.asarray(h), bits, group)
+    assert q.values.dtype == (jnp.int4 if bits == 4 else jnp.int8)
+    assert q.mode == ("int4" if bits == 4 else "int8")
+    assert q.block_size == (group if bits == 4 else None)
+    values = np.asarray(q.values.astype(jnp.int32))
+    # float32 against float64: a rare value may round the other way at a tie
+    assert np.mean(values != ref_q) < 0.01
+    scale = np.asarray(q.scale)
+    want = ref_scale if bits == 8 or group > 0 else ref_scale[None]
+    np.testing.assert_allclose(scale, want, rtol=2e-3)
+
+
+@pytest.mark.parametrize("group", [32, 128, -1])
+def test_gptq_beats_round_to_nearest_on_calibration_and_held_out_inputs(group):
+    inputs = _correlated(2560, 256, seed=0)  # one mixing: the held-out rows are the last
+    x, held_out = inputs[:2048], inputs[2048:]
+    w = _kernel(256, 32)
+    q = gptq.gptq_quantize(jnp.asarray(w), calibration_stats.gram(x), group_size=group)
+    rtn = quantization.quantize(jnp.asarray(w), "int4", group)
+    for inputs in (x, held_out):
+        ours = np.linalg.norm(inputs @ w - inputs @ np.asarray(q.dequantize()))
+        theirs = np.linalg.norm(inputs @ w - inputs @ np.asarray(rtn.dequantize()))
+        assert ours < 0.85 * theirs
+
+
+def test_gptq_block_size_changes_the_speed_not_the_result():
+    x, w = _correlated(512, 64, seed=2), _kernel(64, 8)
+    h = calibration_stats.gram(x)
+    a = gptq.gptq_quantize(jnp.asarray(w), h, group_size=-1, block_size=16)
+    b = gptq.gptq_quantize(jnp.asarray(w), h, group_size=-1, block_size=128)
+    assert np.mean(np.asarray(a.values != b.values)) < 0.01
+
+
+def test_gptq_is_stored_as_round_to_nearest_stores_it_for_rank_3_kernels():
+    x = _correlated(1024, 64, seed=3)
+    w = _kernel(64, 32).reshape(64, 4, 8)  # DenseGeneral's [in, heads, head_dim]
+    q = gptq.gptq_quantize(jnp.asarray(w), calibration_stats.gram(x), group_size=32)
+    rtn = quantization.quantize(jnp.asarray(w), "int4", 32)
+    assert q.shape == (64, 4, 8) and q.values.shape == rtn.values.shape
+    assert q.scale.shape == rtn.scale.shape == (2, 8)
+    out = lambda k: x @ np.asarray(k.dequantize()).reshape(64, 32)  # noqa: E731
+    assert np.linalg.norm(x @ w.reshape(64, 32) - out(q)) < np.linalg.norm(
+        x @ w.reshape(64, 32) - out(rtn)
+    )
+
+
+def test_gptq_solves_each_stacked_layer_on_its_own(maybe_jit):
+    xs = [_correlated(512, 48, seed=s) for s in (4, 5)]
+    ws = np.stack([_kernel(48, 8, seed=6), _kernel(48, 8, seed=7)])
+    hs = jnp.stack([calibration_stats.gram(x) for x in xs])
+    q = maybe_jit(lambda w, h: gptq.gptq_quantize(w, h, group_size=16, stacked=1))(
+        jnp.asarray(ws), hs
+    )
+    assert q.stacked == 1 and q.scale.shape == (2, 3, 8)
+    for i in range(2):
+        one = gptq.gptq_quantize(jnp.asarray(ws[i]), hs[i], group_size=16)
+        np.testing.assert_array_equal(np.asarray(q.values[i]), np.asarray(one.values))
+        np.testing.assert_allclose(np.asarray(q.scale[i]), np.asarray(one.scale), rtol=1e-6)
+
+
+def test_an_input_never_seen_is_rounded_to_nearest():
+    x = _correlated(512, 32, seed=8)
+    x[:, 5] = 0.0
+    w = _kernel(32, 8)
+    q = gptq.gptq_quantize(jnp.asarray(w), calibration_stats.gram(x), group_size=-1)
+    assert np.all(np.isfinite(np.asarray(q.dequantize())))
+    rtn = quantization.quantize(jnp.asarray(w), "int4", -1)
+    # nothing correlates with input 5: its row takes no error from others, as if rounded alone
+    np.testing.assert_array_equal(np.asarray(q.values[5]), np.asarray(rtn.values[5]))
+
+
+def test_a_hessian_that_cannot_be_factorised_falls_back_to_round_to_nearest_with_a_warning():
+    w = _kernel(16, 4)
+    h = jnp.full((16, 16), jnp.nan)
+    with pytest.warns(UserWarning, match="rounded to nearest.*hessian_damping"):
+        q = gptq.gptq_quantize(jnp.asarray(w), h, group_size=-1)
+    rtn = quantization.quantize(jnp.asarray(w), "int4", -1)
+    np.testing.assert_array_equal(np.asarray(q.values), np.asarray(rtn.values))
+    np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(rtn.scale))
+
+
+def test_gptq_under_jit_does_not_warn():
+    w = _kernel(16, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = jax.jit(lambda w, h: gptq.gptq_quantize(w, h, group_size=-1))(
+            jnp.asarray(w), jnp.eye(16)
+        )
+    assert q.shape == (16, 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"weight_bits": 3}, ValueError, r"`weight_bits` must be 4 or 8.*weight_bits=3"),
+        ({"weight_bits": 2}, ValueError, r"2 and 3 bits have no storage"),
+        ({"weight_bits": True}, ValueError, r"weight_bits=True"),
+        ({"group_size": 0}, ValueError, r"`group_size` must be -1.*group_size=0"),
+        ({"group_size": -2}, ValueError, r"group_size=-2"),
+        ({"weight_bits": 8, "group_size": 128}, ValueError, r"use group_size=-1"),
+        ({"block_size": 0}, ValueError, r"`block_size` must be a positive.*block_size=0"),
+        ({"stacked": -1}, ValueError, r"`stacked` must be a non-negative int"),
+    ],
+)
+def test_gptq_rejects_bad_settings(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gptq.gptq_quantize(jnp.ones((8, 4)), jnp.eye(8), **kwargs)
+
+
+def test_gptq_rejects_bad_arrays():
+    with pytest.raises(TypeError, match=r"`kernel` must be a floating array.*int32"):
+        gptq.gptq_quantize(jnp.ones((8, 4), jnp.int32), jnp.eye(8))
+    with pytest.raises(ValueError, match=r"`hessian` must have shape \(8, 8\).*\(4, 4\)"):
+        gptq.gptq_quantize(jnp.ones((8, 4)), jnp.eye(4))
+    with pytest.raises(ValueError, match=r"`kernel` must have rank >= 2.*\(8,\)"):
+        gptq.gptq_quantize(jnp.ones((8,)), jnp.eye(8))
+
+
+def test_gptq_does_not_mutate_its_inputs():
+    w, h = _kernel(16, 4), np.asarray(calibration_stats.gram(_correlated(64, 16, seed=9)))
+    w0, h0 = w.copy(), h.copy()
+    gptq.gptq_quantize(w, h, group_size=-1)
+    np.testing.assert_array_equal(w, w0)
+    np.testing.assert_array_equal(h, h0)
