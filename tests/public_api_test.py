@@ -42,7 +42,7 @@ DOCUMENTED = [
 ]
 
 FLAX_MODULES = {
-    "linen": ["apply", "init", "explain", "diagnose", "NORM_FLOAT32", "quantize"],
+    "linen": ["apply", "init", "explain", "diagnose", "NORM_FLOAT32", "quantize", "search_map"],
     "nnx": [
         "apply",
         "explain",
@@ -52,6 +52,7 @@ FLAX_MODULES = {
         "split_gradients",
         "Float8State",
         "quantize",
+        "search_map",
     ],
 }
 
