@@ -194,3 +194,15 @@ def test_policy_map_bench_quick_prints_the_regex_key_rows():
     result = _run("policy_map_bench.py", "--quick")
     rows = re.findall(r"^\s+1,000\s+(without|with \|)\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.M)
     assert [row[0] for row in rows] == ["without", "with |"], result.stdout
+
+
+def test_search_bench_quick_prints_every_map_and_the_rank_correlation():
+    result = _run("search_bench.py", "--quick")
+    out = result.stdout
+    for label in ("uniform int4", "naive (head, first+last block bf16)", "searched at 4.5 bits"):
+        assert label in out, out
+    rho = float(re.search(r"int4: (-?[\d.]+)", out)[1])
+    assert -1.0 <= rho <= 1.0
+    searched = re.findall(r"searched at ([\d.]+) bits\s+[\d,]+\s+([\d.]+)", out)
+    assert len(searched) == 3, out
+    assert all(float(bits) <= float(budget) for budget, bits in searched), out
