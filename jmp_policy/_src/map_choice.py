@@ -87,6 +87,10 @@ def _best(options: Options, lam: float, con: int, obj: int) -> int:
     return min(range(len(options)), key=lambda j: (options[j][obj] + lam * options[j][con], j))
 
 
+def _least(options: Options, con: int, obj: int) -> int:
+    return min(range(len(options)), key=lambda j: (options[j][con], options[j][obj]))
+
+
 def _lagrangian(layers: Sequence[Options], bound: float, con: int, obj: int) -> list[int]:
     def picks_at(lam: float) -> list[int]:
         return [_best(options, lam, con, obj) for options in layers]
@@ -105,7 +109,7 @@ def _lagrangian(layers: Sequence[Options], bound: float, con: int, obj: int) -> 
             lo, hi = (lo, mid) if total(picks_at(mid), con) <= bound else (mid, hi)
         picks = picks_at(hi)
     if total(picks, con) > bound:  # even the largest multiplier: the least `con` per layer
-        picks = [min(range(len(o)), key=lambda j, o=o: (o[j][con], o[j][obj])) for o in layers]
+        picks = [_least(options, con, obj) for options in layers]
     # Greedy repair: spend the slack on the upgrades with the best gain per unit spent.
     while True:
         slack = bound - total(picks, con)

@@ -1,3 +1,4 @@
+# long: the scoring taps and the search that drives them belong together (one concept).
 """Searching a policy map: one format per layer under a budget, by measured sensitivity.
 
 The scoring of ModelOpt's ``auto_quantize``, on plain pytrees (the Linen and NNX glue
@@ -177,14 +178,17 @@ def stores_weights(policy_map: DTypePolicyMap) -> bool:
 
 
 def _scored_as(name: str, policy: Any) -> Any:
-    """The policy a candidate is scored under: stateful float8 (delayed scaling) is
-    scored with current scaling, the scale its history settles on for these batches."""
+    """The policy a candidate is scored under: a stateful format (float8 with delayed
+    scaling) by its stateless form (current scaling), its state being unknown here."""
     scheme = _scheme(policy)
     if scheme is None or not scheme.stateful:
         return policy
-    if getattr(scheme, "scaling", None) == "delayed":
-        return get_policy(f"float8_current_from_{policy.source_name}")
-    raise ValueError(f"`candidates` holds {name!r}, whose layers keep state: it cannot be scored.")
+    stateless = scheme.stateless()
+    if stateless is None:
+        raise ValueError(
+            f"`candidates` holds {name!r}, whose layers keep state: it cannot be scored."
+        )
+    return get_policy(f"{stateless.mode_text()}_from_{policy.source_name}")
 
 
 def kernel_bytes(policy: Any, kernel: Any) -> int | None:
@@ -278,7 +282,7 @@ def _tapping(state: _State) -> Iterator[_State]:
 MakeLoss = Callable[[DTypePolicyMap], tuple[Callable[[Any, Any], Any], Any]]
 
 
-def search(
+def search(  # long: the passes in their order (gradients, then one per candidate)
     kernels: Mapping[str, Any],
     make_loss: MakeLoss,
     batches: Sequence[Any],
@@ -356,7 +360,7 @@ def search(
     return _choose(kernels, policies, base, scores, set(scored), kind, value)
 
 
-def _choose(
+def _choose(  # long: options, feasibility, the knapsack and the table, in one place
     kernels: Mapping[str, Any],
     policies: Mapping[str, Any],
     base: str,
