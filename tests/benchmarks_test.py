@@ -238,3 +238,15 @@ def test_quantization_bench_quick_prints_the_calibrated_int4_rows():
         r"output error (\d+)% below .* \((\d+)/(\d+) layers below\)", summary["gptq/4/128"]
     )
     assert int(gptq[1]) >= 30 and gptq[2] == gptq[3] == "20"  # every solved layer, 30%+
+
+
+def test_search_bench_quick_prints_every_map_and_the_rank_correlation():
+    result = _run("search_bench.py", "--quick")
+    out = result.stdout
+    for label in ("uniform int4", "naive (head, first+last block bf16)", "searched at 4.5 bits"):
+        assert label in out, out
+    rho = float(re.search(r"int4: (-?[\d.]+)", out)[1])
+    assert -1.0 <= rho <= 1.0
+    searched = re.findall(r"searched at ([\d.]+) bits\s+[\d,]+\s+([\d.]+)", out)
+    assert len(searched) == 3, out
+    assert all(float(bits) <= float(budget) for budget, bits in searched), out

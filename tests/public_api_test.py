@@ -44,7 +44,7 @@ DOCUMENTED = [
 ]
 
 FLAX_MODULES = {
-    "linen": ["apply", "init", "explain", "diagnose", "NORM_FLOAT32", "quantize"],
+    "linen": ["apply", "init", "explain", "diagnose", "NORM_FLOAT32", "quantize", "search_map"],
     "nnx": [
         "apply",
         "explain",
@@ -54,6 +54,7 @@ FLAX_MODULES = {
         "split_gradients",
         "Float8State",
         "quantize",
+        "search_map",
     ],
 }
 

@@ -101,6 +101,11 @@ class Scheme:
         """Whether its layers keep state (``init_state`` gives one)."""
         return False
 
+    def stateless(self) -> Scheme | None:
+        """The stateless format closest to this one (itself when stateless), or ``None``:
+        what a map search scores a stateful format with."""
+        return None if self.stateful else self
+
 
 _REGISTRY: dict[str, type[Scheme]] = {}
 

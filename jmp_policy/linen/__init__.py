@@ -47,6 +47,7 @@ from jmp_policy.linen._init import init as init
 from jmp_policy.linen._modules import NORM_FLOAT32 as NORM_FLOAT32
 from jmp_policy.linen._quantization import split_gradients as split_gradients
 from jmp_policy.linen._quantize import quantize as quantize
+from jmp_policy.linen._search import search_map as search_map
 
 __all__ = [
     "NORM_FLOAT32",
@@ -56,6 +57,7 @@ __all__ = [
     "explain",
     "init",
     "quantize",
+    "search_map",
     "split_gradients",
 ]
 

@@ -45,6 +45,7 @@ from jmp_policy.nnx._init import quantize as quantize
 from jmp_policy.nnx._modules import NORM_FLOAT32 as NORM_FLOAT32
 from jmp_policy.nnx._quantization import Float8State as Float8State
 from jmp_policy.nnx._quantization import split_gradients as split_gradients
+from jmp_policy.nnx._search import search_map as search_map
 
 __all__ = [
     "NORM_FLOAT32",
@@ -55,6 +56,7 @@ __all__ = [
     "explain",
     "init_float8",
     "quantize",
+    "search_map",
     "split_gradients",
 ]
 

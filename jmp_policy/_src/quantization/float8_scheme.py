@@ -82,6 +82,10 @@ class Float8Scheme(Scheme):
     def quantize(self, x: Any, stacked: int) -> Any:
         raise ValueError("float8 scales inputs and kernels at compute time.")
 
+    def stateless(self) -> Float8Scheme:
+        """Current scaling: the scale a delayed history settles on for the same batches."""
+        return dataclasses.replace(self, scaling="current")
+
     def matmul(self, kind: str, *, path: str, state: Any, kernel: Any) -> Callable[..., Any] | None:
         scaling = self.scaling
 

@@ -1,0 +1,478 @@
+# long: the scoring taps and the search that drives them belong together (one concept).
+"""Searching a policy map: one format per layer under a budget, by measured sensitivity.
+
+The scoring of ModelOpt's ``auto_quantize``, on plain pytrees (the Linen and NNX glue
+supply the runs). For each layer with a kernel:
+
+1. a few backward passes on calibration batches cache its output ``y`` and the gradient
+   ``g`` of the loss at that output (a zero perturbation added to ``y`` through the one
+   per-submodule hook, :mod:`jmp_policy._src.interception`, differentiated);
+2. for each candidate, one forward pass with every layer under the candidate, each layer
+   given the *baseline* output of the layers before it (the hook returns the cached
+   ``y`` downstream), gives its own output error ``dy = Q(y) - y``;
+3. its score is the second-order Taylor estimate of the loss increase with the empirical
+   Fisher at its output: ``0.5 * mean over examples of (n * g_i . dy_i)^2`` (``n`` rows
+   of the output's leading axis, the examples a mean loss averages; ``g_i . dy_i`` sums
+   over the other axes). It weighs each format's *actual* output error by the gradient,
+   not the Fisher trace alone. The scores add up to an estimate of the loss increase.
+
+The choice is a multiple-choice knapsack (:mod:`jmp_policy._src.map_choice`); the base
+policy (no quantization) is always an option. The result is a
+:class:`~jmp_policy.DTypePolicyMap` (exact paths, compacted to regular expressions where a
+pattern covers a run of layers and nothing else) and a table per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_policy._src import map_choice
+from jmp_policy._src.policy_map import DTypePolicyMap
+from jmp_policy._src.policy_names import get_policy
+
+DEFAULT_CANDIDATES = (
+    "mixed_bfloat16",
+    "float8_from_mixed_bfloat16",
+    "int8_from_mixed_bfloat16",
+    "int4/128_from_mixed_bfloat16",
+)
+BUDGETS = ("effective_bits", "weight_bytes", "loss_increase")
+
+try:  # The current trace, to tell a module called inside a transform of its own.
+    from jax._src import core as _jax_core
+
+    def _current_trace() -> Any:
+        return _jax_core.trace_ctx.trace
+
+except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
+
+    def _current_trace() -> Any:
+        return None
+
+
+class LayerRow(NamedTuple):
+    """One layer of a search's table.
+
+    ``scores``/``bytes``: per candidate name (a candidate that cannot quantize the layer's
+    kernel is absent); ``choice``: the chosen candidate; ``why``: the reason in words.
+    """
+
+    path: str
+    params: int
+    scores: dict[str, float]
+    bytes: dict[str, int]
+    choice: str
+    why: str
+
+
+class SearchResult(NamedTuple):
+    """What a search returns: the map, the table per layer, and the totals.
+
+    Unpacks as ``policy_map, table, ...``; ``str(result)`` is the table as text.
+    """
+
+    policy_map: DTypePolicyMap
+    table: tuple[LayerRow, ...]
+    weight_bytes: int
+    effective_bits: float
+    loss_increase: float
+    method: str
+
+    def __str__(self) -> str:
+        names = list(dict.fromkeys(n for row in self.table for n in row.scores))
+        width = max([len("layer"), *(len(r.path) for r in self.table)])
+        head = f"{'layer':{width}}  " + "  ".join(f"{n[:18]:>18}" for n in names)
+        lines = [head + "  choice"]
+        for row in self.table:
+            cells = [f"{row.scores[n]:>18.3g}" if n in row.scores else f"{'-':>18}" for n in names]
+            lines.append(f"{row.path:{width}}  " + "  ".join(cells) + f"  {row.choice}")
+            lines.append(f"{'':{width}}  {row.why}")
+        lines.append(
+            f"total: {self.weight_bytes:,} bytes ({self.effective_bits:.3f} bits per "
+            f"parameter), estimated loss increase {self.loss_increase:.4g} ({self.method})"
+        )
+        return "\n".join(lines)
+
+
+# -- arguments ----------------------------------------------------------------------------
+
+
+def check_candidates(candidates: Any, base: Any) -> tuple[str, dict[str, Any]]:
+    """The base name and ``{name: policy}`` of the candidates (the base always among them).
+
+    Raises:
+        TypeError: ``candidates`` is not a sequence of strings, or ``base`` not a string.
+        ValueError: a name is not a policy name, or a candidate stores no format a kernel
+            can take (a float policy other than the base).
+    """
+    if not isinstance(base, str):
+        raise TypeError(f"`base` must be a policy name (a string). Received: base={base!r}")
+    if isinstance(candidates, str) or not isinstance(candidates, Sequence) or not candidates:
+        raise TypeError(
+            "`candidates` must be a non-empty list of policy names such as "
+            f"{list(DEFAULT_CANDIDATES)!r}. Received: candidates={candidates!r}"
+        )
+    out: dict[str, Any] = {}
+    for name in [base, *candidates]:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"`candidates` must hold policy names (strings). Received: {name!r} "
+                f"(of type {type(name).__name__}) in candidates={candidates!r}"
+            )
+        try:
+            policy = get_policy(name)
+        except (TypeError, ValueError) as e:
+            arg = "base" if name == base and name not in candidates else "candidates"
+            raise ValueError(
+                f"`{arg}` holds {name!r}, which is not a policy name: {e} Accepted: a float "
+                "policy (the base, no quantization) or a quantized policy such as "
+                f"{list(DEFAULT_CANDIDATES[1:])!r}."
+            ) from e
+        if name != base and _scheme(policy) is None and name in out:
+            continue
+        if name != base and _scheme(policy) is None:
+            raise ValueError(
+                f"`candidates` holds {name!r}, a float policy: the only unquantized option "
+                f"is `base` ({base!r}). Give quantized policy names (or set `base`)."
+            )
+        if name == base and _scheme(policy) is not None:
+            raise ValueError(
+                f"`base` must be a float policy (no quantization). Received: base={base!r}"
+            )
+        out.setdefault(name, policy)
+    return base, out
+
+
+def check_budget(budget: Any) -> tuple[str, float]:
+    """``(kind, value)`` of a budget ``{"effective_bits": 4.5}`` (one key of BUDGETS)."""
+    if not isinstance(budget, Mapping) or len(budget) != 1:
+        raise TypeError(
+            "`budget` must be a dict of one of "
+            f"{list(BUDGETS)} to a positive number, such as {{'effective_bits': 4.5}}. "
+            f"Received: budget={budget!r}"
+        )
+    ((kind, value),) = budget.items()
+    if kind not in BUDGETS:
+        raise ValueError(f"`budget` must name one of {list(BUDGETS)}. Received: budget={budget!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"`budget`'s {kind!r} must be a positive number. Received: {value!r}")
+    return kind, float(value)
+
+
+def _scheme(policy: Any) -> Any:
+    return getattr(policy, "scheme", None)
+
+
+def stores_weights(policy_map: DTypePolicyMap) -> bool:
+    """Whether the map holds a policy whose format stores quantized kernels."""
+    return any(getattr(_scheme(p), "stores_weights", False) for p in policy_map.values())
+
+
+def _scored_as(name: str, policy: Any) -> Any:
+    """The policy a candidate is scored under: a stateful format (float8 with delayed
+    scaling) by its stateless form (current scaling), its state being unknown here."""
+    scheme = _scheme(policy)
+    if scheme is None or not scheme.stateful:
+        return policy
+    stateless = scheme.stateless()
+    if stateless is None:
+        raise ValueError(
+            f"`candidates` holds {name!r}, whose layers keep state: it cannot be scored."
+        )
+    return get_policy(f"{stateless.mode_text()}_from_{policy.source_name}")
+
+
+def kernel_bytes(policy: Any, kernel: Any) -> int | None:
+    """Bytes of ``kernel`` as served under ``policy``; ``None``: the format cannot take it.
+
+    A float policy counts its compute dtype; a format that stores weights its quantized
+    array (scales included); a format that quantizes at compute time (float8) one byte
+    per parameter.
+    """
+    scheme = _scheme(policy)
+    size = int(np.prod(kernel.shape))
+    if scheme is None:
+        return size * np.dtype(policy.compute_dtype).itemsize
+    if not scheme.stores_weights:
+        return size
+    try:
+        shapes = jax.eval_shape(lambda k: scheme.quantize(k, 0), kernel)
+    except (TypeError, ValueError):
+        return None
+    return int(shapes.nbytes)
+
+
+# -- the taps -----------------------------------------------------------------------------
+
+
+class _State:
+    def __init__(self, mode: str, targets: frozenset[str], **arrays: Any):
+        self.mode = mode
+        self.targets = targets
+        self.arrays = arrays
+        self.trace = _current_trace()
+        self.calls: dict[str, int] = {}
+        self.ys: dict[str, list[Any]] = {}
+        self.scores: dict[str, Any] = {}
+        self.skipped: set[str] = set()
+
+
+_STATE: contextvars.ContextVar[_State | None] = contextvars.ContextVar(
+    "jmp_policy_map_search", default=None
+)
+
+
+class ScoreTaps:
+    """The search's extension of the hook; it acts only inside :func:`_tapping`."""
+
+    def __call__(self, call: Any, next_fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        state = _STATE.get()
+        path = call.path
+        if state is None or path not in state.targets:
+            return next_fn(*args, **kwargs)
+        if _current_trace() is not state.trace:
+            state.skipped.add(path)
+            return next_fn(*args, **kwargs)
+        out = next_fn(*args, **kwargs)
+        if not isinstance(out, jax.Array) or not jnp.issubdtype(out.dtype, jnp.floating):
+            state.skipped.add(path)
+            return out
+        k = state.calls.get(path, 0)
+        state.calls[path] = k + 1
+        if state.mode == "shapes":
+            state.ys.setdefault(path, []).append(jnp.zeros(out.shape, jnp.float32))
+            return out
+        if state.mode == "record":
+            state.ys.setdefault(path, []).append(jax.lax.stop_gradient(out.astype(jnp.float32)))
+            return out + state.arrays["eps"][path][k].astype(out.dtype)
+        y = state.arrays["ys"][path][k]
+        g = state.arrays["gs"][path][k]
+        dy = out.astype(jnp.float32) - y
+        rows = out.shape[0] if out.ndim else 1
+        dot = (g * dy).reshape(rows, -1).sum(axis=1) * rows
+        score = 0.5 * jnp.mean(dot**2)
+        state.scores[path] = state.scores.get(path, 0.0) + score
+        return y.astype(out.dtype)
+
+
+@contextlib.contextmanager
+def _tapping(state: _State) -> Iterator[_State]:
+    token = _STATE.set(state)
+    try:
+        with warnings.catch_warnings():
+            # The float8 layers' "too small to gain" notice: these runs only measure error.
+            warnings.filterwarnings("ignore", message="The float8 layer")
+            yield state
+    finally:
+        _STATE.reset(token)
+
+
+# -- the search ---------------------------------------------------------------------------
+
+# make_loss(policy_map) -> (fn(params, batch) -> scalar loss, params for that map)
+MakeLoss = Callable[[DTypePolicyMap], tuple[Callable[[Any, Any], Any], Any]]
+
+
+def search(  # long: the passes in their order (gradients, then one per candidate)
+    kernels: Mapping[str, Any],
+    make_loss: MakeLoss,
+    batches: Sequence[Any],
+    *,
+    candidates: Sequence[str],
+    budget: Mapping[str, float],
+    base: str,
+    jit: bool,
+    progress: Callable[[str], None] | None = None,
+) -> SearchResult:
+    """The search on ``kernels`` (``{layer path: kernel}``), with the glue's runs."""
+    base, policies = check_candidates(candidates, base)
+    kind, value = check_budget(budget)
+    if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or not batches:
+        raise TypeError(
+            "`batches` must be a non-empty list of calibration batches. "
+            f"Received: batches of type {type(batches).__name__}"
+        )
+    if not kernels:
+        raise ValueError("The model has no layer with a kernel: there is nothing to search.")
+    say = progress or (lambda _: None)
+    targets = frozenset(kernels)
+    wrap = jax.jit if jit else (lambda f: f)
+    base_map = DTypePolicyMap(base)
+    fn, params = make_loss(base_map)
+
+    def shapes(params: Any, batch: Any) -> dict[str, list[Any]]:
+        with _tapping(_State("shapes", targets)) as state:
+            fn(params, batch)
+        return state.ys
+
+    seen = jax.eval_shape(shapes, params, batches[0])
+    eps = {p: [jnp.zeros(s.shape, s.dtype) for s in v] for p, v in seen.items()}
+    scored = sorted(eps)
+
+    def record(eps: Any, params: Any, batch: Any) -> Any:
+        with _tapping(_State("record", targets, eps=eps)) as state:
+            loss = fn(params, batch)
+        return loss, state.ys
+
+    grad = wrap(jax.grad(record, has_aux=True))
+    cached = []
+    for i, batch in enumerate(batches):
+        say(f"gradients: batch {i + 1}/{len(batches)}")
+        gs, ys = grad(eps, params, batch)
+        cached.append((ys, gs))
+
+    scores: dict[str, dict[str, float]] = {p: {} for p in kernels}
+    for name, policy in policies.items():
+        if name == base:
+            for p in scored:
+                scores[p][name] = 0.0
+            continue
+        fits = [p for p in scored if kernel_bytes(policy, kernels[p]) is not None]
+        if not fits:
+            continue
+        cand_map = DTypePolicyMap(base, {re.escape(p): _scored_as(name, policy) for p in fits})
+        cand_fn, cand_params = make_loss(cand_map)
+
+        def score(
+            params: Any, batch: Any, ys: Any, gs: Any, cand_fn: Any = cand_fn, fits: Any = fits
+        ) -> Any:
+            with _tapping(_State("score", frozenset(fits), ys=ys, gs=gs)) as state:
+                cand_fn(params, batch)
+            return state.scores
+
+        run = wrap(score)
+        totals: dict[str, float] = {}
+        for i, (batch, (ys, gs)) in enumerate(zip(batches, cached, strict=True)):
+            say(f"{name}: batch {i + 1}/{len(batches)}")
+            for p, s in run(cand_params, batch, ys, gs).items():
+                totals[p] = totals.get(p, 0.0) + float(s) / len(batches)
+        for p in fits:
+            scores[p][name] = totals.get(p, 0.0)
+    return _choose(kernels, policies, base, scores, set(scored), kind, value)
+
+
+def _choose(  # long: options, feasibility, the knapsack and the table, in one place
+    kernels: Mapping[str, Any],
+    policies: Mapping[str, Any],
+    base: str,
+    scores: dict[str, dict[str, float]],
+    scored: set[str],
+    kind: str,
+    value: float,
+) -> SearchResult:
+    paths = list(kernels)
+    sizes = {p: int(np.prod(kernels[p].shape)) for p in paths}
+    total_params = sum(sizes.values())
+    options: dict[str, list[tuple[str, int, float]]] = {}
+    for p in paths:
+        opts = []
+        for name, policy in policies.items():
+            if name in scores[p] or (name == base):
+                b = kernel_bytes(policy, kernels[p])
+                if b is not None:
+                    opts.append((name, b, scores[p].get(name, 0.0)))
+        options[p] = opts
+    layers = [[(float(b), s) for _, b, s in options[p]] for p in paths]
+    least_bytes = map_choice.cheapest(layers, 0)
+    if kind == "loss_increase":
+        least_loss = map_choice.cheapest(layers, 1)
+        if value < least_loss:
+            raise ValueError(
+                f"No choice of the candidates keeps the estimated loss increase within "
+                f"`budget`={{'loss_increase': {value!r}}}: the least possible is "
+                f"{least_loss:.6g}."
+            )
+        picks, method = map_choice.choose(layers, value, minimize="cost")
+    else:
+        bound = value if kind == "weight_bytes" else value * total_params / 8
+        if bound < least_bytes:
+            raise ValueError(
+                f"No choice of the candidates fits `budget`={{{kind!r}: {value!r}}}: the "
+                f"cheapest possible is {int(least_bytes):,} weight bytes "
+                f"({8 * least_bytes / total_params:.4g} effective bits per parameter)."
+            )
+        picks, method = map_choice.choose(layers, bound, minimize="score")
+    choices = {p: options[p][j][0] for p, j in zip(paths, picks, strict=True)}
+    rows = []
+    for p, j in zip(paths, picks, strict=True):
+        rows.append(
+            LayerRow(
+                path=p,
+                params=sizes[p],
+                scores={n: s for n, _, s in options[p]},
+                bytes={n: b for n, b, _ in options[p]},
+                choice=choices[p],
+                why=_why(options[p], j, p in scored),
+            )
+        )
+    entries = compact(choices, base)
+    policy_map = DTypePolicyMap(base, {k: policies[n] for k, n in entries.items()})
+    total_bytes = sum(options[p][j][1] for p, j in zip(paths, picks, strict=True))
+    loss = sum(options[p][j][2] for p, j in zip(paths, picks, strict=True))
+    return SearchResult(
+        policy_map, tuple(rows), int(total_bytes), 8 * total_bytes / total_params, loss, method
+    )
+
+
+def _why(options: list[tuple[str, int, float]], j: int, scored: bool) -> str:
+    if not scored:
+        return "not scored (inside a transform of its own, such as nn.scan/nnx.scan): base kept"
+    _, b, s = options[j]
+    if len(options) == 1:
+        return "the only candidate that fits its kernel"
+    if b == min(o[1] for o in options):
+        return f"the cheapest candidate ({b:,} bytes)"
+    cheaper = [o for o in options if o[1] < b]
+    nxt = max(cheaper, key=lambda o: (o[1], -o[2]))
+    return (
+        f"on the budget's frontier: {nxt[0]} would save {b - nxt[1]:,} bytes for "
+        f"+{nxt[2] - s:.3g} estimated loss"
+    )
+
+
+# -- compaction ---------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"\d+")
+
+
+def compact(choices: Mapping[str, str], base: str) -> dict[str, str]:
+    """Map entries for ``choices`` (``{path: name}``), base layers left to the default.
+
+    Paths that differ only by their numbers (``blocks_0/mlp/up``, ``blocks_1/mlp/up``)
+    and share a choice become one regular expression when it covers them and no other
+    path; the others stay exact (escaped).
+    """
+    groups: dict[str, list[str]] = {}
+    for path in choices:
+        template = _NUMBER.sub("\0", path)
+        groups.setdefault(template, []).append(path)
+    entries: dict[str, str] = {}
+    for template, paths in groups.items():
+        named = [p for p in paths if choices[p] != base]
+        by_choice: dict[str, list[str]] = {}
+        for p in named:
+            by_choice.setdefault(choices[p], []).append(p)
+        for name, members in by_choice.items():
+            if len(members) < 2 or template.count("\0") != 1:
+                entries.update({re.escape(p): name for p in members})
+                continue
+            parts = [re.escape(part) for part in template.split("\0")]
+            numbers = [_NUMBER.findall(p)[0] for p in members]
+            every = len(members) == len(paths)
+            middle = r"\d+" if every else "(?:" + "|".join(numbers) + ")"
+            key = middle.join(parts)
+            covered = [p for p in choices if re.fullmatch(key, p)]
+            if sorted(covered) == sorted(members):
+                entries[key] = name
+            else:
+                entries.update({re.escape(p): name for p in members})
+    return entries

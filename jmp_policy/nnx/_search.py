@@ -1,0 +1,103 @@
+"""Searching a policy map for an NNX model: its runs handed to the core's search."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jmp_policy._src import map_search
+from jmp_policy._src.tree_paths import leaf_path
+from jmp_policy.nnx._apply import apply_with
+from jmp_policy.nnx._init import quantize
+from jmp_policy.nnx._modules import check_model, prepare
+
+
+def search_map(
+    model: nnx.Module,
+    batches: Sequence[Any],
+    loss_fn: Callable[[Any, Any], Any],
+    *,
+    budget: Mapping[str, float],
+    candidates: Sequence[str] = map_search.DEFAULT_CANDIDATES,
+    base: str = "mixed_bfloat16",
+    inputs: Callable[[Any], tuple[Any, ...]] | None = None,
+    progress: Callable[[str], None] | None = None,
+    **options: Any,
+) -> map_search.SearchResult:
+    """Chooses a policy per layer under ``budget``: :func:`jmp_policy.linen.search_map`
+    for NNX.
+
+    The layers are the ``nnx.Param`` kernels of rank >= 2 (``nnx.Linear``,
+    ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``); ``model`` is not modified (the
+    candidates run on quantized copies). The passes run eagerly (call it outside
+    ``nnx.jit``); layers inside ``nnx.scan``/``nnx.remat`` are not scored and keep
+    ``base``, as the table says.
+
+    Args:
+        model: an ``nnx.Module`` with float parameters.
+        batches: calibration batches; each is passed to the model (see ``inputs``).
+        loss_fn: ``loss_fn(outputs, batch) -> scalar``, the mean over the batch's examples.
+        budget: as for :func:`jmp_policy.linen.search_map`.
+        candidates: quantized policy names.
+        base: the float policy of unquantized layers, and the map's default.
+        inputs: ``inputs(batch) -> args`` of the model's call (default ``(batch,)``).
+        progress: ``progress(message)`` called before each pass.
+        **options: as for :func:`apply`.
+
+    Returns:
+        A ``SearchResult`` ``(policy_map, table, weight_bytes, effective_bits,
+        loss_increase, method)``.
+
+    Raises:
+        TypeError, ValueError: as :func:`jmp_policy.linen.search_map`.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> import jmp_policy as jp
+        >>> class MLP(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.up = nnx.Linear(128, 256, rngs=rngs)
+        ...         self.head = nnx.Linear(256, 4, rngs=rngs)
+        ...     def __call__(self, x):
+        ...         return self.head(nnx.relu(self.up(x)))
+        >>> model, x = MLP(nnx.Rngs(0)), jax.random.normal(jax.random.key(0), (16, 128))
+        >>> loss = lambda out, batch: (out.astype(jnp.float32) ** 2).mean()
+        >>> result = jp.nnx.search_map(model, [x], loss, budget={"effective_bits": 8})
+        >>> result.effective_bits <= 8
+        True
+    """
+    check_model(model)
+    args_of = inputs or (lambda batch: (batch,))
+    kernels = {}
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+        layer, _, name = leaf_path(kp).rpartition("/")
+        if name == "kernel" and getattr(leaf, "ndim", 0) >= 2:
+            kernels[layer] = leaf
+
+    def make_loss(policy_map: Any) -> tuple[Callable[[Any, Any], Any], Any]:
+        policies, opts = prepare(model, policy_map, dict(options))
+        opts = dataclasses.replace(opts, extensions=(map_search.ScoreTaps(), *opts.extensions))
+        runner = quantize(model, policy_map) if map_search.stores_weights(policy_map) else model
+        run = apply_with(runner, policies, opts, "__call__")
+
+        def loss(_: Any, batch: Any) -> Any:
+            return loss_fn(run(*args_of(batch)), batch)
+
+        return loss, None
+
+    return map_search.search(
+        kernels,
+        make_loss,
+        batches,
+        candidates=candidates,
+        budget=budget,
+        base=base,
+        jit=False,
+        progress=progress,
+    )

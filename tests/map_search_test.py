@@ -1,0 +1,198 @@
+"""Searching a policy map: the knapsack, the budgets, the candidates, Linen and NNX."""
+
+import itertools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jmp_policy as jp
+from jmp_policy._src import map_choice, map_search
+
+
+def _brute(layers, bound, minimize):
+    con, obj = (0, 1) if minimize == "score" else (1, 0)
+    best = None
+    for picks in itertools.product(*(range(len(o)) for o in layers)):
+        c = sum(layers[i][j][con] for i, j in enumerate(picks))
+        v = sum(layers[i][j][obj] for i, j in enumerate(picks))
+        if c <= bound + 1e-9 and (best is None or v < best - 1e-12):
+            best = v
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("minimize", ["score", "cost"])
+def test_choose_matches_brute_force_on_small_instances(seed, minimize):
+    rng = np.random.default_rng(seed)
+    layers = [
+        [(float(rng.integers(1, 20)), float(rng.random())) for _ in range(rng.integers(1, 4))]
+        for _ in range(rng.integers(1, 6))
+    ]
+    con = 0 if minimize == "score" else 1
+    least = map_choice.cheapest(layers, con)
+    bound = least + rng.random() * (sum(max(o[con] for o in opts) for opts in layers) - least)
+    picks, method = map_choice.choose(layers, bound, minimize=minimize)
+    assert method == "exact"
+    total_con = sum(layers[i][j][con] for i, j in enumerate(picks))
+    total_obj = sum(layers[i][j][1 - con] for i, j in enumerate(picks))
+    assert total_con <= bound + 1e-9
+    assert total_obj == pytest.approx(_brute(layers, bound, minimize))
+    # The Lagrangian method (forced) meets the bound too, and is never far off.
+    picks, method = map_choice.choose(layers, bound, minimize=minimize, max_frontier=0)
+    assert method == "lagrangian"
+    assert sum(layers[i][j][con] for i, j in enumerate(picks)) <= bound + 1e-9
+
+
+def test_choose_is_deterministic_on_ties():
+    layers = [[(1.0, 0.5), (1.0, 0.5)], [(2.0, 0.0), (1.0, 1.0)]]
+    assert map_choice.choose(layers, 3.0) == map_choice.choose(layers, 3.0) == ([0, 0], "exact")
+
+
+def test_compact_covers_runs_and_nothing_else():
+    choices = {f"blocks_{i}/mlp/up": "int4" for i in range(4)}
+    choices |= {"blocks_0/attn/query": "int8", "blocks_1/attn/query": "bf16"}
+    choices |= {"blocks_2/attn/query": "int8", "blocks_3/attn/query": "int8", "head": "bf16"}
+    entries = map_search.compact(choices, "bf16")
+    assert entries == {r"blocks_\d+/mlp/up": "int4", "blocks_(?:0|2|3)/attn/query": "int8"}
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            x = nn.relu(nn.Dense(256, name=f"layers_{i}")(x))
+        return nn.Dense(4, name="head")(x)
+
+
+def _loss(out, batch):
+    return (out.astype(jnp.float32) ** 2).mean()
+
+
+@pytest.fixture(scope="module")
+def linen_setup():
+    model = MLP()
+    x = jax.random.normal(jax.random.key(0), (16, 128))
+    variables = model.init(jax.random.key(1), x)
+    return model, variables, [x, x * 0.5]
+
+
+@pytest.mark.parametrize("bits", [16, 8, 6, 5, 4.5])
+def test_linen_search_meets_the_budget_and_round_trips(linen_setup, bits):
+    model, variables, batches = linen_setup
+    result = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": bits})
+    params = sum(row.params for row in result.table)
+    assert result.weight_bytes * 8 <= bits * params
+    assert result.effective_bits == pytest.approx(8 * result.weight_bytes / params)
+    assert result.weight_bytes == sum(row.bytes[row.choice] for row in result.table)
+    for row in result.table:  # the map gives each layer its choice
+        assert result.policy_map[row.path].name == row.choice
+        assert row.scores["mixed_bfloat16"] == 0.0
+    config = jp.serialize(result.policy_map)
+    assert jp.deserialize(config) == result.policy_map
+    # The map runs as is: init (float8 state), quantize and apply take it.
+    state = jp.linen.init(model, result.policy_map)(jax.random.key(1), batches[0])
+    variables = {**state, "params": variables["params"]}
+    if map_search.stores_weights(result.policy_map):
+        variables = jp.linen.quantize(model, result.policy_map, variables, batches[0])
+    out = jp.linen.apply(model, result.policy_map)(variables, batches[0])
+    assert out.shape == (16, 4)
+    assert "total:" in str(result)
+
+
+def test_linen_scores_order_the_formats(linen_setup):
+    model, variables, batches = linen_setup
+    result = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 16})
+    for row in result.table:
+        s = row.scores
+        assert 0 < s["int8_from_mixed_bfloat16"] < s["int4/128_from_mixed_bfloat16"], row
+    assert [row.path for row in result.table] == ["head", "layers_0", "layers_1", "layers_2"]
+
+
+def test_linen_search_jit_and_eager_agree(linen_setup):
+    model, variables, batches = linen_setup
+    budget = {"effective_bits": 5}
+    a = jp.linen.search_map(model, variables, batches, _loss, budget=budget)
+    b = jp.linen.search_map(model, variables, batches, _loss, budget=budget, jit=False)
+    assert [r.choice for r in a.table] == [r.choice for r in b.table]
+    for ra, rb in zip(a.table, b.table, strict=True):
+        # int4's errors dwarf bfloat16's rounding, which differs with XLA's fusions
+        name = "int4/128_from_mixed_bfloat16"
+        assert ra.scores[name] == pytest.approx(rb.scores[name], rel=0.1)
+
+
+def test_loss_budget_minimizes_bytes(linen_setup):
+    model, variables, batches = linen_setup
+    loose = jp.linen.search_map(model, variables, batches, _loss, budget={"loss_increase": 1.0})
+    assert loose.loss_increase <= 1.0
+    assert loose.weight_bytes == sum(min(r.bytes.values()) for r in loose.table)
+    tight = jp.linen.search_map(model, variables, batches, _loss, budget={"loss_increase": 1e-12})
+    assert tight.loss_increase <= 1e-12 and tight.weight_bytes > loose.weight_bytes
+
+
+def test_infeasible_budget_names_the_cheapest(linen_setup):
+    model, variables, batches = linen_setup
+    with pytest.raises(ValueError, match=r"cheapest possible is [\d,]+ weight bytes \(4\.\d+ eff"):
+        jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 2})
+    with pytest.raises(ValueError, match="cheapest possible is"):
+        jp.linen.search_map(model, variables, batches, _loss, budget={"weight_bytes": 10})
+
+
+@pytest.mark.parametrize(
+    "candidates, match",
+    [
+        (["int3_from_mixed_bfloat16"], "'int3_from_mixed_bfloat16', which is not a policy name"),
+        (["float32"], "'float32', a float policy"),
+        ("int8_from_mixed_bfloat16", "non-empty list of policy names"),
+        ([7], "Received: 7"),
+    ],
+)
+def test_candidates_validated(linen_setup, candidates, match):
+    model, variables, batches = linen_setup
+    with pytest.raises((ValueError, TypeError), match=match):
+        jp.linen.search_map(
+            model, variables, batches, _loss, candidates=candidates, budget={"effective_bits": 8}
+        )
+
+
+@pytest.mark.parametrize(
+    "budget, match",
+    [
+        ({"bits": 4}, "must name one of"),
+        ({"effective_bits": -1}, "must be a positive number. Received: -1"),
+        (4.5, "must be a dict of one of"),
+    ],
+)
+def test_budget_validated(linen_setup, budget, match):
+    model, variables, batches = linen_setup
+    with pytest.raises((ValueError, TypeError), match=match):
+        jp.linen.search_map(model, variables, batches, _loss, budget=budget)
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.layers = nnx.List(
+            [nnx.Linear(128 if i == 0 else 256, 256, rngs=rngs) for i in range(3)]
+        )
+        self.head = nnx.Linear(256, 4, rngs=rngs)
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = nnx.relu(layer(x))
+        return self.head(x)
+
+
+def test_nnx_search_meets_the_budget_and_runs():
+    model = NnxMLP(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (16, 128))
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    result = jp.nnx.search_map(model, [x], _loss, budget={"effective_bits": 5})
+    params = sum(row.params for row in result.table)
+    assert result.weight_bytes * 8 <= 5 * params
+    assert sorted(r.path for r in result.table) == ["head", "layers/0", "layers/1", "layers/2"]
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(model)))
+    runner = jp.nnx.quantize(model, result.policy_map)
+    assert jp.nnx.apply(runner, result.policy_map)(x).shape == (16, 4)
