@@ -186,11 +186,13 @@ def is_quantizable(x: Any) -> bool:
 
 
 def abs_max_scale(x: jax.Array, axes: tuple[int, ...], qmax: float) -> jax.Array:
-    """The symmetric scale ``amax / qmax`` over ``axes`` (1 where the amax is 0); NaN where
-    the slice holds a non-finite value, so a NaN or inf in a kernel stays non-finite (its
-    whole channel or block dequantizes to NaN) instead of silently becoming a finite number."""
+    """The symmetric scale ``amax / qmax`` over ``axes`` (1 where it is 0, the amax 0 or so
+    small that the division underflows: always positive); NaN where the slice holds a
+    non-finite value, so a NaN or inf in a kernel stays non-finite (its whole channel or
+    block dequantizes to NaN) instead of silently becoming a finite number."""
     amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
-    scale = jnp.where(amax > 0, amax / qmax, jnp.ones_like(amax))
+    scale = amax / qmax
+    scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
     return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
 
 
