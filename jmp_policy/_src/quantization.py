@@ -29,7 +29,7 @@ import numpy as np
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.int4_layout import blocked, dequantize_int4
 from jmp_policy._src.quantized_array_checks import MODES, check_stacked, int4_block, validate
-from jmp_policy._src.stacked_axes import stacked_axes_of
+from jmp_policy._src.stacked_axes import stacked_axes_of, warn_maybe_stacked
 from jmp_policy._src.tree_paths import leaf_path
 
 INT8_MAX = 127.0
@@ -291,9 +291,16 @@ def quantize_tree(tree: Any, quantize_one: Any, stacked_axes: Any = None) -> Any
     ``quantize``), with the leading stacked axes that ``stacked_axes`` gives its path;
     others (and QuantizedArrays) kept."""
     stacked_of = stacked_axes_of(stacked_axes)
+    done: list[tuple[str, tuple[int, ...]]] = []
 
     def leaf(key_path: Any, x: Any) -> Any:
-        k = stacked_of(leaf_path(key_path))
-        return quantize_one(x, k) if quantizable_layers(x, k) else x
+        path = leaf_path(key_path)
+        k = stacked_of(path)
+        if not quantizable_layers(x, k):
+            return x
+        done.append((path, tuple(x.shape)))
+        return quantize_one(x, k)
 
-    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=is_quantized)
+    result = jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=is_quantized)
+    warn_maybe_stacked(stacked_axes, done)
+    return result
