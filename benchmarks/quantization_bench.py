@@ -90,7 +90,7 @@ def random_weights_table():
         policy_map = jp.DTypePolicyMap("float32", {r"block_\d+/.*": policy})
         stored = params
         if mode is not None:
-            stored = policy_map.quantize(params)
+            stored = policy_map.quantize(params, stacked_axes=0)  # DenseGeneral: no stacks
         else:
             stored = policy_map.cast_to_variable(params)  # bf16: stored in bfloat16
         out = jax.jit(jp.linen.apply(model, policy_map))({"params": stored}, tokens)

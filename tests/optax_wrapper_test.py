@@ -296,7 +296,7 @@ def test_scaled_value_and_grad_with_float16_loss_scales_in_float32():
 def test_scaled_value_and_grad_rejects_non_loss_scale():
     state = jp.loss_scaling(optax.sgd(1.0)).init(jnp.ones(1))
     with pytest.raises(
-        TypeError, match=r"must be a loss scale.*received LossScalingState.*get_loss_scale"
+        TypeError, match=r"must be a loss scale.*get_loss_scale.*Received: loss_scale=LossScaling"
     ):
         jp.scaled_value_and_grad(jnp.sum)(state, jnp.ones(1))
 

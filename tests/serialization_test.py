@@ -290,7 +290,7 @@ def test_deserialize_bad_config_raises_value_error(config, match):
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        ({"class_name": "DTypePolicy", "config": {"nme": "float32"}}, "does not fit DTypePolicy"),
+        ({"class_name": "DTypePolicy", "config": {"nme": "float32"}}, "Unknown field 'nme'"),
         ({"class_name": "DTypePolicy", "config": {"name": "float32", "extra": 1}}, "extra"),
         ({"class_name": "DTypePolicy", "config": {"name": 3}}, "`name`: 'name' must be a string"),
         (

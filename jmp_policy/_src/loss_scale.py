@@ -267,7 +267,7 @@ class DynamicLossScale(_ScaleByLeaf):
             bad_scale = backed_off
         else:
             overflows = jnp.asarray(self.overflows, jnp.int32)
-            bad_overflows = jnp.minimum(overflows + 1, self.hysteresis)
+            bad_overflows = jnp.minimum(overflows, self.hysteresis - 1) + 1  # never wraps
             bad_scale = jnp.where(bad_overflows >= self.hysteresis, backed_off, loss_scale)
             finite_overflows = jnp.where(grow, 0, overflows)
             new_overflows = jnp.where(finite, finite_overflows, bad_overflows).astype(jnp.int32)

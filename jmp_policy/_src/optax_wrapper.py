@@ -13,6 +13,7 @@ from jax import lax
 
 from jmp_policy._src import numerics, state_collections
 from jmp_policy._src import optax_wrapper_checks as checks
+from jmp_policy._src.dtypes import bounded_repr
 from jmp_policy._src.loss_scale import LossScale, NoOpLossScale
 from jmp_policy._src.state_pytree import register_with_flax_serialization
 
@@ -25,9 +26,9 @@ class LossScalingState(NamedTuple):
         loss_scale: the current loss scale object (``NoOpLossScale``, ``StaticLossScale`` or
             ``DynamicLossScale``); pass it to :func:`scaled_value_and_grad`.
         total_skipped: int32, how many steps were skipped because their gradients were not
-            finite, since ``init``.
+            finite, since ``init`` (it stays at ``2**31 - 1`` rather than wrap).
         consecutive_skipped: int32, how many of the latest steps in a row were skipped (0
-            after a finite step).
+            after a finite step; it stays at ``2**31 - 1`` rather than wrap).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -56,6 +57,12 @@ def _all_devices_finite(finite: jax.Array, axis_name: str | tuple[str, ...]) -> 
             f"Received: axis_name={axis_name!r}"
         ) from e
     return num_bad == 0
+
+
+def _saturating_add(count: jax.Array, step: Any) -> jax.Array:
+    """``count + step`` (``step`` 0 or 1) in int32, staying at 2**31-1 instead of wrapping."""
+    count = jnp.asarray(count, jnp.int32)
+    return count + jnp.where(count < jnp.iinfo(jnp.int32).max, step, 0).astype(jnp.int32)
 
 
 def loss_scaling(
@@ -158,8 +165,8 @@ def loss_scaling(
         return new_updates, LossScalingState(
             inner_state=new_inner_state,
             loss_scale=scale.adjust(finite),
-            total_skipped=state.total_skipped + skipped,
-            consecutive_skipped=(state.consecutive_skipped + 1) * skipped,
+            total_skipped=_saturating_add(state.total_skipped, skipped),
+            consecutive_skipped=_saturating_add(state.consecutive_skipped, 1) * skipped,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
@@ -201,7 +208,7 @@ def get_loss_scale(opt_state: Any) -> LossScale:
             f"`opt_state` must contain exactly one LossScalingState (the state of "
             f"`jmp_policy.loss_scaling`); found {len(found)} in an object of type "
             f"{type(opt_state).__name__}. Wrap your optimizer once with "
-            f"`jmp_policy.loss_scaling(...)`."
+            f"`jmp_policy.loss_scaling(...)`. Received: opt_state={bounded_repr(opt_state)}"
         )
     return found[0].loss_scale
 
@@ -247,11 +254,14 @@ def scaled_value_and_grad(
 
     def g(loss_scale: LossScale, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         if not isinstance(loss_scale, checks.LOSS_SCALE_TYPES):
+            number = isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool)
+            hint = f" (a number: `StaticLossScale({loss_scale!r})`)" if number else ""
             raise TypeError(
-                f"The first argument of the function returned by `scaled_value_and_grad` must "
-                f"be a loss scale (NoOpLossScale, StaticLossScale, DynamicLossScale); received "
-                f"{type(loss_scale).__name__}. With an optimizer state, pass "
-                f"`jmp_policy.get_loss_scale(opt_state)`."
+                "`loss_scale`, the first argument of the function returned by "
+                "`scaled_value_and_grad`, must be a loss scale (NoOpLossScale, "
+                f"StaticLossScale, DynamicLossScale){hint}. With an optimizer state, pass "
+                "`jmp_policy.get_loss_scale(opt_state)`. Received: "
+                f"loss_scale={bounded_repr(loss_scale)} (of type {type(loss_scale).__name__})"
             )
         bound = functools.partial(scaled_fun, loss_scale)
         (_, (loss, aux)), grads = jax.value_and_grad(bound, argnums=argnums, has_aux=True)(

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 from jax.typing import DTypeLike
 
-from jmp_policy._src import casting, context
+from jmp_policy._src import casting, config_fields, context
 from jmp_policy._src import dtypes as dt
 
 T = TypeVar("T")
@@ -282,14 +282,11 @@ class DTypePolicy:
     def from_config(cls, config: dict[str, Any]) -> DTypePolicy:
         """Builds a policy from :meth:`get_config`'s dict (the dict is not modified).
 
-        A tf.keras experimental config's ``loss_scale`` field is ignored, as tf.keras did.
+        A tf.keras experimental config's ``loss_scale`` field is ignored, as tf.keras did;
+        any other field that is not a constructor argument is a ``ValueError`` naming it.
         """
-        if not isinstance(config, dict):
-            raise TypeError(
-                f"`config` must be a dict such as {{'name': 'mixed_bfloat16'}}. "
-                f"Received: config={config!r}"
-            )
-        kwargs = {k: v for k, v in config.items() if k != "loss_scale"}
+        example = "{'name': 'mixed_bfloat16'}"
+        kwargs = config_fields.constructor_kwargs(cls, config, example, ignored=("loss_scale",))
         try:
             return cls(**kwargs)
         except TypeError as e:

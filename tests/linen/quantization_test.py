@@ -59,7 +59,7 @@ def test_linen_mlp_with_quantized_weights_is_close_to_float(linen_mlp, mode):
     model, variables = linen_mlp
     ref = model.apply(variables, X)
     policy_map = jp.DTypePolicyMap("float32", {".*": mode})
-    quantized = policy_map.quantize(variables["params"])
+    quantized = policy_map.quantize(variables["params"], stacked_axes=0)  # DenseGeneral
     assert isinstance(quantized["up"]["kernel"], jp.QuantizedArray)
     # Weight-only: the dequantized tree through plain Flax.
     weight_only = model.apply({"params": policy_map.cast_to_compute(quantized)}, X)
@@ -174,7 +174,7 @@ def test_nnx_int8_compute_and_quantized_weights_are_close_to_float():
     for mode, bound in (("int4/32_from_float32", 0.3), (INT8, 0.03)):
         copy = NnxMLP(nnx.Rngs(0))
         qmap = jp.DTypePolicyMap("float32", {".*": mode})
-        nnx.update(copy, qmap.quantize(nnx.state(copy, nnx.Param)))
+        nnx.update(copy, qmap.quantize(nnx.state(copy, nnx.Param), stacked_axes=0))
         assert isinstance(copy.up.kernel.get_value(), jp.QuantizedArray)
         assert copy.up.bias.get_value().dtype == jnp.float32
         assert 0 < _rel(jp.nnx.apply(copy, qmap)(X), ref) < bound
@@ -385,7 +385,9 @@ def test_linen_scan_stack_is_quantized_per_layer_and_runs(mode, block):
     assert head.stacked == 0 and head.shape == (WIDTH, 4, 2)  # DenseGeneral: not a stack
     # Runs through the wrapper (the stack dequantized ahead of nn.scan), under jit too.
     out = jax.jit(jp.linen.apply(model, policy))(q, XS)
-    shared = jp.get(policy).quantize(variables["params"])  # one scale across the layers
+    # One scale across the layers, with a warning that names the way out.
+    with pytest.warns(UserWarning, match=r"quantize: the kernel 'head/kernel' .*\(and 1 more"):
+        shared = jp.get(policy).quantize(variables["params"])
     out_shared = jax.jit(jp.linen.apply(model, policy))({"params": shared}, XS)
     err, err_shared = _rel(out, ref), _rel(out_shared, ref)
     assert 0 < err * 5 < err_shared, (err, err_shared)
@@ -415,7 +417,8 @@ def test_nnx_scan_and_vmap_stacks_are_quantized_per_layer_and_run(mode, block, v
     # The shared-scale layout, as `map.quantize(nnx.state(...))` makes it without
     # stacked_axes: it runs too (dequantized ahead of the stack), with a worse error.
     shared = nnx.clone(model)
-    nnx.update(shared, jp.get(policy).quantize(nnx.state(shared, nnx.Param)))
+    with pytest.warns(UserWarning, match=r"quantize: the kernel 'head/kernel' .*\(and 1 more"):
+        nnx.update(shared, jp.get(policy).quantize(nnx.state(shared, nnx.Param)))
     out_shared = jp.nnx.apply(shared, policy)(XS)
     err, err_shared = _rel(out, ref), _rel(out_shared, ref)
     assert 0 < err * 5 < err_shared, (err, err_shared)

@@ -309,7 +309,7 @@ def test_keras_map_config_without_default_defers_to_the_global_policy_on_loading
 
 
 def test_from_config_rejects_unknown_fields():
-    with pytest.raises(ValueError, match=r"Unknown fields \['policies'\]"):
+    with pytest.raises(ValueError, match=r"Unknown field 'policies' in a DTypePolicyMap"):
         jp.DTypePolicyMap.from_config({"policies": {}})
 
 

@@ -89,7 +89,7 @@ def test_linen_quantized_einsum_equals_the_dequantized_model(subscripts, kernel,
     x = jax.random.normal(jax.random.key(2), x_shape)
     variables = model.init(jax.random.key(0), x)
     policy_map = jp.DTypePolicyMap("float32", {"kv": f"{mode}_from_float32"})
-    quantized = {"params": policy_map.quantize(variables["params"])}
+    quantized = {"params": policy_map.quantize(variables["params"], stacked_axes=0)}
     assert isinstance(quantized["params"]["kv"]["kernel"], jp.QuantizedArray)
     ref = model.apply({"params": _dequantized(quantized["params"])}, x)
     fn = jp.linen.apply(model, "float32")  # weight-only: the same sums, reordered

@@ -85,7 +85,7 @@ def test_a_non_finite_kernel_value_stays_non_finite(mode, row, col, bad):
 def test_zero_size_kernels_quantize_to_zero_size_arrays(mode, shape):
     tree = {"kernel": jnp.zeros(shape)}
     before = copy.deepcopy(tree)
-    q = jp.get(f"{mode}_from_float32").quantize(tree)["kernel"]
+    q = jp.get(f"{mode}_from_float32").quantize(tree, stacked_axes=0)["kernel"]
     assert isinstance(q, jp.QuantizedArray) and q.shape == shape and q.nbytes >= 0
     assert q.dequantize().shape == shape
     np.testing.assert_array_equal(tree["kernel"], before["kernel"])

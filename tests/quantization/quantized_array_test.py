@@ -28,7 +28,9 @@ def _kernel(shape, seed=0, dtype=jnp.float32):
 @pytest.mark.parametrize("shape", [(64, 16), (128, 4, 8), (300, 33)])
 def test_int8_round_trip_error_is_at_most_half_a_step_per_column(shape, maybe_jit):
     x = _kernel(shape)
-    q = maybe_jit(lambda x: jp.QuantizedDTypePolicy("int8", "float32").quantize(x))(x)
+    q = maybe_jit(lambda x: jp.QuantizedDTypePolicy("int8", "float32").quantize(x, stacked_axes=0))(
+        x
+    )
     assert q.values.dtype == jnp.int8
     assert q.scale.dtype == jnp.float32 and q.scale.shape == (shape[-1],)
     step = np.max(np.abs(np.asarray(x)).reshape(-1, shape[-1]), axis=0) / 127
@@ -282,7 +284,8 @@ def test_stacked_axes_of_policy_and_map_quantize():
     assert q["layers"]["kernel"].stacked == 1 and q["layers"]["kernel"].scale.shape == (3, 4, 16)
     assert q["layers"]["bias"] is params["layers"]["bias"]  # a stacked bias stays float
     assert q["attn"]["kernel"].stacked == 0 and q["attn"]["kernel"].scale.shape == (2, 8)
-    assert policy.quantize(params)["layers"]["kernel"].stacked == 0  # the default
+    with pytest.warns(UserWarning, match=r"the kernel 'attn/kernel' .*\(and 1 more"):
+        assert policy.quantize(params)["layers"]["kernel"].stacked == 0  # the default
     every = policy.quantize(params, stacked_axes=1)
     assert every["attn"]["kernel"].stacked == 1 and every["attn"]["kernel"].scale.shape == (
         32,

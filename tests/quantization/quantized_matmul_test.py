@@ -63,14 +63,15 @@ def _kernel_dequantizations(jaxpr, shapes):
 def _linen(mode, policy="mixed_bfloat16"):
     model = LinenMLP()
     variables = model.init(jax.random.key(0), X_SMALL)
-    quantized = {"params": jp.get(f"{mode}_from_float32").quantize(variables["params"])}
+    kernels = jp.get(f"{mode}_from_float32")  # "split" and "merge": DenseGeneral, not stacks
+    quantized = {"params": kernels.quantize(variables["params"], stacked_axes=0)}
     return model, quantized, jp.linen.apply(model, policy)
 
 
 def _nnx(mode):
     model = NnxMLP(nnx.Rngs(0))
     reference = NnxMLP(nnx.Rngs(0))
-    state = jp.get(f"{mode}_from_float32").quantize(nnx.state(model, nnx.Param))
+    state = jp.get(f"{mode}_from_float32").quantize(nnx.state(model, nnx.Param), stacked_axes=0)
     nnx.update(model, state)
     nnx.update(reference, _dequantized(state))
     return model, reference

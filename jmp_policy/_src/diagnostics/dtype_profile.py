@@ -11,6 +11,8 @@ import jax
 import jax.extend
 import numpy as np
 
+from jmp_policy._src import dtypes as dt
+
 _MATMULS = ("dot_general", "conv_general_dilated")
 _WRAPPER = re.compile(r"^(?:jvp|transpose|vmap|remat|checkpoint)\((.*)\)$")
 
@@ -29,10 +31,16 @@ class DTypeProfile:
     bytes: Mapping[str, int]
     sources: Mapping[str, tuple[str, ...]]
 
-    def fraction(self, dtype: str) -> float:
-        """The fraction of matmul FLOPs whose operands are ``dtype`` (a name)."""
+    def fraction(self, dtype: Any) -> float:
+        """The fraction of matmul FLOPs whose operands are ``dtype``: a dtype or its name,
+        or a key of :attr:`matmul_flops` (``"bfloat16+int8"``); 0.0 for a dtype not used.
+
+        Raises:
+            ValueError: ``dtype`` is none of those (the accepted names are listed).
+        """
+        key = _flops_key(dtype, self.matmul_flops)
         total = sum(self.matmul_flops.values())
-        return self.matmul_flops.get(dtype, 0) / total if total else 0.0
+        return self.matmul_flops.get(key, 0) / total if total else 0.0
 
     def summary(self) -> str:
         """``"92% of matmul FLOPs in bfloat16, 8% in float32 (head, norm)"``."""
@@ -69,6 +77,22 @@ class DTypeProfile:
                 f"{_si(b, 'B'):>15} {_percent(b / bytes_total if bytes_total else 0):>7}"
             )
         return "\n".join(lines)
+
+
+def _flops_key(dtype: Any, flops: Mapping[str, int]) -> str:
+    """``dtype`` as a key of ``flops``: the key itself, or a dtype's (or dtypes') name."""
+    if isinstance(dtype, str) and dtype in flops:
+        return dtype
+    parts = dtype.split("+") if isinstance(dtype, str) else [dtype]
+    found = [dt.dtype_or_none(p) for p in parts]
+    if all(f is not None for f in found):
+        return "+".join(np.dtype(f).name for f in found)
+    hint = dt.did_you_mean(dtype, [*flops, *dt.DTYPE_NAMES]) if isinstance(dtype, str) else ""
+    raise ValueError(
+        f"`dtype` must be a dtype or its name: this profile's are {sorted(flops)}, and any of "
+        f"{sorted(dt.DTYPE_NAMES)} is accepted (a fraction of 0.0 where unused).{hint} "
+        f"Received: dtype={dt.bounded_repr(dtype)}"
+    )
 
 
 def _percent(x: float) -> str:

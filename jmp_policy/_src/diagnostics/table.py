@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
 
 from jmp_policy._src.diagnostics.report import Report
 from jmp_policy._src.diagnostics.stats import Stats
+from jmp_policy._src.dtypes import bounded_repr
 
 _PATH_WIDTH = 34
 _HEADER = (
@@ -70,6 +72,20 @@ def first_non_finite(report: Report) -> str | None:
     return None
 
 
+def _check_arguments(report: Any, max_rows: Any) -> None:
+    if not isinstance(report, Report):
+        raise TypeError(
+            "`report` must be the report of a `diagnose` function. Received: "
+            f"report={bounded_repr(report)} (of type {type(report).__name__})"
+        )
+    if max_rows is not None and (
+        isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0
+    ):
+        raise TypeError(
+            f"`max_rows` must be None or an int >= 0. Received: max_rows={bounded_repr(max_rows)}"
+        )
+
+
 def format_report(report: Report, max_rows: int | None = None) -> str:
     """Renders a diagnostics report as text: where the first non-finite value appeared,
     then one row per module path and place (input, output, gradient), riskiest first.
@@ -115,13 +131,7 @@ def format_report(report: Report, max_rows: int | None = None) -> str:
         >>> print(jp.format_report(report).splitlines()[0])
         first non-finite: head (forward input)
     """
-    if not isinstance(report, Report):
-        raise TypeError(
-            "`report` must be the report of a `diagnose` function. Received: "
-            f"{type(report).__name__}"
-        )
-    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
-        raise TypeError(f"`max_rows` must be None or an int >= 0. Received: {max_rows!r}")
+    _check_arguments(report, max_rows)
     sampled, steps = _sampled_steps(report)
     first = first_non_finite(report)
     if sampled == 0:

@@ -43,6 +43,7 @@ from jmp_policy._src.diagnostics.report import PathInfo, Report
 from jmp_policy._src.diagnostics.stats import NUM_STATS, Stats, no_stats, stats_of
 from jmp_policy._src.diagnostics.tap_selection import Selection
 from jmp_policy._src.diagnostics.tap_selection import selection as selection  # the glue's entry
+from jmp_policy._src.dtypes import bounded_repr
 
 try:  # The current trace, to tell a module called inside a transform of its own.
     from jax._src import core as _jax_core
@@ -137,6 +138,7 @@ class Collector:
         self.entries: dict[str, _Entry] = {}
         self.skipped: list[str] = []
         self.untapped: list[str] = []
+        self.unprobed: list[str] = []  # tapped paths the probe has no rows for
         self.seq = 0
 
     def _next(self) -> int:
@@ -186,8 +188,11 @@ class Collector:
         return rebuild(_sampled_gradient_tap(dtype, leaves, row, self.sample))
 
     def _probe_row(self, path: str, k: int) -> jax.Array:
-        rows = None if self.probe is None else self.probe.get(path)
-        if rows is None:
+        if self.probe is None:
+            return jnp.zeros((NUM_STATS,), jnp.float32)
+        rows = self.probe.get(path)
+        if rows is None:  # its gradient statistics would be lost: `report` raises
+            self.unprobed.append(path)
             return jnp.zeros((NUM_STATS,), jnp.float32)
         if k >= rows.shape[0]:
             raise ValueError(
@@ -202,6 +207,13 @@ class Collector:
             raise ValueError(
                 f"The probe names paths this run did not call: {missing}. Make the probe "
                 "from a report of the same model and call (Report.probe)."
+            )
+        if self.probe is not None and self.unprobed:
+            given = f"probe with paths {[*self.probe][:10]}" if self.probe else "probe={}"
+            raise ValueError(
+                f"`probe` has no rows for {self.unprobed[0]!r}, which this run taps: make the "
+                "probe from a report of the same model and call (`fn.probe(...)`, "
+                f"`Report.probe()`), or pass probe=None. Received: {given}"
             )
         if self.select.paths is not None and not self.entries and self.untapped:
             warnings.warn(
@@ -276,7 +288,8 @@ def collecting(
     if probe is not None and not isinstance(probe, Mapping):
         raise TypeError(
             "`probe` must be None or a probe from `Report.probe()` (a dict of paths to "
-            f"float32 arrays). Received: probe of type {type(probe).__name__}"
+            f"float32 arrays). Received: probe={bounded_repr(probe)} (of type "
+            f"{type(probe).__name__})"
         )
     collector = Collector(probe, select, step)
     token = _COLLECTOR.set(collector)

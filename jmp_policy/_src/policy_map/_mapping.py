@@ -16,10 +16,11 @@ import numpy as np
 import jmp_policy._src.policy_map._index as _index
 import jmp_policy._src.policy_map._trees as _trees
 import jmp_policy._src.policy_map._values as _values
-from jmp_policy._src import global_state, identifiers, serialization
+from jmp_policy._src import config_fields, global_state, identifiers, serialization
 from jmp_policy._src.policy import DTypePolicy
 
 _MISSING: Any = object()
+_CONFIG_FIELDS = ("default_policy", "policy_map")
 
 
 def _as_default(default_policy: Any) -> DTypePolicy | None:
@@ -352,14 +353,8 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> DTypePolicyMap:
         """Builds a map from :meth:`get_config`'s dict (also Keras 3's); never mutates it."""
-        if not isinstance(config, dict):
-            raise TypeError(f"`config` must be a dict. Received: config={config!r}")
-        unknown = set(config) - {"default_policy", "policy_map"}
-        if unknown:
-            raise ValueError(
-                f"Unknown fields {sorted(unknown)} in a DTypePolicyMap `config`; expected "
-                "'default_policy' and 'policy_map'."
-            )
+        example = "{'default_policy': None, 'policy_map': {}}"
+        config_fields.check_fields(config, _CONFIG_FIELDS, "DTypePolicyMap", example)
         policy_map: Any = config.get("policy_map")
         if _values.is_wrapped_dict(policy_map):
             policy_map = policy_map["config"]  # Keras serializes the dict itself.

@@ -234,7 +234,8 @@ def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
 
     Warns:
         UserWarning: the map has such a policy but no kernel of ``tree`` is under
-            it (a key that matches nothing, most likely); the tree comes back as is.
+            it (a key that matches nothing, most likely); the tree comes back as is. With
+            no ``stacked_axes``, once if a kernel of rank >= 3 might be a layer stack.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -261,20 +262,21 @@ def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
             "{'.*': 'int4/128_from_float32'}."
         )
     stacked_of = quantization.stacked_axes_of(stacked_axes)
-    done = []
+    done: list[tuple[str, tuple[int, ...]]] = []
     policy_of, variable_key = policy_map._policy_of, policy_map._index.resolve_variable
 
     def leaf(module: str, name: str, x: Any) -> Any:
         policy = policy_of(variable_key(module, name))
         if not _stores_weights(policy):
             return x
-        k = stacked_of(f"{module}/{name}" if module else name)
+        k = stacked_of(path := f"{module}/{name}" if module else name)
         if not quantization.quantizable_layers(x, k):
             return x
-        done.append(True)
+        done.append((path, tuple(x.shape)))
         return policy.scheme.quantize(x, k)
 
     result = map_leaves(tree, leaf)
+    quantization.warn_maybe_stacked(stacked_axes, done)
     if not done:
         warnings.warn(
             "DTypePolicyMap.quantize: no floating leaf of rank >= 2 of the tree is under "

@@ -32,6 +32,9 @@ from jmp_policy._src.quantization.quantized_array import (
 from jmp_policy._src.quantization.quantized_array import quantize as quantize
 from jmp_policy._src.quantization.quantized_array import quantize_tree as quantize_tree
 from jmp_policy._src.quantization.stacked_axes import stacked_axes_of as stacked_axes_of
+from jmp_policy._src.quantization.stacked_axes import (
+    warn_maybe_stacked as warn_maybe_stacked,
+)
 
 __all__ = [
     "QuantizedArray",
@@ -41,4 +44,5 @@ __all__ = [
     "quantize",
     "quantize_tree",
     "stacked_axes_of",
+    "warn_maybe_stacked",
 ]

@@ -34,7 +34,7 @@ from jmp_policy._src.quantization.quantized_array_checks import (
     int4_block,
     validate,
 )
-from jmp_policy._src.quantization.stacked_axes import stacked_axes_of
+from jmp_policy._src.quantization.stacked_axes import stacked_axes_of, warn_maybe_stacked
 from jmp_policy._src.tree_paths import leaf_path
 
 INT8_MAX = 127.0
@@ -191,11 +191,13 @@ def is_quantizable(x: Any) -> bool:
 
 
 def abs_max_scale(x: jax.Array, axes: tuple[int, ...], qmax: float) -> jax.Array:
-    """The symmetric scale ``amax / qmax`` over ``axes`` (1 where the amax is 0); NaN where
-    the slice holds a non-finite value, so a NaN or inf in a kernel stays non-finite (its
-    whole channel or block dequantizes to NaN) instead of silently becoming a finite number."""
+    """The symmetric scale ``amax / qmax`` over ``axes`` (1 where it is 0, the amax 0 or so
+    small that the division underflows: always positive); NaN where the slice holds a
+    non-finite value, so a NaN or inf in a kernel stays non-finite (its whole channel or
+    block dequantizes to NaN) instead of silently becoming a finite number."""
     amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
-    scale = jnp.where(amax > 0, amax / qmax, jnp.ones_like(amax))
+    scale = amax / qmax
+    scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
     return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
 
 
@@ -294,9 +296,16 @@ def quantize_tree(tree: Any, quantize_one: Any, stacked_axes: Any = None) -> Any
     ``quantize``), with the leading stacked axes that ``stacked_axes`` gives its path;
     others (and QuantizedArrays) kept."""
     stacked_of = stacked_axes_of(stacked_axes)
+    done: list[tuple[str, tuple[int, ...]]] = []
 
     def leaf(key_path: Any, x: Any) -> Any:
-        k = stacked_of(leaf_path(key_path))
-        return quantize_one(x, k) if quantizable_layers(x, k) else x
+        path = leaf_path(key_path)
+        k = stacked_of(path)
+        if not quantizable_layers(x, k):
+            return x
+        done.append((path, tuple(x.shape)))
+        return quantize_one(x, k)
 
-    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=is_quantized)
+    result = jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=is_quantized)
+    warn_maybe_stacked(stacked_axes, done)
+    return result

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
@@ -154,4 +155,28 @@ def _check_scale(q: Any) -> None:
             f"`scale` must have shape {want} for a {q.mode} kernel of `shape` "
             f"{q.shape}. Received: scale of shape {tuple(scale.shape)} and "
             f"shape={q.shape!r}"
+        )
+    _check_scale_values(q)
+
+
+def _check_scale_values(q: Any) -> None:
+    """Scales finite and positive. NaN marks a channel (or block) of a non-finite kernel
+    (quantize keeps a NaN or inf weight non-finite, #20): accepted. Zero only in an
+    all-zero QuantizedArray (``jax.tree.map(jnp.zeros_like, q)``, as optimizers and
+    autodiff make). Not checked for a cotangent (``float0`` values), whose scale holds
+    gradients of any sign."""
+    values = q.values
+    if hasattr(values, "dtype") and np.dtype(values.dtype) == np.dtype(jax.dtypes.float0):
+        return
+    scale = np.asarray(q.scale, np.float32)
+    bad = np.isinf(scale) | (scale < 0)  # NaN compares False: kept
+    if not bad.any() and (scale == 0).any() and _concrete(values):
+        bad = (scale == 0) if bool(jnp.any(jnp.asarray(values) != 0)) else bad
+    if bad.any():
+        first = np.unravel_index(int(np.argmax(bad)), scale.shape)
+        raise ValueError(
+            "`scale` must be finite and positive (NaN only where the kernel held a NaN or "
+            "inf; 0 only where every value is 0, as `zeros_like` makes). Received: "
+            f"scale[{', '.join(map(str, first))}]={float(scale[first])!r} ({int(bad.sum())} "
+            f"of {scale.size} scales bad)"
         )

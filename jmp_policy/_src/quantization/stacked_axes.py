@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from jmp_policy._src import user_warnings
 from jmp_policy._src.path_patterns import compile_pattern
 
 
@@ -56,3 +58,22 @@ def stacked_axes_of(stacked_axes: Any) -> Callable[[str], int]:
         return 0
 
     return of
+
+
+def warn_maybe_stacked(stacked_axes: Any, done: list[tuple[str, tuple[int, ...]]]) -> None:
+    """Once per ``quantize`` call on a plain tree given no ``stacked_axes``: the kernels of
+    rank >= 3 it quantized whole (of ``done``: each path and shape) might be layer stacks."""
+    found = [(path, shape) for path, shape in done if len(shape) >= 3]
+    if stacked_axes is not None or not found:
+        return
+    path, shape = found[0]
+    others = f" (and {len(found) - 1} more kernel(s) of rank >= 3)" if len(found) > 1 else ""
+    user_warnings.warn(
+        f"quantize: the kernel {path!r} of shape {shape}{others} was quantized as one kernel "
+        "(one scale per last-axis channel over all its other axes). If its first axis stacks "
+        "layers (an `nn.scan`, `nnx.scan` or vmapped model's tree), the layers share their "
+        f"scales: pass `stacked_axes=` (such as {{{re.escape(path)!r}: 1}}), or quantize the "
+        "model with `jmp_policy.linen.quantize` / `jmp_policy.nnx.quantize`, which find the "
+        "stacked axes. `stacked_axes=0` says there are none (a `DenseGeneral` or convolution "
+        "kernel) and silences this warning."
+    )
