@@ -162,7 +162,10 @@ def test_candidates_validated(linen_setup, candidates, match):
     "budget, match",
     [
         ({"bits": 4}, "must name one of"),
-        ({"effective_bits": -1}, "must be a positive number. Received: -1"),
+        (
+            {"effective_bits": -1},
+            "must be a finite positive number. Received: budget={.effective_bits.: -1}",
+        ),
         (4.5, "must be a dict of one of"),
     ],
 )

@@ -163,8 +163,14 @@ def check_budget(budget: Any) -> tuple[str, float]:
     ((kind, value),) = budget.items()
     if kind not in BUDGETS:
         raise ValueError(f"`budget` must name one of {list(BUDGETS)}. Received: budget={budget!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"`budget`'s {kind!r} must be a positive number. Received: {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < float("inf")
+    ):
+        raise ValueError(
+            f"`budget`'s {kind!r} must be a finite positive number. Received: budget={budget!r}"
+        )
     return kind, float(value)
 
 

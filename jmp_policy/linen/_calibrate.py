@@ -141,6 +141,7 @@ def calibrate(
             "`variables` has no 'params' collection: nothing to calibrate. Received: "
             f"variables with collections {sorted(variables)}"
         )
+    calibration.check_settings(hessian_damping, num_grid_points)
     calls = calibration.check_batches(batches)
     progress = calibration.check_progress(progress)
     policies = as_policy_or_map(policy_or_map)

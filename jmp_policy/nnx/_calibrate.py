@@ -154,6 +154,7 @@ def calibrate(
         (256, 8)
     """
     check_model(model)
+    calibration.check_settings(hessian_damping, num_grid_points)
     calls = calibration.check_batches(batches)
     progress = calibration.check_progress(progress)
     policies = as_policy_or_map(policy_or_map)

@@ -113,6 +113,40 @@ def quantize_calibrated(
     return jax.tree_util.tree_unflatten(treedef, out), reports
 
 
+#: The most AWQ grid points ``calibrate`` takes (Keras's default is 20).
+MAX_GRID_POINTS = 10_000
+
+
+def check_settings(hessian_damping: Any, num_grid_points: Any) -> None:
+    """``calibrate``'s solver settings, checked before any layer runs.
+
+    Raises:
+        TypeError: ``hessian_damping`` is not a real number or ``num_grid_points`` not an int.
+        ValueError: ``hessian_damping`` is negative or not finite; ``num_grid_points`` is
+            outside 1 to :data:`MAX_GRID_POINTS`.
+    """
+    if isinstance(hessian_damping, bool) or not isinstance(hessian_damping, (int, float)):
+        raise TypeError(
+            "`hessian_damping` must be a number (a fraction of the mean Hessian diagonal, "
+            f"Keras's default 0.01). Received: hessian_damping={hessian_damping!r}"
+        )
+    if not 0 <= hessian_damping < float("inf"):
+        raise ValueError(
+            "`hessian_damping` must be a finite number >= 0 (Keras's default 0.01). "
+            f"Received: hessian_damping={hessian_damping!r}"
+        )
+    if isinstance(num_grid_points, bool) or not isinstance(num_grid_points, int):
+        raise TypeError(
+            "`num_grid_points` must be an integer (Keras's default 20). "
+            f"Received: num_grid_points={num_grid_points!r}"
+        )
+    if not 1 <= num_grid_points <= MAX_GRID_POINTS:
+        raise ValueError(
+            f"`num_grid_points` must be from 1 to {MAX_GRID_POINTS}. "
+            f"Received: num_grid_points={num_grid_points!r}"
+        )
+
+
 def check_progress(progress: Any) -> Any:
     """``progress`` of ``calibrate``: ``False`` (quiet), ``True`` (a ``tqdm`` bar over the
     calibrated layers when ``tqdm`` is installed, else a line per layer on stderr) or a
