@@ -183,13 +183,13 @@ def calibrated_table(quick):
     params = lm_task.train(steps)
     trained_s = time.perf_counter() - start
     model = lm_task.model()
-    held = lm_task.held_out_batches(2 if quick else 8)
+    held = lm_task.held_out_batches(2 if quick else lm_task.HELD_OUT)
     calib = lm_task.calibration_batches(2 if quick else 8)
     ref_map = _map(None)
     ref_fn = jax.jit(jp.linen.apply(model, ref_map))
     ref_params = ref_map.cast_to_variable(params)
     ref = [np.asarray(ref_fn({"params": ref_params}, b), np.float32) for b in held]
-    inputs = _layer_inputs(model, params, held)
+    inputs = _layer_inputs(model, params, held[:8])  # per-layer errors: 8 batches suffice
     print(
         f"\ncalibrated int4: lm_task LM ({lm_task.LAYERS} blocks, d={lm_task.D}), trained "
         f"{steps} steps ({trained_s:.0f} s); {len(calib)} calibration and {len(held)} held-out "
@@ -209,30 +209,37 @@ def calibrated_table(quick):
             stored = policy_map.quantize(params)
         seconds = time.perf_counter() - start
         fn = jax.jit(jp.linen.apply(model, policy_map))
-        loss = lm_task.held_out_loss(fn, stored, held)
+        losses = lm_task.held_out_losses(fn, stored, held)  # per batch: paired differences
+        loss = float(losses.mean())
         outs = [np.asarray(fn({"params": stored}, b), np.float32) for b in held]
         err = float(
             np.sqrt(sum(np.sum((o - r) ** 2) for o, r in zip(outs, ref, strict=True)))
             / np.sqrt(sum(np.sum(r**2) for r in ref))
         )
-        results[label] = (loss, _layer_errors(inputs, params, stored))
+        results[label] = (losses, _layer_errors(inputs, params, stored))
         calib_s = f"{seconds:.1f}" if policy and policy.startswith(("gptq", "awq")) else "-"
         print(f"{label:30} {nbytes(stored):>10,} {loss:>7.4f} {err:>8.4f} {calib_s:>8}")
     bf16 = results["bf16"][0]
+    print(
+        "(losses: means over the same held-out batches for every row; ± below: the standard "
+        "error of a paired difference over those batches)"
+    )
     for base, methods in (
         ("int4/128 (round to nearest)", ("gptq/4/128", "awq/4/128")),
         ("int8 (round to nearest)", ("gptq/8/-1",)),
     ):
         rtn_loss, rtn_layers = results[base]
         for method in methods:
-            loss, layers = results[method]
-            gap = rtn_loss - bf16
-            closed = (rtn_loss - loss) / gap if gap > 0 else float("nan")
+            losses, layers = results[method]
+            gap, gap_se = lm_task.paired_difference(rtn_loss, bf16)
+            left, left_se = lm_task.paired_difference(losses, bf16)
+            closed = (gap - left) / gap if gap > 0 else float("nan")
             cuts = [1 - layers[p] / rtn_layers[p] for p in layers if rtn_layers.get(p)]
             below = sum(layers[p] < rtn_layers[p] for p in layers)
             print(
                 f"{method}: closes {closed:.0%} of {base}'s held-out loss gap "
-                f"({rtn_loss - bf16:+.4f} nats); per-layer held-out output error "
+                f"({gap:+.4f} ± {gap_se:.4f} nats; {method} {left:+.4f} ± {left_se:.4f} "
+                f"vs bf16); per-layer held-out output error "
                 f"{np.mean(cuts):.0%} below round to nearest on average "
                 f"({below}/{len(layers)} layers below)"
             )

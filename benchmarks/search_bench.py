@@ -54,13 +54,16 @@ def main() -> None:
     params = lm_task.train(lm_task.QUICK_STEPS if quick else lm_task.STEPS)
     variables = {"params": params}
     calib = lm_task.calibration_batches(2 if quick else 4)
-    held = lm_task.held_out_batches(2 if quick else 8)
+    held = lm_task.held_out_batches(2 if quick else lm_task.HELD_OUT)  # the same for every map
 
-    def loss_of(policy_map):
+    def losses_of(policy_map):
         stored = variables
         if any(getattr(p, "scheme", None) is not None for p in policy_map.values()):
             stored = jp.linen.quantize(model, policy_map, variables, held[0])
-        return lm_task.held_out_loss(jp.linen.apply(model, policy_map), stored, held)
+        return lm_task.held_out_losses(jp.linen.apply(model, policy_map), stored, held)
+
+    def loss_of(policy_map):
+        return float(losses_of(policy_map).mean())
 
     def run(budget):
         return jp.linen.search_map(
@@ -71,7 +74,8 @@ def main() -> None:
     layers = [row.path for row in first.table]
     params_n = sum(row.params for row in first.table)
     bytes_of = {row.path: row.bytes for row in first.table}
-    base_loss = loss_of(jp.DTypePolicyMap(BF16))
+    base_losses = losses_of(jp.DTypePolicyMap(BF16))
+    base_loss = float(base_losses.mean())
 
     def named(choices, label):
         entries = {p: c for p, c in choices.items() if c != BF16}
@@ -93,7 +97,11 @@ def main() -> None:
     # Each layer alone in int4: measured loss change against its int4 score.
     alone = layers if not quick else [p for p in layers if p.startswith(("blocks_0/", "head"))]
     scores = {row.path: row.scores[INT4] for row in first.table}
-    measured = [loss_of(jp.DTypePolicyMap(BF16, {p: INT4})) - base_loss for p in alone]
+    paired = [
+        lm_task.paired_difference(losses_of(jp.DTypePolicyMap(BF16, {p: INT4})), base_losses)
+        for p in alone
+    ]
+    measured = [d for d, _ in paired]
     rho = spearman([scores[p] for p in alone], measured)
 
     print(
@@ -104,6 +112,10 @@ def main() -> None:
     for label, b, loss in [*rows, *searched]:
         print(f"{label:44} {b:>10,} {8 * b / params_n:>6.3f} {loss:>14.4f}")
     print(f"Spearman(score, measured loss change), {len(alone)} layers alone in int4: {rho:.3f}")
+    print(
+        f"  loss changes {min(measured):+.5f} to {max(measured):+.5f} nats; standard error of "
+        f"each (paired over {len(held)} held-out batches) median {np.median([e for _, e in paired]):.5f}"
+    )
     print(f"took {time.perf_counter() - start:.1f} s")
 
     import matplotlib
