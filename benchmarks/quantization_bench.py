@@ -206,7 +206,7 @@ def calibrated_table(quick):
             variables = jp.linen.calibrate(model, policy_map, {"params": params}, calib)
             stored = variables["params"]
         else:
-            stored = policy_map.quantize(params)
+            stored = policy_map.quantize(params, stacked_axes=0)  # DenseGeneral kernels, no stacks
         seconds = time.perf_counter() - start
         fn = jax.jit(jp.linen.apply(model, policy_map))
         losses = lm_task.held_out_losses(fn, stored, held)  # per batch: paired differences
