@@ -1,7 +1,8 @@
 """The context variables: the process default policy, the ``policy_scope`` stack and the
 current submodule call.
 
-This module sits under everything and imports nothing of jmp_policy, so any module may read
+It also reads JAX's current trace (``current_trace``), to tell a call made inside a
+transform of its own. This module sits under everything and imports nothing of jmp_policy, so any module may read
 it without an import cycle (as Flax's ``configurations.py`` does). It only holds values;
 the rules (what may be global, what ``current_policy`` returns) live in ``global_state``.
 """
@@ -37,6 +38,20 @@ SCOPE: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_policy_scope", 
 CALL: contextvars.ContextVar[RunningCall | None] = contextvars.ContextVar(
     "jmp_policy_call", default=None
 )
+
+
+try:  # JAX's current trace, to tell a module called inside a transform of its own.
+    from jax._src import core as _jax_core
+
+    def current_trace() -> Any:
+        """JAX's current trace (``None`` where this JAX version does not say)."""
+        return _jax_core.trace_ctx.trace
+
+except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
+
+    def current_trace() -> Any:
+        """JAX's current trace (``None`` where this JAX version does not say)."""
+        return None
 
 
 def global_policy_or_none() -> Any:

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import map_choice
+from jmp_policy._src import context, map_choice
 from jmp_policy._src.policy_map import DTypePolicyMap
 from jmp_policy._src.policy_names import get_policy
 
@@ -46,17 +46,6 @@ DEFAULT_CANDIDATES = (
     "int4/128_from_mixed_bfloat16",
 )
 BUDGETS = ("effective_bits", "weight_bytes", "loss_increase")
-
-try:  # The current trace, to tell a module called inside a transform of its own.
-    from jax._src import core as _jax_core
-
-    def _current_trace() -> Any:
-        return _jax_core.trace_ctx.trace
-
-except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
-
-    def _current_trace() -> Any:
-        return None
 
 
 class LayerRow(NamedTuple):
@@ -225,7 +214,7 @@ class _State:
         self.mode = mode
         self.targets = targets
         self.arrays = arrays
-        self.trace = _current_trace()
+        self.trace = context.current_trace()
         self.calls: dict[str, int] = {}
         self.ys: dict[str, list[Any]] = {}
         self.scores: dict[str, Any] = {}
@@ -245,7 +234,7 @@ class ScoreTaps:
         path = call.path
         if state is None or path not in state.targets:
             return next_fn(*args, **kwargs)
-        if _current_trace() is not state.trace:
+        if context.current_trace() is not state.trace:
             state.skipped.add(path)
             return next_fn(*args, **kwargs)
         out = next_fn(*args, **kwargs)

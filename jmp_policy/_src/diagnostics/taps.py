@@ -38,23 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import numerics
+from jmp_policy._src import context, numerics
 from jmp_policy._src.diagnostics.report import PathInfo, Report
 from jmp_policy._src.diagnostics.stats import NUM_STATS, Stats, no_stats, stats_of
 from jmp_policy._src.diagnostics.tap_selection import Selection
 from jmp_policy._src.diagnostics.tap_selection import selection as selection  # the glue's entry
 from jmp_policy._src.dtypes import bounded_repr
-
-try:  # The current trace, to tell a module called inside a transform of its own.
-    from jax._src import core as _jax_core
-
-    def _current_trace() -> Any:
-        return _jax_core.trace_ctx.trace
-
-except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
-
-    def _current_trace() -> Any:
-        return None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -131,7 +120,7 @@ class Collector:
         self.probe = probe
         self.select = select
         self.sample = select.sample(step)
-        self.trace = _current_trace()
+        self.trace = context.current_trace()
         self.reset()
 
     def reset(self) -> None:
@@ -160,7 +149,7 @@ class Collector:
             if path not in self.untapped:
                 self.untapped.append(path)
             return next_fn(*args, **kwargs)
-        if _current_trace() is not self.trace:
+        if context.current_trace() is not self.trace:
             if path not in self.skipped:
                 self.skipped.append(path)
             return next_fn(*args, **kwargs)
