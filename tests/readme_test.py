@@ -27,7 +27,7 @@ def test_readme_and_docs_have_python_blocks():
 
 def test_readme_stays_short_and_links_every_docs_page():
     text = README.read_text()
-    assert len(text.splitlines()) <= 155  # "about 150"
+    assert len(text.splitlines()) <= 150
     for page in DOCS:
         assert f"(docs/{page.name})" in text, page.name
 
