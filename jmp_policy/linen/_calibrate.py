@@ -15,7 +15,7 @@ from jmp_policy._src.quantization import calibration
 from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
 from jmp_policy._src.quantization.calibration_stats import LayerStats
 from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
-from jmp_policy.linen._modules import check_variables, path_of
+from jmp_policy.linen._modules import check_module, check_params, path_of
 from jmp_policy.linen._quantize import _seen_shapes
 
 
@@ -130,17 +130,8 @@ def calibrate(
         >>> jp.linen.apply(model, policies)(q, x).shape
         (256, 8)
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            "`module` must be a flax.linen Module instance. Received: "
-            f"module={module!r} (of type {type(module).__name__})"
-        )
-    check_variables(variables)
-    if "params" not in variables:
-        raise ValueError(
-            "`variables` has no 'params' collection: nothing to calibrate. Received: "
-            f"variables with collections {sorted(variables)}"
-        )
+    check_module(module)
+    check_params(variables, "calibrate")
     calibration.check_settings(hessian_damping, num_grid_points)
     calls = calibration.check_batches(batches)
     progress = calibration.check_progress(progress)

@@ -81,6 +81,17 @@ def check_variables(variables: Any) -> None:
         )
 
 
+def check_params(variables: Any, action: str) -> None:
+    """``variables`` is a mapping of collections holding ``"params"`` (what ``action``,
+    such as ``"quantize"``, works on)."""
+    check_variables(variables)
+    if "params" not in variables:
+        raise ValueError(
+            f"`variables` has no 'params' collection: nothing to {action}. Received: "
+            f"variables with collections {sorted(variables)}"
+        )
+
+
 def path_of(module: nn.Module) -> str:
     return "/".join(str(p) for p in module.path)
 

@@ -12,7 +12,7 @@ import jax
 from jmp_policy._src import quantization
 from jmp_policy._src.options import quantizing_policy_or_map
 from jmp_policy._src.policy_map import leaf_path
-from jmp_policy.linen._modules import check_variables, path_of
+from jmp_policy.linen._modules import check_module, check_params, path_of
 
 
 def _seen_shapes(
@@ -120,17 +120,8 @@ def quantize(
         >>> jp.linen.apply(model, "int8_from_float32")(q, x).shape
         (2, 8)
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            "`module` must be a flax.linen Module instance. Received: "
-            f"module={module!r} (of type {type(module).__name__})"
-        )
-    check_variables(variables)
-    if "params" not in variables:
-        raise ValueError(
-            "`variables` has no 'params' collection: nothing to quantize. Received: "
-            f"variables with collections {sorted(variables)}"
-        )
+    check_module(module)
+    check_params(variables, "quantize")
     policies = quantizing_policy_or_map(policy_or_map)
     seen = _seen_shapes(module, variables, args, kwargs, method)
     stacked_axes = {}

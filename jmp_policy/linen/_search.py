@@ -12,7 +12,7 @@ import jax
 from jmp_policy._src import map_search
 from jmp_policy._src.tree_paths import leaf_path
 from jmp_policy.linen._apply import apply_with
-from jmp_policy.linen._modules import check_variables, prepare
+from jmp_policy.linen._modules import check_module, check_params, prepare
 from jmp_policy.linen._quantize import quantize
 
 
@@ -99,11 +99,8 @@ def search_map(
         >>> sorted(row.path for row in result.table)
         ['head', 'up']
     """
-    check_variables(variables)
-    if "params" not in variables:
-        raise ValueError(
-            f"`variables` has no 'params' collection. Received: collections {sorted(variables)}"
-        )
+    check_module(module)
+    check_params(variables, "search")
     args_of = inputs or (lambda batch: (batch,))
     kernels = kernels_of(variables["params"])
 
