@@ -43,7 +43,7 @@ class Int6Scheme(schemes.Scheme):
 
     def matmul(self, kind, *, path, state, kernel):
         if quantization.is_quantized(kernel):
-            return matmuls.stored_kernel(kind, path, kernel, int8_compute=False)
+            return matmuls.stored_kernel(kind, path, kernel, scheme=self, int8_compute=False)
         return None
 
 
@@ -178,7 +178,7 @@ def test_a_registered_format_runs_through_a_map_quantize_linen_explain_and_seria
 
     table = jp.linen.explain(_MLP(), policy_map, {"params": q}, x)
     assert "int6_from_float32" in table
-    assert "int8 weights: weight-only, scale after" in table  # its int8 storage, read whole
+    assert "int6 weights: weight-only, scale after" in table  # its int8 storage, read whole
 
     back = jp.deserialize(jp.serialize(policy_map))
     assert back.get_config() == policy_map.get_config()
@@ -205,3 +205,30 @@ def test_a_registered_format_runs_under_nnx(int6):
     model.hidden.kernel.set_value(jnp.asarray(reference, jnp.float32))
     np.testing.assert_allclose(y, model(x), rtol=1e-5, atol=1e-5)
     assert "int6_from_float32" in jp.nnx.explain(quantized, policy_map, x)
+
+
+def test_explain_words_a_registered_format_as_the_scheme_describes_it(int6):
+    # The int6 values are stored as int8: explain names the format, not the storage.
+    policy_map = jp.DTypePolicyMap("float32", {"hidden": "int6_from_float32"})
+    x = jnp.ones((2, 16))
+    params = _MLP().init(jax.random.key(1), x)["params"]
+    q = policy_map.quantize(params)
+    assert q["hidden"]["kernel"].mode == "int8"
+    table = jp.linen.explain(_MLP(), policy_map, {"params": q}, x)
+    forms = table.split("matmuls:")[1].strip().splitlines()
+    assert forms == ["hidden  int6 weights: weight-only, scale after"]
+
+    model = jp.nnx.quantize(_NNXMLP(nnx.Rngs(0)), policy_map)
+    forms = jp.nnx.explain(model, policy_map, x).split("matmuls:")[1].strip().splitlines()
+    assert forms == ["hidden  int6 weights: weight-only, scale after"]
+    assert Int6Scheme().describe(q["hidden"]["kernel"]) == "int6"
+
+
+def test_the_built_in_formats_describe_their_weights_by_storage():
+    kernel = jnp.ones((256, 8))
+    int4 = Int4Scheme(block_size=128).quantize(kernel, 0)
+    assert Int4Scheme(block_size=128).describe(int4) == "int4/128"
+    assert Int4Scheme().describe(Int4Scheme().quantize(kernel, 0)) == "int4"
+    assert Int8Scheme().describe(Int8Scheme().quantize(kernel, 0)) == "int8"
+    assert GPTQScheme().describe(int4) == "int4/128"
+    assert matmuls.storage_label(int4) == "int4/128"

@@ -3,8 +3,8 @@
 A quantized policy carries one scheme, a frozen keyword-only value that owns what differs
 between formats: the mode its names and configs write (``"int4/128"``) and its config
 fields, how a kernel is quantized and stored, the matmul a layer under it runs (the one
-place that chooses among its forms, which ``explain`` records), and the state it needs
-(none for stateless formats). The policy classes, names, configs, ``quantize``,
+place that chooses among its forms, which ``explain`` records in its words,
+:meth:`Scheme.describe`), and the state it needs (none for stateless formats). The policy classes, names, configs, ``quantize``,
 :func:`jmp_policy._src.quantization.matmuls.pick` and both glues ask the scheme; none tests a mode's
 text.
 
@@ -60,6 +60,12 @@ class Scheme:
     def mode_text(self, given: str | None = None) -> str:
         """The mode as names write it; ``given`` is the spelling the user wrote."""
         return self.mode
+
+    def describe(self, kernel: Any) -> str:
+        """What ``explain`` calls the weights of a layer under this format that reads the
+        stored ``kernel`` (``"<this> weights: weight-only, scale after"``): by default the
+        format's mode as names write it (``"int6"``), whatever dtype stores its values."""
+        return self.mode_text()
 
     def config_mode(self, text: str) -> str:
         """The mode a config writes for a policy named with ``text``."""

@@ -100,6 +100,10 @@ class CalibratedScheme(Scheme):
             f"(...)`, or use '{rtn}' for round-to-nearest."
         )
 
+    def describe(self, kernel: Any) -> str:
+        # By its storage ("int4/128"), as round-to-nearest's weights are worded.
+        return matmuls.storage_label(kernel)
+
     def round_to_nearest(self, x: Any, stacked: int = 0) -> quantization.QuantizedArray:
         """``x`` rounded to nearest in this format's storage (layers calibrate cannot see)."""
         return quantization.quantize(x, self.storage_mode, self.block_size, stacked)
@@ -110,7 +114,7 @@ class CalibratedScheme(Scheme):
 
     def matmul(self, kind: str, *, path: str, state: Any, kernel: Any) -> Callable[..., Any] | None:
         if quantization.is_quantized(kernel):
-            return matmuls.stored_kernel(kind, path, kernel, int8_compute=False)
+            return matmuls.stored_kernel(kind, path, kernel, scheme=self, int8_compute=False)
         return None
 
 
@@ -166,7 +170,7 @@ class AWQScheme(CalibratedScheme):
         if not isinstance(kernel, awq.InputScaledArray):
             return super().matmul(kind, path=path, state=state, kernel=kernel)
         plain = kernel.scaled_kernel()
-        fast = matmuls.stored_kernel("dot_general", path, plain, int8_compute=False)
+        fast = matmuls.stored_kernel("dot_general", path, plain, scheme=self, int8_compute=False)
 
         def dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, *a: Any, **kw: Any) -> Any:
             dims = normalize_dims(dimension_numbers)

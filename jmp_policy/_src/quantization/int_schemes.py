@@ -47,9 +47,13 @@ class Int8Scheme(Scheme):
     def quantize(self, x: Any, stacked: int) -> Any:
         return quantization.quantize(x, "int8", None, stacked)
 
+    def describe(self, kernel: Any) -> str:
+        # By its storage: the kernel may have been quantized under another int format.
+        return matmuls.storage_label(kernel)
+
     def matmul(self, kind: str, *, path: str, state: Any, kernel: Any) -> Callable[..., Any] | None:
         if quantization.is_quantized(kernel):
-            return matmuls.stored_kernel(kind, path, kernel, int8_compute=True)
+            return matmuls.stored_kernel(kind, path, kernel, scheme=self, int8_compute=True)
 
         def qat(lhs: Any, rhs: Any, dims: Any, *args: Any, **kw: Any) -> Any:
             matmuls.record(path, "int8 x int8 (both quantized in the step), straight-through")
@@ -114,9 +118,13 @@ class Int4Scheme(Scheme):
     def quantize(self, x: Any, stacked: int) -> Any:
         return quantization.quantize(x, "int4", self.block_size, stacked)
 
+    def describe(self, kernel: Any) -> str:
+        # By its storage: the kernel may have been quantized under another int format.
+        return matmuls.storage_label(kernel)
+
     def matmul(self, kind: str, *, path: str, state: Any, kernel: Any) -> Callable[..., Any] | None:
         if quantization.is_quantized(kernel):
-            return matmuls.stored_kernel(kind, path, kernel, int8_compute=False)
+            return matmuls.stored_kernel(kind, path, kernel, scheme=self, int8_compute=False)
         return None
 
 

@@ -61,12 +61,26 @@ def record(path: str, form: str) -> None:
         forms[path] = form
 
 
-def dequantized_ahead(path: str, kernel: Any) -> None:
+def storage_label(kernel: Any) -> str:
+    """A ``QuantizedArray`` kernel named by its storage (``"int8"``, ``"int4"`` per channel,
+    ``"int4/128"``): how the built-in formats, and a float policy, word its weights."""
+    block = kernel.block_size
+    return str(kernel.mode) if block in (None, -1) else f"int4/{block}"
+
+
+def _label(scheme: Any, kernel: Any) -> str:
+    """The weights' words for ``explain``: the scheme's (:meth:`Scheme.describe
+    <jmp_policy._src.schemes.Scheme.describe>`), or the storage's under a float policy."""
+    return storage_label(kernel) if scheme is None else str(scheme.describe(kernel))
+
+
+def dequantized_ahead(path: str, kernel: Any, scheme: Any) -> None:
     """Records a layer whose ``QuantizedArray`` kernel was dequantized ahead of it (a
     scanned stack's layer sees a slice): the glue runs it as written, a matmul in the
-    compute dtype, never the int8 rule of float kernels (no activation rounding)."""
-    mode = kernel.mode if kernel.block_size in (None, -1) else f"int4/{kernel.block_size}"
-    record(path, f"{mode} weights: dequantized ahead (a stack), compute-dtype matmul")
+    compute dtype, never the int8 rule of float kernels (no activation rounding).
+    ``scheme``: the layer's policy's (``None`` for a float policy), which words it."""
+    label = _label(scheme, kernel)
+    record(path, f"{label} weights: dequantized ahead (a stack), compute-dtype matmul")
 
 
 def record_float8(path: str, m: int, k: int, n: int, scaling: str) -> None:
@@ -146,15 +160,17 @@ def as_einsum(dot_general_for: Callable[[Any], Callable[..., Any]]) -> Callable[
     return einsum
 
 
-def stored_kernel(kind: str, path: str, kernel: Any, int8_compute: bool) -> Callable[..., Any]:
+def stored_kernel(
+    kind: str, path: str, kernel: Any, *, scheme: Any, int8_compute: bool
+) -> Callable[..., Any]:
     """The matmul of a layer whose ``QuantizedArray`` ``kernel`` reaches it whole
-    (:func:`jmp_policy._src.quantization.kernel_matmul.quantized_kernel_dot_general`), recorded."""
+    (:func:`jmp_policy._src.quantization.kernel_matmul.quantized_kernel_dot_general`), recorded
+    in the words of ``scheme`` (the layer's format; ``None`` under a float policy)."""
+    label = _label(scheme, kernel)
 
     def quantized_for(_: Any) -> Callable[..., Any]:
         def record_form(form: str) -> None:
-            block = kernel.block_size
-            mode = kernel.mode if block in (None, -1) else f"int4/{block}"
-            record(path, f"{mode} weights: {form}")
+            record(path, f"{label} weights: {form}")
 
         return kernel_matmul.quantized_kernel_dot_general(kernel, int8_compute, record_form)
 
@@ -182,5 +198,5 @@ def pick(
     if scheme is not None:
         return scheme.matmul(kind, path=path, state=state, kernel=kernel)  # type: ignore[no-any-return]
     if quantization.is_quantized(kernel):
-        return stored_kernel(kind, path, kernel, int8_compute=False)
+        return stored_kernel(kind, path, kernel, scheme=None, int8_compute=False)
     return None
