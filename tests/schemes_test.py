@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import jmp_policy as jp
-from jmp_policy._src import policy_names, quantization, schemes
+from jmp_policy._src import name_grammar, quantization, schemes
 from jmp_policy._src.quantization import matmuls
 from jmp_policy._src.quantization.calibrated_schemes import AWQScheme, GPTQScheme
 from jmp_policy._src.quantization.float8_scheme import Float8Scheme
@@ -50,12 +50,12 @@ class Int6Scheme(schemes.Scheme):
 @pytest.fixture
 def int6():
     schemes.register(Int6Scheme)
-    policy_names._policy_from_name.cache_clear()
+    name_grammar.forget_parsed()
     try:
         yield Int6Scheme
     finally:
         schemes.unregister(Int6Scheme)
-        policy_names._policy_from_name.cache_clear()
+        name_grammar.forget_parsed()
 
 
 def _examples():

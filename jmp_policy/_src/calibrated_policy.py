@@ -17,7 +17,6 @@ class _CalibratedDTypePolicy(QuantizedDTypePolicy):
     """What GPTQ and AWQ policies share: ``weight_bits``, ``group_size`` and their mode."""
 
     __slots__ = ()
-    _scheme: CalibratedScheme
     _scheme_class: ClassVar[type[CalibratedScheme]] = CalibratedScheme
 
     def __init__(self, mode: str, source_name: str | None = None):

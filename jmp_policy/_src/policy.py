@@ -11,8 +11,10 @@ from jax.typing import DTypeLike
 
 from jmp_policy._src import casting, config_fields, context
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src import name_grammar as names
 
 T = TypeVar("T")
+P = TypeVar("P", bound="DTypePolicy")
 
 
 def global_name() -> str:
@@ -65,16 +67,13 @@ class DTypePolicy:
         <Policy "p=f32,c=bf16,o=f32">
     """
 
-    __slots__ = ("_compute_dtype", "_name", "_output_dtype", "_variable_dtype")
+    __slots__ = ("_parsed",)
     _kind: ClassVar[str] = "float"
     # The quantization scheme (:mod:`jmp_policy._src.schemes`); None: a float policy.
     scheme: ClassVar[Any] = None
 
-    _name: str
-    # None only for tf.keras's "_infer" policy (its dtypes follow the inputs).
-    _variable_dtype: np.dtype
-    _compute_dtype: np.dtype
-    _output_dtype: np.dtype
+    # What the policy is: its parsed name (dtypes None only for tf.keras's "_infer").
+    _parsed: names.ParsedName
 
     def __init__(
         self,
@@ -85,47 +84,19 @@ class DTypePolicy:
         param_dtype: DTypeLike | None = None,
         variable_dtype: DTypeLike | None = None,
     ):
-        if (compute_dtype, output_dtype, param_dtype, variable_dtype) != (None,) * 4:
-            self._init_from_dtypes(name, compute_dtype, output_dtype, param_dtype, variable_dtype)
-            return
-        if name is None:
+        check_fresh(self)
+        dtypes = (compute_dtype, output_dtype, param_dtype, variable_dtype)
+        if name is None and dtypes == (None,) * 4:
             name = global_name()
-        if isinstance(name, str) and name.strip() == dt.INFER:
-            self._init(dt.INFER, None, None, None)
-            return
-        parsed = dt.parse_float_name(name, "name")
-        self._init(name.strip(), parsed.params, parsed.compute, parsed.output)
+        # The name (or jmp's dtypes) parsed once; the policy is the parsed value.
+        object.__setattr__(self, "_parsed", names.parse_arguments(name, *dtypes))
 
-    def _init_from_dtypes(
-        self, first: Any, compute: Any, output: Any, param: Any, variable: Any
-    ) -> None:
-        # jmp's constructor, with jmp's defaults for what is left out: params float32,
-        # compute follows params, output follows compute.
-        given = [
-            (n, v)
-            for n, v in (("name", first), ("param_dtype", param), ("variable_dtype", variable))
-            if v is not None
-        ]
-        if len(given) > 1:
-            raise TypeError(
-                f"Give the variable dtype once: as the first argument (jmp's "
-                f"`Policy(param_dtype, compute_dtype, output_dtype)`), `param_dtype=` or "
-                f"`variable_dtype=`. Received: {', '.join(f'{n}={v!r}' for n, v in given)}"
-            )
-        params = _as_dtype(given[0][1], given[0][0]) if given else dt.canonicalize_dtype("float32")
-        compute_ = params if compute is None else _as_dtype(compute, "compute_dtype")
-        output_ = compute_ if output is None else _as_dtype(output, "output_dtype")
-        self._init(dt.float_policy_name(params, compute_, output_), params, compute_, output_)
-
-    def _init(self, name: str, variable: Any, compute: Any, output: Any) -> None:
-        if hasattr(self, "_name"):
-            raise AttributeError(
-                f"{type(self).__name__} is immutable; it cannot be re-initialized."
-            )
-        object.__setattr__(self, "_name", name)
-        object.__setattr__(self, "_variable_dtype", variable)
-        object.__setattr__(self, "_compute_dtype", compute)
-        object.__setattr__(self, "_output_dtype", output)
+    @classmethod
+    def _from_parsed(cls: type[P], parsed: names.ParsedName) -> P:
+        """A policy of this class built from a parsed name (never parsed again)."""
+        policy = object.__new__(cls)
+        object.__setattr__(policy, "_parsed", parsed)
+        return policy
 
     # -- immutability and value semantics -------------------------------------------------
 
@@ -136,7 +107,8 @@ class DTypePolicy:
         raise AttributeError(f"{type(self).__name__} is immutable.")
 
     def _key(self) -> tuple[Any, ...]:
-        return (self._kind, self._variable_dtype, self._compute_dtype, self._output_dtype)
+        parsed = self._parsed
+        return (self._kind, parsed.params, parsed.compute, parsed.output)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DTypePolicy):
@@ -158,16 +130,16 @@ class DTypePolicy:
     def __repr__(self) -> str:
         # Keras prints a FloatDTypePolicy under its first name.
         cls = "DTypePolicy" if type(self) is FloatDTypePolicy else type(self).__name__
-        return f'<{cls} "{self._name}">'
+        return f'<{cls} "{self._parsed.name}">'
 
     def __str__(self) -> str:
         """jmp's short form (``"p=f32,c=bf16,o=bf16"``); ``get_policy(str(p)) == p``."""
-        if self._compute_dtype is None:
-            return dt.INFER
+        if self.compute_dtype is None:
+            return names.INFER
         return (
-            f"p={dt.short_name(self._variable_dtype)},"
-            f"c={dt.short_name(self._compute_dtype)},"
-            f"o={dt.short_name(self._output_dtype)}"
+            f"p={dt.short_name(self.variable_dtype)},"
+            f"c={dt.short_name(self.compute_dtype)},"
+            f"o={dt.short_name(self.output_dtype)}"
         )
 
     # -- properties -----------------------------------------------------------------------
@@ -175,25 +147,25 @@ class DTypePolicy:
     @property
     def name(self) -> str:
         """The policy's name, as given (or canonical, for derived policies)."""
-        return self._name
+        return self._parsed.name
 
     @property
     def compute_dtype(self) -> np.dtype:
         """The dtype computations run in (``None`` for tf.keras's ``"_infer"``)."""
-        return self._compute_dtype
+        return self._parsed.compute  # type: ignore[return-value]
 
     @property
     def variable_dtype(self) -> np.dtype:
         """The dtype variables (parameters) are stored in (``None`` for ``"_infer"``);
         ``param_dtype`` is jmp's and Flax's name for it."""
-        return self._variable_dtype
+        return self._parsed.params  # type: ignore[return-value]
 
     param_dtype = variable_dtype
 
     @property
     def output_dtype(self) -> np.dtype:
         """The dtype outputs are returned in (``None`` for ``"_infer"``)."""
-        return self._output_dtype
+        return self._parsed.output  # type: ignore[return-value]
 
     @property
     def quantization_mode(self) -> str | None:
@@ -207,23 +179,26 @@ class DTypePolicy:
 
         A :class:`~jmp_policy.QuantizedArray` is dequantized to the compute dtype.
         """
-        if self._compute_dtype is None:  # "_infer"
+        compute = self._parsed.compute
+        if compute is None:  # "_infer"
             return tree
-        return casting.compute_tree(tree, self._compute_dtype)
+        return casting.compute_tree(tree, compute)
 
     def cast_to_variable(self, tree: T) -> T:
         """Casts every floating array leaf of ``tree`` to :attr:`variable_dtype`."""
-        if self._variable_dtype is None:  # "_infer"
+        params = self._parsed.params
+        if params is None:  # "_infer"
             return tree
-        return casting.cast_tree(tree, self._variable_dtype)
+        return casting.cast_tree(tree, params)
 
     cast_to_param = cast_to_variable
 
     def cast_to_output(self, tree: T) -> T:
         """Casts every floating array leaf of ``tree`` to :attr:`output_dtype`."""
-        if self._output_dtype is None:  # "_infer"
+        output = self._parsed.output
+        if output is None:  # "_infer"
             return tree
-        return casting.cast_tree(tree, self._output_dtype)
+        return casting.cast_tree(tree, output)
 
     def quantize(self, tree: T, *, stacked_axes: Any = None) -> T:
         """Quantizes ``tree``'s kernels; only int8 and int4 policies do (see
@@ -249,34 +224,34 @@ class DTypePolicy:
     # -- derivation -----------------------------------------------------------------------
 
     def _with(self, variable: Any, compute: Any, output: Any) -> DTypePolicy:
-        if self._compute_dtype is None:
+        if self._parsed.compute is None:
             raise ValueError(
-                f"The '{dt.INFER}' policy has no dtypes to derive another policy from; "
+                f"The '{names.INFER}' policy has no dtypes to derive another policy from; "
                 "name the three dtypes instead, as in DTypePolicy('p=f32,c=bf16,o=f32'). "
                 f"Received: policy={self!r}"
             )
-        v, c, o = (_as_dtype(d) for d in (variable, compute, output))
-        return DTypePolicy(dt.float_policy_name(v, c, o))
+        v, c, o = (dt.as_dtype(d) for d in (variable, compute, output))
+        return DTypePolicy._from_parsed(names.from_dtypes(v, c, o))
 
     def with_compute_dtype(self, dtype: DTypeLike) -> DTypePolicy:
         """A policy like this one with another compute dtype."""
-        return self._with(self._variable_dtype, dtype, self._output_dtype)
+        return self._with(self.variable_dtype, dtype, self.output_dtype)
 
     def with_variable_dtype(self, dtype: DTypeLike) -> DTypePolicy:
         """A policy like this one with another variable dtype."""
-        return self._with(dtype, self._compute_dtype, self._output_dtype)
+        return self._with(dtype, self.compute_dtype, self.output_dtype)
 
     with_param_dtype = with_variable_dtype
 
     def with_output_dtype(self, dtype: DTypeLike) -> DTypePolicy:
         """A policy like this one with another output dtype."""
-        return self._with(self._variable_dtype, self._compute_dtype, dtype)
+        return self._with(self.variable_dtype, self.compute_dtype, dtype)
 
     # -- config ---------------------------------------------------------------------------
 
     def get_config(self) -> dict[str, Any]:
         """A JSON-ready dict that :meth:`from_config` reads back."""
-        return {"name": self._name}
+        return {"name": self._parsed.name}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> DTypePolicy:
@@ -329,18 +304,10 @@ class Policy(DTypePolicy):
     __slots__ = ()
 
 
-def _as_dtype(dtype: Any, argument: str = "dtype") -> np.dtype:
-    # `None` would silently become float64 (numpy's default); object/str dtypes are no
-    # policy; arrays, NumPy scalars and bytes are values, not dtypes (NumPy reads them as one).
-    canonical = dt.dtype_or_none(dtype)
-    if canonical is None:
-        hint = dt.did_you_mean(dtype, dt.DTYPE_NAMES) if isinstance(dtype, str) else ""
-        raise TypeError(
-            f"`{argument}` must be a numeric dtype, such as 'bfloat16' or jnp.float16 (a dtype, "
-            f"a scalar type or a dtype name; not an array or a value).{hint} Received: "
-            f"{argument}={dtype!r} (of type {type(dtype).__name__})"
-        )
-    return canonical
+def check_fresh(policy: DTypePolicy) -> None:
+    """Refuses to initialise a policy twice (``policy.__init__(...)`` on a built one)."""
+    if hasattr(policy, "_parsed"):
+        raise AttributeError(f"{type(policy).__name__} is immutable; it cannot be re-initialized.")
 
 
 def _rebuild(cls: type[DTypePolicy], config: dict[str, Any]) -> DTypePolicy:

@@ -1,61 +1,28 @@
 """From a name to a policy: the one place that picks the policy class for any accepted name
-(float, quantized, tf.keras's ``"_infer"``), and jmp's ``get_policy``."""
+(float, quantized, tf.keras's ``"_infer"``), and jmp's ``get_policy``.
+
+The name is parsed once (:func:`jmp_policy._src.name_grammar.parse`) and the class it names
+is built from the parsed value, never from the name again."""
 
 from __future__ import annotations
 
-import functools
+from typing import Any
 
-from jmp_policy._src import (
-    calibrated_policy,  # noqa: F401  (GPTQ/AWQ classes and formats)
-    schemes,
-)
-from jmp_policy._src import dtypes as dt
+from jmp_policy._src import calibrated_policy  # noqa: F401  (GPTQ/AWQ classes and formats)
+from jmp_policy._src import name_grammar as names
 from jmp_policy._src.policy import DTypePolicy
-from jmp_policy._src.quantized_policy import CLASSES, QuantizedDTypePolicy
+from jmp_policy._src.quantized_policy import CLASSES
 
 
-def policy_from_name(name: str, argument: str = "name") -> DTypePolicy:
-    """Any accepted name to the right policy class (see :func:`_policy_from_name`)."""
-    dt.check_name_type(name, argument)
-    # Policies are immutable values: a large map names a few policies many times.
-    return _policy_from_name(name, argument)
-
-
-@functools.lru_cache(maxsize=1024)
-def _policy_from_name(name: str, argument: str) -> DTypePolicy:
-    """Any accepted name to the right policy class, as Keras picks it.
-
-    A quantized name's format (:mod:`jmp_policy._src.schemes`) picks the class:
-    ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"int4_from_…"`` and
-    ``"int8_from_…"`` a :class:`QuantizedDTypePolicy`, ``"float8_from_…"`` (delayed
-    scaling) and ``"float8_current_from_…"`` (current scaling) a
-    :class:`QuantizedFloat8DTypePolicy`, ``"gptq/…"`` and ``"awq/…"`` a
-    :class:`GPTQDTypePolicy` and an :class:`AWQDTypePolicy`; every other name gives a
-    :class:`DTypePolicy`.
+def policy_from_name(name: Any, argument: str = "name") -> DTypePolicy:
+    """Any accepted name to the right policy class, as Keras picks it
+    (:attr:`ParsedName.policy_class <jmp_policy._src.name_grammar.ParsedName.policy_class>`:
+    ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"float8_from_…"`` a
+    :class:`QuantizedFloat8DTypePolicy`, a float name or ``"_infer"`` a :class:`DTypePolicy`).
     ``argument`` names the caller's argument in error messages.
     """
-    split = dt.split_quantized_name(name, argument)
-    if split is None:
-        if name.strip() == dt.INFER:
-            return DTypePolicy(name)
-        parsed = dt.parse_float_name(name, argument)  # errors name the caller's argument
-        # Built from the parsed value: the name is not parsed a second time.
-        policy = object.__new__(DTypePolicy)
-        policy._init(name.strip(), parsed.params, parsed.compute, parsed.output)
-        return policy
-    mode, source = split
-    try:
-        scheme_cls = schemes.lookup(mode)
-        scheme = None if scheme_cls is None else scheme_cls.parse(mode)
-        if scheme is None:  # a token's mode with a bad setting ("int8/128"): the class says why
-            return QuantizedDTypePolicy(mode, source)
-        quantized = object.__new__(CLASSES[scheme.policy_class_for(mode)])
-        quantized._init_quantized(scheme.mode_text(mode), scheme, source)
-        return quantized
-    except ValueError as e:  # about the source or the mode: say which name held it
-        message, received, detail = str(e).partition(" Received: ")
-        where = f", where {detail}" if received else ""
-        raise ValueError(f"{message} Received: {argument}={name!r}{where}") from e
+    parsed = names.parse(name, argument)
+    return CLASSES.get(parsed.policy_class, DTypePolicy)._from_parsed(parsed)
 
 
 def get_policy(name: str) -> DTypePolicy:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from jmp_policy._src import dtypes as dt
+from jmp_policy._src import name_grammar as names
 from jmp_policy._src import quantization, schemes
-from jmp_policy._src.policy import DTypePolicy, T, global_name
+from jmp_policy._src.policy import DTypePolicy, T, check_fresh, global_name
 from jmp_policy._src.quantization import float8
 from jmp_policy._src.quantization.float8_scheme import DEFAULT_AMAX_HISTORY_LENGTH, Float8Scheme
 from jmp_policy._src.quantization.int_schemes import Int4Scheme
@@ -47,45 +47,30 @@ class QuantizedDTypePolicy(DTypePolicy):
         ('int4', 128)
     """
 
-    __slots__ = ("_mode", "_scheme", "_source_name")
+    __slots__ = ()
     _kind: ClassVar[str] = "quantized"
-
-    # The mode as names write it ("int4/128"); `mode` gives the quantization mode alone.
-    _mode: str
-    _scheme: schemes.Scheme
-    _source_name: str
 
     def __init__(self, mode: str, source_name: str | None = None):
         scheme = schemes.parse_mode(mode, "QuantizedDTypePolicy")
         self._init_quantized(scheme.mode_text(mode), scheme, source_name)
 
     def _init_quantized(self, mode: str, scheme: schemes.Scheme, source_name: str | None) -> None:
+        """Initialises from the mode as names write it, its scheme and the source name
+        (``None``: the global policy's), parsed once."""
+        check_fresh(self)
         if source_name is None:
             source_name = global_name()
-        dt.check_name_type(source_name, "source_name")
-        if dt.split_quantized_name(source_name, "source_name") is not None:
-            raise ValueError(
-                f"Cannot convert {source_name!r} to a float source policy: `source_name` "
-                f"must be a float policy name, not a quantized one. "
-                f"Received: source_name={source_name!r}"
-            )
-        if source_name.strip() == dt.INFER:
-            raise ValueError(
-                "A quantized policy needs a floating compute dtype; tf.keras's '_infer' has "
-                f"none. Received: source_name={source_name!r}"
-            )
-        parsed = dt.parse_float_name(source_name, "source_name")
-        scheme.check_source(parsed.compute, mode, source_name)
-        if not dt.is_floating(parsed.compute):
-            raise ValueError(
-                f"A quantized policy needs a floating compute dtype. "
-                f"Received: source_name={source_name!r}"
-            )
-        source_name = source_name.strip()
-        self._init(f"{mode}_from_{source_name}", parsed.params, parsed.compute, parsed.output)
-        object.__setattr__(self, "_mode", mode)
-        object.__setattr__(self, "_scheme", scheme)
-        object.__setattr__(self, "_source_name", source_name)
+        object.__setattr__(self, "_parsed", names.parse_source(mode, scheme, source_name))
+
+    @property
+    def _scheme(self) -> Any:
+        return self._parsed.scheme
+
+    @property
+    def _mode(self) -> str:
+        """The mode as names write it (``"int4/128"``); ``mode`` gives the quantization
+        mode alone."""
+        return str(self._parsed.mode)
 
     def _key(self) -> tuple[Any, ...]:
         return (*super()._key(), self._scheme)
@@ -116,12 +101,15 @@ class QuantizedDTypePolicy(DTypePolicy):
     @property
     def source_name(self) -> str:
         """The name of the float policy the dtypes come from."""
-        return self._source_name
+        return str(self._parsed.source)
 
     @property
     def source_policy(self) -> DTypePolicy:
         """The float policy the dtypes come from."""
-        return DTypePolicy(self._source_name)
+        parsed = self._parsed
+        return DTypePolicy._from_parsed(
+            names.ParsedName(str(parsed.source), parsed.params, parsed.compute, parsed.output)
+        )
 
     def quantize(self, tree: T, *, stacked_axes: Any = None) -> T:
         """Every floating leaf of rank >= 2 of ``tree`` as a :class:`~jmp_policy.QuantizedArray`.
@@ -173,7 +161,7 @@ class QuantizedDTypePolicy(DTypePolicy):
 
     def get_config(self) -> dict[str, Any]:
         mode = self._scheme.config_mode(self._mode)
-        return {"mode": mode, "source_name": self._source_name, **self._scheme.config_fields()}
+        return {"mode": mode, "source_name": self.source_name, **self._scheme.config_fields()}
 
 
 class Int4DTypePolicy(QuantizedDTypePolicy):
@@ -275,7 +263,6 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
     __slots__ = ()
     _kind: ClassVar[str] = "float8"
     default_amax_history_length: ClassVar[int] = DEFAULT_AMAX_HISTORY_LENGTH
-    _scheme: Float8Scheme
 
     def __init__(
         self,

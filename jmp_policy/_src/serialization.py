@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from jmp_policy._src.calibrated_policy import AWQDTypePolicy, GPTQDTypePolicy
-from jmp_policy._src.dtypes import INFER, bounded_repr
+from jmp_policy._src.dtypes import bounded_repr
+from jmp_policy._src.name_grammar import INFER
 from jmp_policy._src.policy import DTypePolicy, FloatDTypePolicy, Policy
 from jmp_policy._src.policy_names import policy_from_name
 from jmp_policy._src.quantized_policy import (
