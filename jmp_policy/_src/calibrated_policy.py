@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from jmp_policy._src import schemes
-from jmp_policy._src.policy import DTypePolicy, T
+from jmp_policy._src.policy import CLASSES, DTypePolicy, T
 from jmp_policy._src.quantization.calibrated_schemes import AWQScheme, CalibratedScheme, GPTQScheme
-from jmp_policy._src.quantized_policy import CLASSES, QuantizedDTypePolicy
+from jmp_policy._src.quantized_policy import QuantizedDTypePolicy
 
 
 class _CalibratedDTypePolicy(QuantizedDTypePolicy):

@@ -53,14 +53,12 @@ def read_policy(identifier: Any, argument: str) -> Any:
     if isinstance(identifier, str):
         return policy_from_name(identifier, argument)
     if isinstance(identifier, dict):
-        return serialization.deserialize_argument(identifier, None, argument)
-    if serialization.is_serializable(
-        identifier
-    ):  # a DTypePolicyMap (not a class merely named like one)
+        return serialization.read_config(identifier, None, argument)
+    if serialization.is_serializable(identifier):  # a map (not a class merely named like one)
         return identifier
     # Only dtypes (np.dtype, scalar types): never arrays, NumPy scalars or bytes, which
     # NumPy would read as their dtypes (`np.True_` as bool, `b"h"` as int16).
-    dtype = None if isinstance(identifier, str) else dtype_or_none(identifier)
+    dtype = dtype_or_none(identifier)
     if dtype is None:
         raise TypeAndValueError(
             f"Cannot interpret `dtype` argument (`{argument}`) as a dtype policy. Expected "

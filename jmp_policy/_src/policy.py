@@ -304,10 +304,28 @@ class Policy(DTypePolicy):
     __slots__ = ()
 
 
+#: The policy classes by the names a parsed name gives (``ParsedName.policy_class``, a
+#: scheme's ``policy_class``): each module that defines one adds it.
+CLASSES: dict[str, type[DTypePolicy]] = {}
+
+
+def from_name(name: Any, argument: str = "name") -> DTypePolicy:
+    """Any accepted name to the class it names (:data:`CLASSES`), built from the name
+    parsed once (:func:`jmp_policy._src.name_grammar.parse`): no constructor is handed the
+    name to parse again. ``argument`` names the caller's argument in error messages."""
+    parsed = names.parse(name, argument)
+    policy = object.__new__(CLASSES[parsed.policy_class])
+    object.__setattr__(policy, "_parsed", parsed)  # as `_from_parsed`, without a call back
+    return policy
+
+
 def check_fresh(policy: DTypePolicy) -> None:
     """Refuses to initialise a policy twice (``policy.__init__(...)`` on a built one)."""
     if hasattr(policy, "_parsed"):
         raise AttributeError(f"{type(policy).__name__} is immutable; it cannot be re-initialized.")
+
+
+CLASSES["DTypePolicy"] = DTypePolicy
 
 
 def _rebuild(cls: type[DTypePolicy], config: dict[str, Any]) -> DTypePolicy:

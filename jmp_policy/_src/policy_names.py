@@ -2,27 +2,25 @@
 (float, quantized, tf.keras's ``"_infer"``), and jmp's ``get_policy``.
 
 The name is parsed once (:func:`jmp_policy._src.name_grammar.parse`) and the class it names
-is built from the parsed value, never from the name again."""
+is built from the parsed value (:func:`jmp_policy._src.policy.from_name`), never from the
+name again; this module sits above every policy class, so that each has registered."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from jmp_policy._src import calibrated_policy  # noqa: F401  (GPTQ/AWQ classes and formats)
-from jmp_policy._src import name_grammar as names
-from jmp_policy._src.policy import DTypePolicy
-from jmp_policy._src.quantized_policy import CLASSES
+from jmp_policy._src.policy import DTypePolicy, from_name
 
 
 def policy_from_name(name: Any, argument: str = "name") -> DTypePolicy:
     """Any accepted name to the right policy class, as Keras picks it
     (:attr:`ParsedName.policy_class <jmp_policy._src.name_grammar.ParsedName.policy_class>`:
     ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"float8_from_…"`` a
-    :class:`QuantizedFloat8DTypePolicy`, a float name or ``"_infer"`` a :class:`DTypePolicy`).
-    ``argument`` names the caller's argument in error messages.
+    :class:`QuantizedFloat8DTypePolicy`, a float name or ``"_infer"`` a :class:`DTypePolicy`),
+    every class imported. ``argument`` names the caller's argument in error messages.
     """
-    parsed = names.parse(name, argument)
-    return CLASSES.get(parsed.policy_class, DTypePolicy)._from_parsed(parsed)
+    return from_name(name, argument)
 
 
 def get_policy(name: str) -> DTypePolicy:

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from jmp_policy._src import name_grammar as names
 from jmp_policy._src import quantization, schemes
-from jmp_policy._src.policy import DTypePolicy, T, check_fresh, global_name
+from jmp_policy._src.policy import CLASSES, DTypePolicy, T, check_fresh, global_name
 from jmp_policy._src.quantization import float8
 from jmp_policy._src.quantization.float8_scheme import DEFAULT_AMAX_HISTORY_LENGTH, Float8Scheme
 from jmp_policy._src.quantization.int_schemes import Int4Scheme
@@ -296,9 +296,6 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         return QuantizedFloat8DTypePolicy("float8", source.name, length, scaling)
 
 
-#: The policy classes a scheme's ``policy_class`` names.
-CLASSES: dict[str, type[QuantizedDTypePolicy]] = {
-    "QuantizedDTypePolicy": QuantizedDTypePolicy,
-    "Int4DTypePolicy": Int4DTypePolicy,
-    "QuantizedFloat8DTypePolicy": QuantizedFloat8DTypePolicy,
-}
+CLASSES["QuantizedDTypePolicy"] = QuantizedDTypePolicy
+CLASSES["Int4DTypePolicy"] = Int4DTypePolicy
+CLASSES["QuantizedFloat8DTypePolicy"] = QuantizedFloat8DTypePolicy

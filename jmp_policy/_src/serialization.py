@@ -258,16 +258,16 @@ def deserialize(config: Any, custom_objects: Mapping[str, type[Any]] | None = No
         >>> jp.deserialize(config, custom_objects={"MyPolicy": MyPolicy})
         <MyPolicy "mixed_float16">
     """
-    return deserialize_argument(config, custom_objects, "config")
+    if config is None or isinstance(config, str):
+        _check_custom_objects(custom_objects)
+        # tf.keras's reading of `None`; a name is read as `get` reads it.
+        return Policy(INFER) if config is None else policy_from_name(config, "config")
+    return read_config(config, custom_objects, "config")
 
 
-def deserialize_argument(config: Any, custom_objects: Any, argument: str) -> Any:
-    """:func:`deserialize`, its errors naming the caller's ``argument``."""
+def read_config(config: Any, custom_objects: Any, argument: str) -> Any:
+    """:func:`deserialize` of a config dict, its errors naming the caller's ``argument``."""
     known = {**(_CUSTOM_OBJECTS.get() or {}), **_check_custom_objects(custom_objects)}
-    if config is None:
-        return Policy(INFER)  # tf.keras's reading of `None`
-    if isinstance(config, str):
-        return policy_from_name(config, argument)
     if not isinstance(config, dict):
         raise TypeError(
             f"`{argument}` must be a dict with 'class_name' and 'config' (as `serialize` "
