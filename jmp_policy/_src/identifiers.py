@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from jmp_policy._src import global_state, serialization
-from jmp_policy._src.dtypes import TypeAndValueError, dtype_or_none
+from jmp_policy._src.dtypes import TypeAndValueError
 from jmp_policy._src.policy import DTypePolicy
-from jmp_policy._src.policy_names import policy_from_name
+from jmp_policy._src.policy_names import policy_from_name_or_dtype
 
 
 def get(identifier: Any = None) -> Any:
@@ -48,23 +48,18 @@ def read_policy(identifier: Any, argument: str) -> Any:
     """:func:`get`, its errors naming the caller's ``argument``."""
     if identifier is None:
         return global_state.dtype_policy()
-    if isinstance(identifier, DTypePolicy):
-        return identifier
-    if isinstance(identifier, str):
-        return policy_from_name(identifier, argument)
-    if isinstance(identifier, dict):
-        return serialization.read_config(identifier, None, argument)
-    if serialization.is_serializable(identifier):  # a map (not a class merely named like one)
-        return identifier
-    # Only dtypes (np.dtype, scalar types): never arrays, NumPy scalars or bytes, which
-    # NumPy would read as their dtypes (`np.True_` as bool, `b"h"` as int16).
-    dtype = dtype_or_none(identifier)
-    if dtype is None:
-        raise TypeAndValueError(
-            f"Cannot interpret `dtype` argument (`{argument}`) as a dtype policy. Expected "
-            "None, a policy name "
-            "(such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32'), a config dict, a policy, "
-            f"a DTypePolicyMap or a dtype. Received: {argument}={identifier!r} "
-            f"(of type {type(identifier).__name__})"
-        )
-    return DTypePolicy(dtype.name)
+    if isinstance(identifier, DTypePolicy) or serialization.is_serializable(identifier):
+        return identifier  # a policy, or a map (not a class merely named like one)
+    if not isinstance(identifier, dict):
+        # A name, or a dtype (np.dtype, scalar types): never arrays, NumPy scalars or bytes,
+        # which NumPy would read as their dtypes (`np.True_` as bool, `b"h"` as int16).
+        policy = policy_from_name_or_dtype(identifier, argument)
+        if policy is None:
+            raise TypeAndValueError(
+                f"Cannot interpret `dtype` argument (`{argument}`) as a dtype policy. Expected "
+                "None, a policy name (such as 'mixed_bfloat16' or 'p=f32,c=bf16,o=f32'), a "
+                "config dict, a policy, a DTypePolicyMap or a dtype. Received: "
+                f"{argument}={identifier!r} (of type {type(identifier).__name__})"
+            )
+        return policy
+    return serialization.read_config(identifier, None, argument)

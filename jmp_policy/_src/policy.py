@@ -309,11 +309,18 @@ class Policy(DTypePolicy):
 CLASSES: dict[str, type[DTypePolicy]] = {}
 
 
-def from_name(name: Any, argument: str = "name") -> DTypePolicy:
-    """Any accepted name to the class it names (:data:`CLASSES`), built from the name
-    parsed once (:func:`jmp_policy._src.name_grammar.parse`): no constructor is handed the
-    name to parse again. ``argument`` names the caller's argument in error messages."""
-    parsed = names.parse(name, argument)
+def from_name(value: Any, argument: str = "name", *, or_dtype: bool = False) -> DTypePolicy | None:
+    """A name (or, with ``or_dtype``, a dtype) to the class it names (:data:`CLASSES`), built
+    from the name parsed once: no constructor is handed the name to parse again. ``None``:
+    with ``or_dtype``, ``value`` is neither. ``argument`` names the caller's argument."""
+    if isinstance(value, str) or not or_dtype:
+        parsed = names.parse(value, argument)
+    else:
+        # A dtype names the float policy of that dtype (`jnp.bfloat16`: "bfloat16").
+        dtype = dt.dtype_or_none(value)
+        if dtype is None:
+            return None
+        parsed = names.ParsedName(str(dtype.name), dtype, dtype, dtype)
     policy = object.__new__(CLASSES[parsed.policy_class])
     object.__setattr__(policy, "_parsed", parsed)  # as `_from_parsed`, without a call back
     return policy

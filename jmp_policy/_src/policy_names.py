@@ -7,7 +7,7 @@ name again; this module sits above every policy class, so that each has register
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from jmp_policy._src import calibrated_policy  # noqa: F401  (GPTQ/AWQ classes and formats)
 from jmp_policy._src.policy import DTypePolicy, from_name
@@ -20,7 +20,13 @@ def policy_from_name(name: Any, argument: str = "name") -> DTypePolicy:
     :class:`QuantizedFloat8DTypePolicy`, a float name or ``"_infer"`` a :class:`DTypePolicy`),
     every class imported. ``argument`` names the caller's argument in error messages.
     """
-    return from_name(name, argument)
+    return cast(DTypePolicy, from_name(name, argument))
+
+
+def policy_from_name_or_dtype(identifier: Any, argument: str) -> DTypePolicy | None:
+    """:func:`policy_from_name`, or the float policy of a dtype (``jnp.bfloat16``:
+    ``"bfloat16"``); ``None`` for any other value that is not a string."""
+    return from_name(identifier, argument, or_dtype=True)
 
 
 def get_policy(name: str) -> DTypePolicy:
