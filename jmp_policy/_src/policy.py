@@ -316,9 +316,10 @@ def from_name(value: Any, argument: str = "name", *, or_dtype: bool = False) -> 
     if isinstance(value, str) or not or_dtype:
         parsed = names.parse(value, argument)
     else:
-        # A dtype names the float policy of that dtype (`jnp.bfloat16`: "bfloat16").
+        # A dtype names the policy of that dtype (`jnp.bfloat16`: "bfloat16"), if the
+        # grammar has its name (not float128, say).
         dtype = dt.dtype_or_none(value)
-        if dtype is None:
+        if dtype is None or dtype.name not in dt.DTYPE_NAMES:
             return None
         parsed = names.ParsedName(str(dtype.name), dtype, dtype, dtype)
     policy = object.__new__(CLASSES[parsed.policy_class])

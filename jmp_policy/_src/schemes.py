@@ -13,7 +13,8 @@ text.
 serialize and its layers run what :meth:`Scheme.matmul` returns. The built-in formats are
 :mod:`jmp_policy._src.quantization.int_schemes` (int8, int4) and :mod:`jmp_policy._src.quantization.float8_scheme`.
 
-This module imports nothing of jmp_policy: the dtype parser reads the registry's tokens.
+This module imports nothing of jmp_policy: the name grammar
+(:mod:`jmp_policy._src.name_grammar`) reads the registry's tokens.
 """
 
 from __future__ import annotations

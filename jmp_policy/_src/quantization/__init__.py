@@ -2,7 +2,7 @@
 
 A private package, one module per concept; none knows Flax or a policy class (the policies
 that name a format are :mod:`jmp_policy._src.quantized_policy`; the registry of formats,
-which the dtype parser reads, is :mod:`jmp_policy._src.schemes`, below this package):
+which the name grammar reads, is :mod:`jmp_policy._src.schemes`, below this package):
 
 * ``quantized_array``: :class:`QuantizedArray` (int8/int4 weight storage) and ``quantize``;
   ``quantized_array_checks``: its field checks;
