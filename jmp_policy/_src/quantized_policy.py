@@ -67,6 +67,10 @@ class QuantizedDTypePolicy(DTypePolicy):
         return self._parsed.scheme
 
     @property
+    def _source_name(self) -> str:  # Keras's attribute, which its users read
+        return str(self._parsed.source)
+
+    @property
     def _mode(self) -> str:
         """The mode as names write it (``"int4/128"``); ``mode`` gives the quantization
         mode alone."""
