@@ -18,13 +18,13 @@ def policy_from_name(name: Any, argument: str = "name") -> DTypePolicy:
     (:attr:`ParsedName.policy_class <jmp_policy._src.name_grammar.ParsedName.policy_class>`:
     ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"float8_from_…"`` a
     :class:`QuantizedFloat8DTypePolicy`, a float name or ``"_infer"`` a :class:`DTypePolicy`),
-    every class imported. ``argument`` names the caller's argument in error messages.
+    ``argument`` names the caller's argument in error messages.
     """
     return cast(DTypePolicy, from_name(name, argument))
 
 
 def policy_from_name_or_dtype(identifier: Any, argument: str) -> DTypePolicy | None:
-    """:func:`policy_from_name`, or the float policy of a dtype (``jnp.bfloat16``:
+    """:func:`policy_from_name`, or the policy of a dtype (``jnp.bfloat16``:
     ``"bfloat16"``); ``None`` for any other value that is not a string."""
     return from_name(identifier, argument, or_dtype=True)
 
