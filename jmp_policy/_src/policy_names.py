@@ -17,7 +17,7 @@ def policy_from_name(name: Any, argument: str = "name") -> DTypePolicy:
     """Any accepted name to the right policy class, as Keras picks it
     (:attr:`ParsedName.policy_class <jmp_policy._src.name_grammar.ParsedName.policy_class>`:
     ``"int4/<block>_from_…"`` gives an :class:`Int4DTypePolicy`, ``"float8_from_…"`` a
-    :class:`QuantizedFloat8DTypePolicy`, a float name or ``"_infer"`` a :class:`DTypePolicy`),
+    :class:`QuantizedFloat8DTypePolicy`, a float name or ``"_infer"`` a :class:`DTypePolicy`).
     ``argument`` names the caller's argument in error messages.
     """
     return cast(DTypePolicy, from_name(name, argument))
