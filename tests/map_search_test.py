@@ -386,3 +386,30 @@ def test_nnx_scan_stack_is_scored_chosen_and_quantized_per_stack():
     assert (
         float(jnp.abs(bf16.astype(jnp.float32) - ref).max()) < err < 0.5 * float(jnp.abs(ref).max())
     )
+
+
+def test_linen_layers_under_remat_and_vmap_are_not_scored_and_the_table_says_so():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.relu(nn.Dense(128, name="mlp")(x))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.remat(Block)(name="blk")(x)
+            vmapped = nn.vmap(
+                Block, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=0
+            )
+            x = vmapped(name="vm")(jnp.stack([x, x])).mean(0)
+            return nn.Dense(4, name="head")(x)
+
+    model, x = Model(), jax.random.normal(jax.random.key(0), (8, 128))
+    variables = model.init(jax.random.key(1), x)
+    result = jp.linen.search_map(model, variables, [x], _loss, budget={"effective_bits": 16})
+    rows = _rows(result)
+    for path in ("blk/mlp", "vm/mlp"):
+        assert rows[path].choice == "mixed_bfloat16"
+        assert list(rows[path].scores) == ["mixed_bfloat16"]
+        assert rows[path].why.startswith("not scored (called inside a transform the search ")
+    assert rows["head"].scores[INT4] > 0
