@@ -262,7 +262,8 @@ def test_linen_scan_stack_scores_as_the_sum_of_its_layers(scan_setup, jit):
     assert sorted(stack) == ["embed", "head", "layers/mlp"]
     row = stack["layers/mlp"]
     assert row.params == 3 * 128 * 128
-    assert row.why.startswith("per stack (scanned: 3 layers; a path map gives the stack one ")
+    assert row.unit == "per stack (scanned: 3 layers)"
+    assert row.why.startswith("per stack (scanned: 3 layers), one entry of the map for all its ")
     for name in row.bytes:  # each layer quantized on its own: the stack's bytes are theirs
         assert row.bytes[name] == sum(flat[f"mlp_{i}"].bytes[name] for i in range(3)), name
     # Float8 runs the same matmul in and out of the loop: the scores add up exactly; a
@@ -320,6 +321,7 @@ def test_linen_scan_sharing_one_kernel_says_so():
     variables = model.init(jax.random.key(1), x)
     result = jp.linen.search_map(model, variables, [x], _loss, budget={"effective_bits": 16})
     row = _rows(result)["layers/mlp"]
+    assert row.unit == "one kernel shared by 3 scan iterations"
     assert row.why.startswith("one kernel shared by 3 scan iterations; ")
     assert row.params == 128 * 128 and row.scores[INT4] > 0
 
@@ -361,7 +363,8 @@ def test_nnx_scan_stack_is_scored_chosen_and_quantized_per_stack():
     rows = _rows(result)
     assert sorted(rows) == ["blocks/mlp", "embed", "head"]
     row = rows["blocks/mlp"]
-    assert row.why.startswith("per stack (scanned: 3 layers; a path map gives the stack one ")
+    assert row.unit == "per stack (scanned: 3 layers)"
+    assert row.why.startswith("per stack (scanned: 3 layers), one entry of the map for all its ")
     assert row.params == 3 * 128 * 128
     assert 0 < row.scores[FP8] < row.scores[INT4]
     assert result.weight_bytes * 8 <= 5 * sum(r.params for r in result.table)
@@ -412,4 +415,37 @@ def test_linen_layers_under_remat_and_vmap_are_not_scored_and_the_table_says_so(
         assert rows[path].choice == "mixed_bfloat16"
         assert list(rows[path].scores) == ["mixed_bfloat16"]
         assert rows[path].why.startswith("not scored (called inside a transform the search ")
+        assert not rows[path].scored
     assert rows["head"].scores[INT4] > 0
+
+
+@pytest.mark.parametrize(
+    "budget", [{"effective_bits": 5}, {"weight_bytes": 300_000}, {"loss_increase": 1e-3}]
+)
+def test_at_chooses_again_from_the_same_scores(linen_setup, budget):
+    model, variables, batches = linen_setup
+    first = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 16})
+    again = first.at(budget)
+    direct = jp.linen.search_map(model, variables, batches, _loss, budget=budget)
+    assert [r.choice for r in again.table] == [r.choice for r in direct.table]
+    assert again.policy_map == direct.policy_map
+    assert (again.weight_bytes, again.method) == (direct.weight_bytes, direct.method)
+    assert again.loss_increase == pytest.approx(direct.loss_increase)
+    assert [r.why for r in again.table] == [r.why for r in direct.table]
+    assert first.at({"effective_bits": 16}) == first
+
+
+def test_at_validates_its_budget(linen_setup):
+    model, variables, batches = linen_setup
+    first = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 16})
+    with pytest.raises(ValueError, match=r"cheapest possible is [\d,]+ weight bytes \(4\.\d+ eff"):
+        first.at({"effective_bits": 2})
+    with pytest.raises(TypeError, match="must be a dict of one of"):
+        first.at(4.5)
+
+
+def test_at_keeps_a_stack_per_stack(scan_setup):
+    model, variables, batches = scan_setup
+    first = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 16})
+    row = _rows(first.at({"effective_bits": 5}))["layers/mlp"]
+    assert (row.unit, row.choice) == ("per stack (scanned: 3 layers)", INT4)

@@ -55,10 +55,14 @@ BUDGETS = ("effective_bits", "weight_bytes", "loss_increase")
 
 
 class LayerRow(NamedTuple):
-    """One layer of a search's table.
+    """One layer (one path of the map) of a search's table.
 
     ``scores``/``bytes``: per candidate name (a candidate that cannot quantize the layer's
-    kernel is absent); ``choice``: the chosen candidate; ``why``: the reason in words.
+    kernel is absent); ``choice``: the chosen candidate; ``why``: the reason in words;
+    ``unit``: ``"layer"``, or for a layer stack ``"per stack (scanned: N layers)"`` (one
+    path, so one choice for all its layers) or ``"one kernel shared by N scan
+    iterations"``; ``scored``: ``False`` where the search could not see the layer run
+    (it keeps the base policy).
     """
 
     path: str
@@ -67,12 +71,15 @@ class LayerRow(NamedTuple):
     bytes: dict[str, int]
     choice: str
     why: str
+    unit: str = "layer"
+    scored: bool = True
 
 
 class SearchResult(NamedTuple):
     """What a search returns: the map, the table per layer, and the totals.
 
-    Unpacks as ``policy_map, table, ...``; ``str(result)`` is the table as text.
+    Unpacks as ``policy_map, table, ...``; ``str(result)`` is the table as text;
+    :meth:`at` chooses again under another budget from the same scores.
     """
 
     policy_map: DTypePolicyMap
@@ -96,6 +103,51 @@ class SearchResult(NamedTuple):
             f"parameter), estimated loss increase {self.loss_increase:.4g} ({self.method})"
         )
         return "\n".join(lines)
+
+    def at(self, budget: Mapping[str, float]) -> SearchResult:
+        """The choice under another ``budget``, from this search's scores (no model runs).
+
+        One search, then a sweep of budgets: ``result.at({"effective_bits": 5})`` is what
+        ``search_map(..., budget={"effective_bits": 5})`` returns on the same arguments.
+
+        Raises:
+            TypeError, ValueError: ``budget`` is not one of the search's forms, or no
+                choice meets it (the message names the cheapest possible).
+
+        Examples:
+            >>> import jmp_policy as jp
+            >>> from jmp_policy._src.map_search import LayerRow, SearchResult
+            >>> int4, bf16 = "int4/128_from_mixed_bfloat16", "mixed_bfloat16"
+            >>> rows = tuple(LayerRow(path, 16384, {bf16: 0.0, int4: score},
+            ...                       {bf16: 32768, int4: 8704}, bf16, "")
+            ...              for path, score in [("up", 0.5), ("down", 0.1)])
+            >>> result = SearchResult(jp.DTypePolicyMap(bf16), rows, 65536, 16.0, 0.0, "")
+            >>> small = result.at({"effective_bits": 11})
+            >>> [(row.path, row.choice) for row in small.table]
+            [('up', 'mixed_bfloat16'), ('down', 'int4/128_from_mixed_bfloat16')]
+            >>> small.weight_bytes
+            41472
+        """
+        kind, value = check_budget(budget)
+        layers = [
+            _Layer(
+                r.path, r.params, [(n, r.bytes[n], r.scores[n]) for n in r.bytes], r.scored, r.unit
+            )
+            for r in self.table
+        ]
+        names = {n for row in self.table for n in row.bytes}
+        policies = {n: get_policy(n) for n in sorted(names)}
+        return _choose(layers, policies, self.policy_map.default_policy.name, kind, value)
+
+
+class _Layer(NamedTuple):
+    """A layer as the choice sees it: its options ``(name, bytes, score)``."""
+
+    path: str
+    params: int
+    options: list[tuple[str, int, float]]
+    scored: bool
+    unit: str
 
 
 # -- arguments ----------------------------------------------------------------------------
@@ -427,44 +479,41 @@ def search(  # long: the passes in their order (gradients, then one per candidat
                 totals[p] = totals.get(p, 0.0) + float(s) / len(batches)
         for p in fits:
             scores[p][name] = totals.get(p, 0.0)
-    return _choose(kernels, policies, base, scores, set(scored), layout, kind, value)
+    layers = []
+    for p in kernels:
+        options = []
+        for name, policy in policies.items():
+            if name in scores[p] or name == base:
+                b = kernel_bytes(policy, kernels[p], layout[p][0])
+                if b is not None:
+                    options.append((name, b, scores[p].get(name, 0.0)))
+        size = int(np.prod(kernels[p].shape))
+        layers.append(_Layer(p, size, options, p in eps, layout[p][1]))
+    return _choose(layers, policies, base, kind, value)
 
 
 def _stacking(kernel: Any, lengths: tuple[int, ...]) -> tuple[int, str]:
-    """How many leading axes of ``kernel`` stack layers, and the table's words for a layer
+    """How many leading axes of ``kernel`` stack layers, and the table's unit for a layer
     its taps saw inside scans of ``lengths`` (``()``: none)."""
     if not lengths:
-        return 0, ""
+        return 0, "layer"
     steps = int(np.prod(lengths))
     if tuple(kernel.shape[: len(lengths)]) == lengths and kernel.ndim - len(lengths) >= 2:
-        return len(lengths), (
-            f"per stack (scanned: {steps} layers; a path map gives the stack one policy)"
-        )
+        return len(lengths), f"per stack (scanned: {steps} layers)"
     return 0, f"one kernel shared by {steps} scan iterations"
 
 
-def _choose(  # long: options, feasibility, the knapsack and the table, in one place
-    kernels: Mapping[str, Any],
+def _choose(  # long: feasibility, the knapsack and the table, in one place
+    table: Sequence[_Layer],
     policies: Mapping[str, Any],
     base: str,
-    scores: dict[str, dict[str, float]],
-    scored: set[str],
-    layout: Mapping[str, tuple[int, str]],
     kind: str,
     value: float,
 ) -> SearchResult:
-    paths = list(kernels)
-    sizes = {p: int(np.prod(kernels[p].shape)) for p in paths}
+    paths = [layer.path for layer in table]
+    options = {layer.path: layer.options for layer in table}
+    sizes = {layer.path: layer.params for layer in table}
     total_params = sum(sizes.values())
-    options: dict[str, list[tuple[str, int, float]]] = {}
-    for p in paths:
-        opts = []
-        for name, policy in policies.items():
-            if name in scores[p] or (name == base):
-                b = kernel_bytes(policy, kernels[p], layout[p][0])
-                if b is not None:
-                    opts.append((name, b, scores[p].get(name, 0.0)))
-        options[p] = opts
     layers = [[(float(b), s) for _, b, s in options[p]] for p in paths]
     least_bytes = map_choice.cheapest(layers, 0)
     if kind == "loss_increase":
@@ -487,7 +536,8 @@ def _choose(  # long: options, feasibility, the knapsack and the table, in one p
         picks, method = map_choice.choose(layers, bound, minimize="score")
     choices = {p: options[p][j][0] for p, j in zip(paths, picks, strict=True)}
     rows = []
-    for p, j in zip(paths, picks, strict=True):
+    for layer, j in zip(table, picks, strict=True):
+        p = layer.path
         rows.append(
             LayerRow(
                 path=p,
@@ -495,7 +545,9 @@ def _choose(  # long: options, feasibility, the knapsack and the table, in one p
                 scores={n: s for n, _, s in options[p]},
                 bytes={n: b for n, b, _ in options[p]},
                 choice=choices[p],
-                why=_why(options[p], j, p in scored, layout[p][1]),
+                why=_why(options[p], j, layer.scored, layer.unit),
+                unit=layer.unit,
+                scored=layer.scored,
             )
         )
     entries = compact(choices, base)
@@ -514,6 +566,8 @@ def _why(options: list[tuple[str, int, float]], j: int, scored: bool, unit: str)
             "nn.remat/nnx.remat or nn.vmap/nnx.vmap): base kept"
         )
     _, b, s = options[j]
+    if unit.startswith("per stack"):
+        unit += ", one entry of the map for all its layers"
     if len(options) == 1:
         why = "the only candidate that fits its kernel"
     elif b == min(o[1] for o in options):
@@ -525,7 +579,7 @@ def _why(options: list[tuple[str, int, float]], j: int, scored: bool, unit: str)
             f"on the budget's frontier: {nxt[0]} would save {b - nxt[1]:,} bytes for "
             f"+{nxt[2] - s:.3g} estimated loss"
         )
-    return f"{unit}; {why}" if unit else why
+    return why if unit == "layer" else f"{unit}; {why}"
 
 
 # -- compaction ---------------------------------------------------------------------------
