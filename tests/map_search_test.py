@@ -391,7 +391,7 @@ def test_nnx_scan_stack_is_scored_chosen_and_quantized_per_stack():
     )
 
 
-def test_linen_layers_under_remat_and_vmap_are_not_scored_and_the_table_says_so():
+def test_linen_layers_under_vmap_are_not_scored_and_the_table_says_so():
     class Block(nn.Module):
         @nn.compact
         def __call__(self, x):
@@ -400,7 +400,6 @@ def test_linen_layers_under_remat_and_vmap_are_not_scored_and_the_table_says_so(
     class Model(nn.Module):
         @nn.compact
         def __call__(self, x):
-            x = nn.remat(Block)(name="blk")(x)
             vmapped = nn.vmap(
                 Block, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=0
             )
@@ -411,12 +410,79 @@ def test_linen_layers_under_remat_and_vmap_are_not_scored_and_the_table_says_so(
     variables = model.init(jax.random.key(1), x)
     result = jp.linen.search_map(model, variables, [x], _loss, budget={"effective_bits": 16})
     rows = _rows(result)
-    for path in ("blk/mlp", "vm/mlp"):
-        assert rows[path].choice == "mixed_bfloat16"
-        assert list(rows[path].scores) == ["mixed_bfloat16"]
-        assert rows[path].why.startswith("not scored (called inside a transform the search ")
-        assert not rows[path].scored
+    assert rows["vm/mlp"].choice == "mixed_bfloat16"
+    assert list(rows["vm/mlp"].scores) == ["mixed_bfloat16"]
+    assert rows["vm/mlp"].why.startswith("not scored (called inside a transform the search ")
+    assert not rows["vm/mlp"].scored
     assert rows["head"].scores[INT4] > 0
+
+
+class RematBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _=None):
+        return nn.relu(nn.Dense(128, name="mlp")(x)), None
+
+
+def _remat_model(remat, scan):
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            block = nn.remat(RematBlock) if remat else RematBlock
+            if scan:
+                block = nn.scan(
+                    block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+                )
+            x, _ = block(name="layers")(x, None)
+            return nn.Dense(4, name="head")(x)
+
+    return Model()
+
+
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("scan", [False, True])
+def test_linen_remat_layers_score_as_without_remat(scan, jit):
+    x = jax.random.normal(jax.random.key(0), (8, 128))
+    variables = _remat_model(False, scan).init(jax.random.key(1), x)
+    budget = {"effective_bits": 16}
+    plain, remat = (
+        _rows(
+            jp.linen.search_map(
+                _remat_model(r, scan), variables, [x, 2 * x], _loss, budget=budget, jit=jit
+            )
+        )["layers/mlp"]
+        for r in (False, True)
+    )
+    assert remat.scored and remat.unit == plain.unit
+    assert remat.unit == ("per stack (scanned: 3 layers)" if scan else "layer")
+    assert remat.scores == pytest.approx(plain.scores, rel=1e-5)
+    assert remat.scores[INT4] > 0
+
+
+class NnxPair(nnx.Module):  # one nnx.remat function, made in the call, called twice
+    def __init__(self, rngs, remat):
+        self.a, self.b = NnxBlock(rngs), NnxBlock(rngs)
+        self.head = nnx.Linear(128, 4, rngs=rngs)
+        self.remat = remat
+
+    def __call__(self, x):
+        def run(block, x):
+            return block(x)
+
+        run = nnx.remat(run) if self.remat else run
+        return self.head(run(self.b, run(self.a, x)))
+
+
+def test_nnx_remat_made_in_the_call_scores_each_call_as_without_remat():
+    x = jax.random.normal(jax.random.key(0), (8, 128))
+    plain, remat = (
+        _rows(jp.nnx.search_map(NnxPair(nnx.Rngs(0), r), [x], _loss, budget={"effective_bits": 16}))
+        for r in (False, True)
+    )
+    assert sorted(remat) == ["a/mlp", "b/mlp", "head"]
+    for path in remat:  # JAX caches a remat function's trace: each call is still its own
+        assert remat[path].scored
+        assert remat[path].scores == pytest.approx(plain[path].scores, rel=1e-5), path
+    assert remat["a/mlp"].scores[INT4] != pytest.approx(remat["b/mlp"].scores[INT4], rel=1e-3)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,9 @@ A layer stack (``nn.scan``, ``nnx.scan``: one module path, its kernels ``[depth,
 runs its layers in a loop body traced apart: the taps thread the body's records out as the
 loop's stacked outputs and read their iteration's slice of the cached arrays (see
 :func:`_around_scan`), so the stack is scored as one layer of the map (a path map cannot
-tell its layers apart): the sum of its iterations' scores, all its layers' bytes.
+tell its layers apart): the sum of its iterations' scores, all its layers' bytes. A
+rematerialized call (``jax.checkpoint`` made during the run: ``nn.remat``, also inside
+``nn.scan``) threads its records out the same way, as extra outputs (:func:`_remat`).
 
 The choice is a multiple-choice knapsack (:mod:`jmp_policy._src.map_choice`); the base
 policy (no quantization) is always an option. The result is a
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -283,11 +286,15 @@ class _State:
         self.scores: dict[str, Any] = {}
         self.stacks: dict[str, tuple[int, ...]] = {}  # path -> the lengths of its scans
 
-    def inner(self, i: Any, length: int) -> _State:
+    def inner(self, i: Any = None, length: int = 0) -> _State:
+        """The state of a body traced apart: a scan's iteration ``i`` of ``length``, or
+        (``i`` None) a rematerialized call, at this state's iteration."""
         state = _State.__new__(_State)
         state.mode, state.targets, state.arrays = self.mode, self.targets, self.arrays
         state.trace = context.current_trace()
-        state.index, state.lengths = (*self.index, i), (*self.lengths, length)
+        state.index, state.lengths = self.index, self.lengths
+        if i is not None:
+            state.index, state.lengths = (*self.index, i), (*self.lengths, length)
         state.calls, state.ys, state.scores = dict(self.calls), {}, {}
         state.stacks = self.stacks
         return state
@@ -380,12 +387,58 @@ def _around_scan(
     return carry, ys
 
 
+def _remat(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``jax.checkpoint``/``jax.remat`` in a tapped run (``nn.remat``, also inside an
+    ``nn.scan``; ``nnx.remat`` applied while the model runs): each call's taps record into
+    a state of their own, whose records leave the call as extra outputs. Each call traces
+    a function of its own (JAX caches a checkpointed function's trace: a second call of
+    the same one would reuse the first call's taps)."""
+
+    @functools.wraps(original)
+    def checkpoint(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        plain = original(fun, *args, **kwargs)
+        if not _REMATS.inside() or _STATE.get() is None:
+            return plain
+
+        @functools.wraps(fun)
+        def call(*a: Any, **k: Any) -> Any:
+            state = _STATE.get()
+            if state is None or context.current_trace() is not state.trace:
+                return plain(*a, **k)
+            traced: list[_State] = []
+
+            def tapped(*a: Any, **k: Any) -> Any:
+                inner = state.inner()
+                traced.append(inner)
+                token = _STATE.set(inner)
+                try:
+                    out = fun(*a, **k)
+                finally:
+                    _STATE.reset(token)
+                return out, (inner.ys, inner.scores)
+
+            out, (ys, scores) = original(tapped, *args, **kwargs)(*a, **k)
+            for path, entries in ys.items():
+                state.ys.setdefault(path, []).extend(entries)
+            for path, score in scores.items():
+                state.scores[path] = state.scores.get(path, 0.0) + score
+            state.calls = traced[-1].calls
+            return out
+
+        return call
+
+    return checkpoint
+
+
+_REMATS = interception.ThreadPatch(jax, {"checkpoint": _remat, "remat": _remat})
+
+
 @contextlib.contextmanager
 def _tapping(state: _State) -> Iterator[_State]:
     token = _STATE.set(state)
     around = interception.SCAN_AROUND.set(_around_scan)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _REMATS.active():
             # The float8 layers' "too small to gain" notice: these runs only measure error.
             warnings.filterwarnings("ignore", message="The float8 layer")
             yield state
@@ -562,8 +615,8 @@ def _choose(  # long: feasibility, the knapsack and the table, in one place
 def _why(options: list[tuple[str, int, float]], j: int, scored: bool, unit: str) -> str:
     if not scored:
         return (
-            "not scored (called inside a transform the search cannot see into, such as "
-            "nn.remat/nnx.remat or nn.vmap/nnx.vmap): base kept"
+            "not scored (called inside a transform the search cannot see into: nn.vmap/"
+            "nnx.vmap, or an nnx.remat function made before the search ran): base kept"
         )
     _, b, s = options[j]
     if unit.startswith("per stack"):

@@ -53,8 +53,9 @@ def search_map(
     ``base``. A layer stack under ``nn.scan`` (kernels ``[depth, ...]``) is one module
     path, so one entry of the map: it is scored and chosen per stack (its score the sum
     over its layers, its bytes all of theirs; the table says ``per stack (scanned: N
-    layers...)``); a map cannot give the layers of one stack different policies. Layers
-    under ``nn.remat``/``nn.vmap`` are not scored, keep ``base``, and the table says so.
+    layers)``); a map cannot give the layers of one stack different policies. Layers
+    under ``nn.remat`` (also ``nn.scan`` of ``nn.remat``) are scored as without it;
+    layers under ``nn.vmap`` are not scored, keep ``base``, and the table says so.
     Deterministic.
 
     Args:
