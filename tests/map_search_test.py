@@ -335,7 +335,8 @@ class NnxBlock(nnx.Module):
 
 
 class NnxStack(nnx.Module):
-    def __init__(self, rngs):
+    def __init__(self, rngs, remat=False):
+        self.remat = remat
         self.embed = nnx.Linear(32, 128, rngs=rngs)
 
         @nnx.split_rngs(splits=3)
@@ -347,10 +348,11 @@ class NnxStack(nnx.Module):
         self.head = nnx.Linear(128, 4, rngs=rngs)
 
     def __call__(self, x):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(x, block):
+        def run(x, block):
             return block(x)
 
+        run = nnx.remat(run) if self.remat else run
+        body = nnx.scan(run, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         return self.head(body(self.embed(x), self.blocks))
 
 
@@ -483,6 +485,19 @@ def test_nnx_remat_made_in_the_call_scores_each_call_as_without_remat():
         assert remat[path].scored
         assert remat[path].scores == pytest.approx(plain[path].scores, rel=1e-5), path
     assert remat["a/mlp"].scores[INT4] != pytest.approx(remat["b/mlp"].scores[INT4], rel=1e-3)
+
+
+def test_nnx_scan_over_remat_scores_as_without_remat():
+    x = jax.random.normal(jax.random.key(0), (16, 32))
+    plain, remat = (
+        _rows(
+            jp.nnx.search_map(NnxStack(nnx.Rngs(0), r), [x], _loss, budget={"effective_bits": 16})
+        )
+        for r in (False, True)
+    )
+    assert remat["blocks/mlp"].unit == "per stack (scanned: 3 layers)"
+    for path in remat:
+        assert remat[path].scores == pytest.approx(plain[path].scores, rel=1e-5), path
 
 
 @pytest.mark.parametrize(

@@ -77,7 +77,8 @@ def search_map(
 
     Returns:
         A :class:`SearchResult` ``(policy_map, table, weight_bytes, effective_bits,
-        loss_increase, method)``; ``print(result)`` shows the table.
+        loss_increase, method)``; ``print(result)`` shows the table;
+        ``result.at(budget)`` chooses again under another budget from the same scores.
 
     Raises:
         TypeError, ValueError: a candidate name is not a quantized policy name (quoted),
