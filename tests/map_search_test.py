@@ -199,3 +199,334 @@ def test_nnx_search_meets_the_budget_and_runs():
     jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(model)))
     runner = jp.nnx.quantize(model, result.policy_map)
     assert jp.nnx.apply(runner, result.policy_map)(x).shape == (16, 4)
+
+
+# -- layer stacks (nn.scan, nnx.scan): one path of the map, scored and chosen per stack ----
+
+INT4 = "int4/128_from_mixed_bfloat16"
+FP8 = "float8_from_mixed_bfloat16"
+
+
+class ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.relu(nn.Dense(128, name="mlp")(x)), None
+
+
+class ScanStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(128, name="embed")(x)
+        layers = nn.scan(
+            ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )
+        x, _ = layers(name="layers")(x, None)
+        return nn.Dense(4, name="head")(x)
+
+
+class Unrolled(nn.Module):  # the same layers, one path each
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(128, name="embed")(x)
+        for i in range(3):
+            x = nn.relu(nn.Dense(128, name=f"mlp_{i}")(x))
+        return nn.Dense(4, name="head")(x)
+
+
+@pytest.fixture(scope="module")
+def scan_setup():
+    model = ScanStack()
+    x = jax.random.normal(jax.random.key(0), (16, 32))
+    variables = model.init(jax.random.key(1), x)
+    return model, variables, [x, x * 2]
+
+
+def _rows(result):
+    return {row.path: row for row in result.table}
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_linen_scan_stack_scores_as_the_sum_of_its_layers(scan_setup, jit):
+    model, variables, batches = scan_setup
+    params = variables["params"]
+    unrolled = {"embed": params["embed"], "head": params["head"]}
+    for i in range(3):
+        unrolled[f"mlp_{i}"] = jax.tree.map(lambda a, i=i: a[i], params["layers"]["mlp"])
+    budget = {"effective_bits": 16}
+    stack = _rows(jp.linen.search_map(model, variables, batches, _loss, budget=budget, jit=jit))
+    flat = _rows(
+        jp.linen.search_map(
+            Unrolled(), {"params": unrolled}, batches, _loss, budget=budget, jit=jit
+        )
+    )
+    assert sorted(stack) == ["embed", "head", "layers/mlp"]
+    row = stack["layers/mlp"]
+    assert row.params == 3 * 128 * 128
+    assert row.unit == "per stack (scanned: 3 layers)"
+    assert row.why.startswith("per stack (scanned: 3 layers), one entry of the map for all its ")
+    for name in row.bytes:  # each layer quantized on its own: the stack's bytes are theirs
+        assert row.bytes[name] == sum(flat[f"mlp_{i}"].bytes[name] for i in range(3)), name
+    # Float8 runs the same matmul in and out of the loop: the scores add up exactly; a
+    # stacked int4 kernel is dequantized ahead of the loop (a bfloat16 matmul), the unrolled
+    # layers run the int4 matmul, which rounds a little differently.
+    assert row.scores[FP8] == pytest.approx(sum(flat[f"mlp_{i}"].scores[FP8] for i in range(3)))
+    int4 = sum(flat[f"mlp_{i}"].scores[INT4] for i in range(3))
+    assert row.scores[INT4] == pytest.approx(int4, rel=0.05)
+    assert 0 < row.scores[FP8] < row.scores[INT4]
+    for path in ("embed", "head"):  # the layers outside the loop are scored as before
+        assert stack[path].scores[INT4] == pytest.approx(flat[path].scores[INT4], rel=1e-3)
+
+
+@pytest.mark.parametrize("jit", [True, False])
+def test_linen_scan_stack_is_chosen_and_quantized_per_stack(scan_setup, jit):
+    model, variables, batches = scan_setup
+    x = batches[0]
+    # 5 bits: the stack (3/4 of the parameters) must go to int4
+    result = jp.linen.search_map(
+        model, variables, batches, _loss, budget={"effective_bits": 5}, jit=jit
+    )
+    params = sum(row.params for row in result.table)
+    assert result.weight_bytes * 8 <= 5 * params
+    assert _rows(result)["layers/mlp"].choice == INT4
+    assert result.policy_map["layers/mlp"].name == INT4
+    quantized = jp.linen.quantize(model, result.policy_map, variables, x)
+    kernel = quantized["params"]["layers"]["mlp"]["kernel"]
+    assert isinstance(kernel, jp.QuantizedArray)
+    assert (kernel.shape, kernel.stacked) == ((3, 128, 128), 1)
+    explained = jp.linen.explain(model, result.policy_map, variables, x)
+    line = next(s for s in explained.splitlines() if s.startswith("layers/mlp "))
+    assert INT4 in line and "key 'layers/mlp'" in line
+    run = jp.linen.apply(model, result.policy_map)
+    out = run(quantized, x)
+    np.testing.assert_allclose(jax.jit(run)(quantized, x), out, rtol=1e-2, atol=1e-2)
+    ref = model.apply(variables, x)
+    bf16 = jp.linen.apply(model, "mixed_bfloat16")(variables, x)
+    err = float(jnp.abs(out.astype(jnp.float32) - ref).max())  # int4 took effect
+    assert (
+        float(jnp.abs(bf16.astype(jnp.float32) - ref).max()) < err < 0.5 * float(jnp.abs(ref).max())
+    )
+
+
+def test_linen_scan_sharing_one_kernel_says_so():
+    class Shared(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            layers = nn.scan(
+                ScanBlock, variable_broadcast="params", split_rngs={"params": False}, length=3
+            )
+            x, _ = layers(name="layers")(x, None)
+            return nn.Dense(4, name="head")(x)
+
+    model, x = Shared(), jax.random.normal(jax.random.key(0), (16, 128))
+    variables = model.init(jax.random.key(1), x)
+    result = jp.linen.search_map(model, variables, [x], _loss, budget={"effective_bits": 16})
+    row = _rows(result)["layers/mlp"]
+    assert row.unit == "one kernel shared by 3 scan iterations"
+    assert row.why.startswith("one kernel shared by 3 scan iterations; ")
+    assert row.params == 128 * 128 and row.scores[INT4] > 0
+
+
+class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.mlp = nnx.Linear(128, 128, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.relu(self.mlp(x))
+
+
+class NnxStack(nnx.Module):
+    def __init__(self, rngs, remat=False):
+        self.remat = remat
+        self.embed = nnx.Linear(32, 128, rngs=rngs)
+
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap
+        def make(rngs):
+            return NnxBlock(rngs)
+
+        self.blocks = make(rngs)  # kernels [3, 128, 128]
+        self.head = nnx.Linear(128, 4, rngs=rngs)
+
+    def __call__(self, x):
+        def run(x, block):
+            return block(x)
+
+        run = nnx.remat(run) if self.remat else run
+        body = nnx.scan(run, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        return self.head(body(self.embed(x), self.blocks))
+
+
+def test_nnx_scan_stack_is_scored_chosen_and_quantized_per_stack():
+    model = NnxStack(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (16, 32))
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    result = jp.nnx.search_map(model, [x, x * 2], _loss, budget={"effective_bits": 5})
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, nnx.state(model)))
+    rows = _rows(result)
+    assert sorted(rows) == ["blocks/mlp", "embed", "head"]
+    row = rows["blocks/mlp"]
+    assert row.unit == "per stack (scanned: 3 layers)"
+    assert row.why.startswith("per stack (scanned: 3 layers), one entry of the map for all its ")
+    assert row.params == 3 * 128 * 128
+    assert 0 < row.scores[FP8] < row.scores[INT4]
+    assert result.weight_bytes * 8 <= 5 * sum(r.params for r in result.table)
+    assert row.choice == INT4 and result.policy_map["blocks/mlp"].name == INT4
+    runner = jp.nnx.quantize(model, result.policy_map)
+    kernel = runner.blocks.mlp.kernel.get_value()
+    assert isinstance(kernel, jp.QuantizedArray)
+    assert (kernel.shape, kernel.stacked) == ((3, 128, 128), 1)
+    line = next(
+        s
+        for s in jp.nnx.explain(model, result.policy_map).splitlines()
+        if s.startswith("blocks/mlp ")
+    )
+    assert INT4 in line and "key 'blocks/mlp'" in line
+    run = jp.nnx.apply(runner, result.policy_map)
+    out = run(x)
+    jitted = nnx.jit(lambda m, x: jp.nnx.apply(m, result.policy_map)(x))(runner, x)
+    np.testing.assert_allclose(jitted, out, rtol=1e-2, atol=1e-2)
+    ref = model(x)
+    bf16 = jp.nnx.apply(model, "mixed_bfloat16")(x)
+    err = float(jnp.abs(out.astype(jnp.float32) - ref).max())  # int4 took effect
+    assert (
+        float(jnp.abs(bf16.astype(jnp.float32) - ref).max()) < err < 0.5 * float(jnp.abs(ref).max())
+    )
+
+
+def test_linen_layers_under_vmap_are_not_scored_and_the_table_says_so():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.relu(nn.Dense(128, name="mlp")(x))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            vmapped = nn.vmap(
+                Block, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=0
+            )
+            x = vmapped(name="vm")(jnp.stack([x, x])).mean(0)
+            return nn.Dense(4, name="head")(x)
+
+    model, x = Model(), jax.random.normal(jax.random.key(0), (8, 128))
+    variables = model.init(jax.random.key(1), x)
+    result = jp.linen.search_map(model, variables, [x], _loss, budget={"effective_bits": 16})
+    rows = _rows(result)
+    assert rows["vm/mlp"].choice == "mixed_bfloat16"
+    assert list(rows["vm/mlp"].scores) == ["mixed_bfloat16"]
+    assert rows["vm/mlp"].why.startswith("not scored (called inside a transform the search ")
+    assert not rows["vm/mlp"].scored
+    assert rows["head"].scores[INT4] > 0
+
+
+class RematBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _=None):
+        return nn.relu(nn.Dense(128, name="mlp")(x)), None
+
+
+def _remat_model(remat, scan):
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            block = nn.remat(RematBlock) if remat else RematBlock
+            if scan:
+                block = nn.scan(
+                    block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+                )
+            x, _ = block(name="layers")(x, None)
+            return nn.Dense(4, name="head")(x)
+
+    return Model()
+
+
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("scan", [False, True])
+def test_linen_remat_layers_score_as_without_remat(scan, jit):
+    x = jax.random.normal(jax.random.key(0), (8, 128))
+    variables = _remat_model(False, scan).init(jax.random.key(1), x)
+    budget = {"effective_bits": 16}
+    plain, remat = (
+        _rows(
+            jp.linen.search_map(
+                _remat_model(r, scan), variables, [x, 2 * x], _loss, budget=budget, jit=jit
+            )
+        )["layers/mlp"]
+        for r in (False, True)
+    )
+    assert remat.scored and remat.unit == plain.unit
+    assert remat.unit == ("per stack (scanned: 3 layers)" if scan else "layer")
+    assert remat.scores == pytest.approx(plain.scores, rel=1e-5)
+    assert remat.scores[INT4] > 0
+
+
+class NnxPair(nnx.Module):  # one nnx.remat function, made in the call, called twice
+    def __init__(self, rngs, remat):
+        self.a, self.b = NnxBlock(rngs), NnxBlock(rngs)
+        self.head = nnx.Linear(128, 4, rngs=rngs)
+        self.remat = remat
+
+    def __call__(self, x):
+        def run(block, x):
+            return block(x)
+
+        run = nnx.remat(run) if self.remat else run
+        return self.head(run(self.b, run(self.a, x)))
+
+
+def test_nnx_remat_made_in_the_call_scores_each_call_as_without_remat():
+    x = jax.random.normal(jax.random.key(0), (8, 128))
+    plain, remat = (
+        _rows(jp.nnx.search_map(NnxPair(nnx.Rngs(0), r), [x], _loss, budget={"effective_bits": 16}))
+        for r in (False, True)
+    )
+    assert sorted(remat) == ["a/mlp", "b/mlp", "head"]
+    for path in remat:  # JAX caches a remat function's trace: each call is still its own
+        assert remat[path].scored
+        assert remat[path].scores == pytest.approx(plain[path].scores, rel=1e-5), path
+    assert remat["a/mlp"].scores[INT4] != pytest.approx(remat["b/mlp"].scores[INT4], rel=1e-3)
+
+
+def test_nnx_scan_over_remat_scores_as_without_remat():
+    x = jax.random.normal(jax.random.key(0), (16, 32))
+    plain, remat = (
+        _rows(
+            jp.nnx.search_map(NnxStack(nnx.Rngs(0), r), [x], _loss, budget={"effective_bits": 16})
+        )
+        for r in (False, True)
+    )
+    assert remat["blocks/mlp"].unit == "per stack (scanned: 3 layers)"
+    for path in remat:
+        assert remat[path].scores == pytest.approx(plain[path].scores, rel=1e-5), path
+
+
+@pytest.mark.parametrize(
+    "budget", [{"effective_bits": 5}, {"weight_bytes": 300_000}, {"loss_increase": 1e-3}]
+)
+def test_at_chooses_again_from_the_same_scores(linen_setup, budget):
+    model, variables, batches = linen_setup
+    first = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 16})
+    again = first.at(budget)
+    direct = jp.linen.search_map(model, variables, batches, _loss, budget=budget)
+    assert [r.choice for r in again.table] == [r.choice for r in direct.table]
+    assert again.policy_map == direct.policy_map
+    assert (again.weight_bytes, again.method) == (direct.weight_bytes, direct.method)
+    assert again.loss_increase == pytest.approx(direct.loss_increase)
+    assert [r.why for r in again.table] == [r.why for r in direct.table]
+    assert first.at({"effective_bits": 16}) == first
+
+
+def test_at_validates_its_budget(linen_setup):
+    model, variables, batches = linen_setup
+    first = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 16})
+    with pytest.raises(ValueError, match=r"cheapest possible is [\d,]+ weight bytes \(4\.\d+ eff"):
+        first.at({"effective_bits": 2})
+    with pytest.raises(TypeError, match="must be a dict of one of"):
+        first.at(4.5)
+
+
+def test_at_keeps_a_stack_per_stack(scan_setup):
+    model, variables, batches = scan_setup
+    first = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 16})
+    row = _rows(first.at({"effective_bits": 5}))["layers/mlp"]
+    assert (row.unit, row.choice) == ("per stack (scanned: 3 layers)", INT4)

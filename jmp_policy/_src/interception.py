@@ -252,17 +252,31 @@ def _leaf_like(new: Any, old: Any) -> Any:
     return casting.cast_leaf(new, old_dtype)
 
 
+# ``around(scan, f, init, args, kwargs) -> result``: runs each wrapped ``jax.lax.scan`` in
+# this context instead of ``scan(f, init, *args, **kwargs)`` (how the map search threads
+# its per-iteration values through a layer stack's loop); ``None``: the scan as called.
+SCAN_AROUND: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
+    "jmp_policy_scan_around", default=None
+)
+
+
 def _scan(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def scan(f: Callable[..., Any], init: Any, *args: Any, **kwargs: Any) -> Any:
         if not _in_scope():
             return original(f, init, *args, **kwargs)
 
-        def body(carry: Any, x: Any) -> Any:
-            new, y = f(carry, x)
-            return _like(new, carry), y
+        def carried(f: Callable[..., Any], init: Any, *args: Any, **kwargs: Any) -> Any:
+            def body(carry: Any, x: Any) -> Any:
+                new, y = f(carry, x)
+                return _like(new, carry), y
 
-        return original(body, init, *args, **kwargs)
+            return original(body, init, *args, **kwargs)
+
+        around = SCAN_AROUND.get()
+        if around is None:
+            return carried(f, init, *args, **kwargs)
+        return around(carried, f, init, args, kwargs)
 
     return scan
 

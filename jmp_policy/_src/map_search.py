@@ -16,6 +16,14 @@ supply the runs). For each layer with a kernel:
    over the other axes). It weighs each format's *actual* output error by the gradient,
    not the Fisher trace alone. The scores add up to an estimate of the loss increase.
 
+A layer stack (``nn.scan``, ``nnx.scan``: one module path, its kernels ``[depth, ...]``)
+runs its layers in a loop body traced apart: the taps thread the body's records out as the
+loop's stacked outputs and read their iteration's slice of the cached arrays (see
+:func:`_around_scan`), so the stack is scored as one layer of the map (a path map cannot
+tell its layers apart): the sum of its iterations' scores, all its layers' bytes. A
+rematerialized call (``jax.checkpoint`` made during the run: ``nn.remat``, also inside
+``nn.scan``) threads its records out the same way, as extra outputs (:func:`_remat`).
+
 The choice is a multiple-choice knapsack (:mod:`jmp_policy._src.map_choice`); the base
 policy (no quantization) is always an option. The result is a
 :class:`~jmp_policy.DTypePolicyMap` (exact paths, compacted to regular expressions where a
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -35,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import context, map_choice
+from jmp_policy._src import context, interception, map_choice
 from jmp_policy._src.policy_map import DTypePolicyMap
 from jmp_policy._src.policy_names import get_policy
 
@@ -49,10 +58,14 @@ BUDGETS = ("effective_bits", "weight_bytes", "loss_increase")
 
 
 class LayerRow(NamedTuple):
-    """One layer of a search's table.
+    """One layer (one path of the map) of a search's table.
 
     ``scores``/``bytes``: per candidate name (a candidate that cannot quantize the layer's
-    kernel is absent); ``choice``: the chosen candidate; ``why``: the reason in words.
+    kernel is absent); ``choice``: the chosen candidate; ``why``: the reason in words;
+    ``unit``: ``"layer"``, or for a layer stack ``"per stack (scanned: N layers)"`` (one
+    path, so one choice for all its layers) or ``"one kernel shared by N scan
+    iterations"``; ``scored``: ``False`` where the search could not see the layer run
+    (it keeps the base policy).
     """
 
     path: str
@@ -61,12 +74,15 @@ class LayerRow(NamedTuple):
     bytes: dict[str, int]
     choice: str
     why: str
+    unit: str = "layer"
+    scored: bool = True
 
 
 class SearchResult(NamedTuple):
     """What a search returns: the map, the table per layer, and the totals.
 
-    Unpacks as ``policy_map, table, ...``; ``str(result)`` is the table as text.
+    Unpacks as ``policy_map, table, ...``; ``str(result)`` is the table as text;
+    :meth:`at` chooses again under another budget from the same scores.
     """
 
     policy_map: DTypePolicyMap
@@ -90,6 +106,51 @@ class SearchResult(NamedTuple):
             f"parameter), estimated loss increase {self.loss_increase:.4g} ({self.method})"
         )
         return "\n".join(lines)
+
+    def at(self, budget: Mapping[str, float]) -> SearchResult:
+        """The choice under another ``budget``, from this search's scores (no model runs).
+
+        One search, then a sweep of budgets: ``result.at({"effective_bits": 5})`` is what
+        ``search_map(..., budget={"effective_bits": 5})`` returns on the same arguments.
+
+        Raises:
+            TypeError, ValueError: ``budget`` is not one of the search's forms, or no
+                choice meets it (the message names the cheapest possible).
+
+        Examples:
+            >>> import jmp_policy as jp
+            >>> from jmp_policy._src.map_search import LayerRow, SearchResult
+            >>> int4, bf16 = "int4/128_from_mixed_bfloat16", "mixed_bfloat16"
+            >>> rows = tuple(LayerRow(path, 16384, {bf16: 0.0, int4: score},
+            ...                       {bf16: 32768, int4: 8704}, bf16, "")
+            ...              for path, score in [("up", 0.5), ("down", 0.1)])
+            >>> result = SearchResult(jp.DTypePolicyMap(bf16), rows, 65536, 16.0, 0.0, "")
+            >>> small = result.at({"effective_bits": 11})
+            >>> [(row.path, row.choice) for row in small.table]
+            [('up', 'mixed_bfloat16'), ('down', 'int4/128_from_mixed_bfloat16')]
+            >>> small.weight_bytes
+            41472
+        """
+        kind, value = check_budget(budget)
+        layers = [
+            _Layer(
+                r.path, r.params, [(n, r.bytes[n], r.scores[n]) for n in r.bytes], r.scored, r.unit
+            )
+            for r in self.table
+        ]
+        names = {n for row in self.table for n in row.bytes}
+        policies = {n: get_policy(n) for n in sorted(names)}
+        return _choose(layers, policies, self.policy_map.default_policy.name, kind, value)
+
+
+class _Layer(NamedTuple):
+    """A layer as the choice sees it: its options ``(name, bytes, score)``."""
+
+    path: str
+    params: int
+    options: list[tuple[str, int, float]]
+    scored: bool
+    unit: str
 
 
 # -- arguments ----------------------------------------------------------------------------
@@ -186,12 +247,12 @@ def _scored_as(name: str, policy: Any) -> Any:
     return get_policy(f"{stateless.mode_text()}_from_{policy.source_name}")
 
 
-def kernel_bytes(policy: Any, kernel: Any) -> int | None:
+def kernel_bytes(policy: Any, kernel: Any, stacked: int = 0) -> int | None:
     """Bytes of ``kernel`` as served under ``policy``; ``None``: the format cannot take it.
 
     A float policy counts its compute dtype; a format that stores weights its quantized
-    array (scales included); a format that quantizes at compute time (float8) one byte
-    per parameter.
+    array (scales included; ``stacked`` leading axes of layers, each quantized on its
+    own); a format that quantizes at compute time (float8) one byte per parameter.
     """
     scheme = _scheme(policy)
     size = int(np.prod(kernel.shape))
@@ -200,7 +261,7 @@ def kernel_bytes(policy: Any, kernel: Any) -> int | None:
     if not scheme.stores_weights:
         return size
     try:
-        shapes = jax.eval_shape(lambda k: scheme.quantize(k, 0), kernel)
+        shapes = jax.eval_shape(lambda k: scheme.quantize(k, stacked), kernel)
     except (TypeError, ValueError):
         return None
     return int(shapes.nbytes)
@@ -210,15 +271,40 @@ def kernel_bytes(policy: Any, kernel: Any) -> int | None:
 
 
 class _State:
+    """What the taps of one run record. A scan body over a layer stack gets a state of its
+    own (its trace, its iteration ``index``), sharing ``stacks`` with the run's."""
+
     def __init__(self, mode: str, targets: frozenset[str], **arrays: Any):
         self.mode = mode
         self.targets = targets
         self.arrays = arrays
         self.trace = context.current_trace()
+        self.index: tuple[Any, ...] = ()  # the iteration of each enclosing scan
+        self.lengths: tuple[int, ...] = ()  # and their lengths
         self.calls: dict[str, int] = {}
         self.ys: dict[str, list[Any]] = {}
         self.scores: dict[str, Any] = {}
-        self.skipped: set[str] = set()
+        self.stacks: dict[str, tuple[int, ...]] = {}  # path -> the lengths of its scans
+
+    def inner(self, i: Any = None, length: int = 0) -> _State:
+        """The state of a body traced apart: a scan's iteration ``i`` of ``length``, or
+        (``i`` None) a rematerialized call, at this state's iteration."""
+        state = _State.__new__(_State)
+        state.mode, state.targets, state.arrays = self.mode, self.targets, self.arrays
+        state.trace = context.current_trace()
+        state.index, state.lengths = self.index, self.lengths
+        if i is not None:
+            state.index, state.lengths = (*self.index, i), (*self.lengths, length)
+        state.calls, state.ys, state.scores = dict(self.calls), {}, {}
+        state.stacks = self.stacks
+        return state
+
+    def cached(self, name: str, path: str, k: int) -> Any:
+        """The ``k``-th cached array of ``path`` at this state's iteration."""
+        array = self.arrays[name][path][k]
+        for i in self.index:
+            array = array[i]
+        return array
 
 
 _STATE: contextvars.ContextVar[_State | None] = contextvars.ContextVar(
@@ -234,23 +320,22 @@ class ScoreTaps:
         path = call.path
         if state is None or path not in state.targets:
             return next_fn(*args, **kwargs)
-        if context.current_trace() is not state.trace:
-            state.skipped.add(path)
+        if context.current_trace() is not state.trace:  # a transform the search cannot see
             return next_fn(*args, **kwargs)
         out = next_fn(*args, **kwargs)
         if not isinstance(out, jax.Array) or not jnp.issubdtype(out.dtype, jnp.floating):
-            state.skipped.add(path)
             return out
         k = state.calls.get(path, 0)
         state.calls[path] = k + 1
+        state.stacks.setdefault(path, state.lengths)
         if state.mode == "shapes":
             state.ys.setdefault(path, []).append(jnp.zeros(out.shape, jnp.float32))
             return out
         if state.mode == "record":
             state.ys.setdefault(path, []).append(jax.lax.stop_gradient(out.astype(jnp.float32)))
-            return out + state.arrays["eps"][path][k].astype(out.dtype)
-        y = state.arrays["ys"][path][k]
-        g = state.arrays["gs"][path][k]
+            return out + state.cached("eps", path, k).astype(out.dtype)
+        y = state.cached("ys", path, k)
+        g = state.cached("gs", path, k)
         dy = out.astype(jnp.float32) - y
         rows = out.shape[0] if out.ndim else 1
         dot = (g * dy).reshape(rows, -1).sum(axis=1) * rows
@@ -259,15 +344,106 @@ class ScoreTaps:
         return y.astype(out.dtype)
 
 
+def _around_scan(
+    scan: Callable[..., Any], f: Callable[..., Any], init: Any, args: Any, kwargs: Any
+) -> Any:
+    """A ``jax.lax.scan`` in a tapped run (a layer stack: ``nn.scan``, ``nnx.scan``): the
+    body's taps read their iteration's slice of the cached arrays (closed over) and their
+    records leave the loop as its stacked outputs, one leading axis per scan."""
+    state = _STATE.get()
+    if state is None or context.current_trace() is not state.trace:
+        return scan(f, init, *args, **kwargs)
+    args, kwargs = list(args), dict(kwargs)
+    xs = args[0] if args else kwargs.get("xs")
+    length = args[1] if len(args) > 1 else kwargs.get("length")
+    leaves = jax.tree.leaves(xs)
+    if length is None and not leaves:
+        return scan(f, init, *args, **kwargs)  # JAX says what is missing
+    n = int(length) if length is not None else int(leaves[0].shape[0])
+    if args:
+        args[0] = (xs, jnp.arange(n))
+    else:
+        kwargs["xs"] = (xs, jnp.arange(n))
+    traced: list[_State] = []
+
+    def body(carry: Any, x_i: Any) -> Any:
+        x, i = x_i
+        inner = state.inner(i, n)
+        traced.append(inner)
+        token = _STATE.set(inner)
+        try:
+            new, y = f(carry, x)
+        finally:
+            _STATE.reset(token)
+        return new, (y, inner.ys, inner.scores)
+
+    carry, (ys, records, scores) = scan(body, init, *args, **kwargs)
+    last = traced[-1]
+    for path, stacked in records.items():
+        state.ys.setdefault(path, []).extend(stacked)
+    for path, per_step in scores.items():
+        state.scores[path] = state.scores.get(path, 0.0) + per_step.sum()
+    state.calls = last.calls
+    return carry, ys
+
+
+def _remat(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``jax.checkpoint``/``jax.remat`` in a tapped run (``nn.remat``, also inside an
+    ``nn.scan``; ``nnx.remat`` applied while the model runs): each call's taps record into
+    a state of their own, whose records leave the call as extra outputs. Each call traces
+    a function of its own (JAX caches a checkpointed function's trace: a second call of
+    the same one would reuse the first call's taps)."""
+
+    @functools.wraps(original)
+    def checkpoint(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        plain = original(fun, *args, **kwargs)
+        if not _REMATS.inside() or _STATE.get() is None:
+            return plain
+
+        @functools.wraps(fun)
+        def call(*a: Any, **k: Any) -> Any:
+            state = _STATE.get()
+            if state is None or context.current_trace() is not state.trace:
+                return plain(*a, **k)
+            traced: list[_State] = []
+
+            def tapped(*a: Any, **k: Any) -> Any:
+                inner = state.inner()
+                traced.append(inner)
+                token = _STATE.set(inner)
+                try:
+                    out = fun(*a, **k)
+                finally:
+                    _STATE.reset(token)
+                return out, (inner.ys, inner.scores)
+
+            out, (ys, scores) = original(tapped, *args, **kwargs)(*a, **k)
+            for path, entries in ys.items():
+                state.ys.setdefault(path, []).extend(entries)
+            for path, score in scores.items():
+                state.scores[path] = state.scores.get(path, 0.0) + score
+            state.calls = traced[-1].calls
+            return out
+
+        return call
+
+    return checkpoint
+
+
+_REMATS = interception.ThreadPatch(jax, {"checkpoint": _remat, "remat": _remat})
+
+
 @contextlib.contextmanager
 def _tapping(state: _State) -> Iterator[_State]:
     token = _STATE.set(state)
+    around = interception.SCAN_AROUND.set(_around_scan)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _REMATS.active():
             # The float8 layers' "too small to gain" notice: these runs only measure error.
             warnings.filterwarnings("ignore", message="The float8 layer")
             yield state
     finally:
+        interception.SCAN_AROUND.reset(around)
         _STATE.reset(token)
 
 
@@ -304,14 +480,18 @@ def search(  # long: the passes in their order (gradients, then one per candidat
     base_map = DTypePolicyMap(base)
     fn, params = make_loss(base_map)
 
+    stacks: dict[str, tuple[int, ...]] = {}
+
     def shapes(params: Any, batch: Any) -> dict[str, list[Any]]:
         with _tapping(_State("shapes", targets)) as state:
             fn(params, batch)
+        stacks.update(state.stacks)
         return state.ys
 
     seen = jax.eval_shape(shapes, params, batches[0])
     eps = {p: [jnp.zeros(s.shape, s.dtype) for s in v] for p, v in seen.items()}
     scored = sorted(eps)
+    layout = {p: _stacking(kernels[p], stacks.get(p, ())) for p in kernels}
 
     def record(eps: Any, params: Any, batch: Any) -> Any:
         with _tapping(_State("record", targets, eps=eps)) as state:
@@ -331,7 +511,7 @@ def search(  # long: the passes in their order (gradients, then one per candidat
             for p in scored:
                 scores[p][name] = 0.0
             continue
-        fits = [p for p in scored if kernel_bytes(policy, kernels[p]) is not None]
+        fits = [p for p in scored if kernel_bytes(policy, kernels[p], layout[p][0]) is not None]
         if not fits:
             continue
         cand_map = DTypePolicyMap(base, {re.escape(p): _scored_as(name, policy) for p in fits})
@@ -352,30 +532,41 @@ def search(  # long: the passes in their order (gradients, then one per candidat
                 totals[p] = totals.get(p, 0.0) + float(s) / len(batches)
         for p in fits:
             scores[p][name] = totals.get(p, 0.0)
-    return _choose(kernels, policies, base, scores, set(scored), kind, value)
+    layers = []
+    for p in kernels:
+        options = []
+        for name, policy in policies.items():
+            if name in scores[p] or name == base:
+                b = kernel_bytes(policy, kernels[p], layout[p][0])
+                if b is not None:
+                    options.append((name, b, scores[p].get(name, 0.0)))
+        size = int(np.prod(kernels[p].shape))
+        layers.append(_Layer(p, size, options, p in eps, layout[p][1]))
+    return _choose(layers, policies, base, kind, value)
 
 
-def _choose(  # long: options, feasibility, the knapsack and the table, in one place
-    kernels: Mapping[str, Any],
+def _stacking(kernel: Any, lengths: tuple[int, ...]) -> tuple[int, str]:
+    """How many leading axes of ``kernel`` stack layers, and the table's unit for a layer
+    its taps saw inside scans of ``lengths`` (``()``: none)."""
+    if not lengths:
+        return 0, "layer"
+    steps = int(np.prod(lengths))
+    if tuple(kernel.shape[: len(lengths)]) == lengths and kernel.ndim - len(lengths) >= 2:
+        return len(lengths), f"per stack (scanned: {steps} layers)"
+    return 0, f"one kernel shared by {steps} scan iterations"
+
+
+def _choose(  # long: feasibility, the knapsack and the table, in one place
+    table: Sequence[_Layer],
     policies: Mapping[str, Any],
     base: str,
-    scores: dict[str, dict[str, float]],
-    scored: set[str],
     kind: str,
     value: float,
 ) -> SearchResult:
-    paths = list(kernels)
-    sizes = {p: int(np.prod(kernels[p].shape)) for p in paths}
+    paths = [layer.path for layer in table]
+    options = {layer.path: layer.options for layer in table}
+    sizes = {layer.path: layer.params for layer in table}
     total_params = sum(sizes.values())
-    options: dict[str, list[tuple[str, int, float]]] = {}
-    for p in paths:
-        opts = []
-        for name, policy in policies.items():
-            if name in scores[p] or (name == base):
-                b = kernel_bytes(policy, kernels[p])
-                if b is not None:
-                    opts.append((name, b, scores[p].get(name, 0.0)))
-        options[p] = opts
     layers = [[(float(b), s) for _, b, s in options[p]] for p in paths]
     least_bytes = map_choice.cheapest(layers, 0)
     if kind == "loss_increase":
@@ -398,7 +589,8 @@ def _choose(  # long: options, feasibility, the knapsack and the table, in one p
         picks, method = map_choice.choose(layers, bound, minimize="score")
     choices = {p: options[p][j][0] for p, j in zip(paths, picks, strict=True)}
     rows = []
-    for p, j in zip(paths, picks, strict=True):
+    for layer, j in zip(table, picks, strict=True):
+        p = layer.path
         rows.append(
             LayerRow(
                 path=p,
@@ -406,7 +598,9 @@ def _choose(  # long: options, feasibility, the knapsack and the table, in one p
                 scores={n: s for n, _, s in options[p]},
                 bytes={n: b for n, b, _ in options[p]},
                 choice=choices[p],
-                why=_why(options[p], j, p in scored),
+                why=_why(options[p], j, layer.scored, layer.unit),
+                unit=layer.unit,
+                scored=layer.scored,
             )
         )
     entries = compact(choices, base)
@@ -418,20 +612,27 @@ def _choose(  # long: options, feasibility, the knapsack and the table, in one p
     )
 
 
-def _why(options: list[tuple[str, int, float]], j: int, scored: bool) -> str:
+def _why(options: list[tuple[str, int, float]], j: int, scored: bool, unit: str) -> str:
     if not scored:
-        return "not scored (inside a transform of its own, such as nn.scan/nnx.scan): base kept"
+        return (
+            "not scored (called inside a transform the search cannot see into: nn.vmap/"
+            "nnx.vmap, or an nnx.remat function made before the search ran): base kept"
+        )
     _, b, s = options[j]
+    if unit.startswith("per stack"):
+        unit += ", one entry of the map for all its layers"
     if len(options) == 1:
-        return "the only candidate that fits its kernel"
-    if b == min(o[1] for o in options):
-        return f"the cheapest candidate ({b:,} bytes)"
-    cheaper = [o for o in options if o[1] < b]
-    nxt = max(cheaper, key=lambda o: (o[1], -o[2]))
-    return (
-        f"on the budget's frontier: {nxt[0]} would save {b - nxt[1]:,} bytes for "
-        f"+{nxt[2] - s:.3g} estimated loss"
-    )
+        why = "the only candidate that fits its kernel"
+    elif b == min(o[1] for o in options):
+        why = f"the cheapest candidate ({b:,} bytes)"
+    else:
+        cheaper = [o for o in options if o[1] < b]
+        nxt = max(cheaper, key=lambda o: (o[1], -o[2]))
+        why = (
+            f"on the budget's frontier: {nxt[0]} would save {b - nxt[1]:,} bytes for "
+            f"+{nxt[2] - s:.3g} estimated loss"
+        )
+    return why if unit == "layer" else f"{unit}; {why}"
 
 
 # -- compaction ---------------------------------------------------------------------------

@@ -50,8 +50,13 @@ def search_map(
     it causes. A multiple-choice knapsack then picks one candidate per layer (``base``, no
     quantization, always allowed). Layers are the modules holding a ``kernel``
     (``Dense``, ``DenseGeneral``, ``Conv``, ``Einsum``); embeddings and norms keep
-    ``base``. Layers inside ``nn.scan``/``nn.remat`` run in a trace of their own: they
-    are not scored, keep ``base``, and the table says so. Deterministic.
+    ``base``. A layer stack under ``nn.scan`` (kernels ``[depth, ...]``) is one module
+    path, so one entry of the map: it is scored and chosen per stack (its score the sum
+    over its layers, its bytes all of theirs; the table says ``per stack (scanned: N
+    layers)``); a map cannot give the layers of one stack different policies. Layers
+    under ``nn.remat`` (also ``nn.scan`` of ``nn.remat``) are scored as without it;
+    layers under ``nn.vmap`` are not scored, keep ``base``, and the table says so.
+    Deterministic.
 
     Args:
         module: a ``flax.linen`` Module instance.
@@ -72,7 +77,8 @@ def search_map(
 
     Returns:
         A :class:`SearchResult` ``(policy_map, table, weight_bytes, effective_bits,
-        loss_increase, method)``; ``print(result)`` shows the table.
+        loss_increase, method)``; ``print(result)`` shows the table;
+        ``result.at(budget)`` chooses again under another budget from the same scores.
 
     Raises:
         TypeError, ValueError: a candidate name is not a quantized policy name (quoted),
