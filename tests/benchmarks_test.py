@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -43,6 +44,7 @@ def _number(cell, unit):
     return float(value.replace(",", ""))
 
 
+@pytest.mark.heavy(50)
 def test_run_all_quick_prints_values_beside_ratios_in_plain_words():
     result = _run("run_all.py", "--quick")
     lines = result.stdout.splitlines()
@@ -162,6 +164,7 @@ def test_table_values_carry_their_units():
     ]
 
 
+@pytest.mark.heavy(15)
 def test_float8_bench_quick_prints_its_table_and_the_loss_gap():
     result = _run("float8_bench.py", "--quick")
     lines = result.stdout.splitlines()
@@ -185,6 +188,7 @@ def test_float8_bench_quick_prints_its_table_and_the_loss_gap():
     assert all(len(line) <= 100 for line in lines)
 
 
+@pytest.mark.heavy(5)
 def test_serving_bench_quick_prints_every_variant_and_form():
     result = _run("serving_bench.py", "--quick")
     lines = result.stdout.splitlines()
@@ -205,6 +209,7 @@ def test_policy_map_bench_quick_prints_the_regex_key_rows():
     assert [row[0] for row in rows] == ["without", "with |"], result.stdout
 
 
+@pytest.mark.heavy(40)
 def test_quantization_bench_quick_prints_the_calibrated_int4_rows():
     result = _run("quantization_bench.py", "--quick", "--calibrated-only")
     assert "Warning" not in result.stderr, result.stderr[-2000:]
@@ -240,6 +245,7 @@ def test_quantization_bench_quick_prints_the_calibrated_int4_rows():
     assert int(gptq[1]) >= 30 and gptq[2] == gptq[3] == "20"  # every solved layer, 30%+
 
 
+@pytest.mark.heavy(45)
 def test_search_bench_quick_prints_every_map_and_the_rank_correlation():
     result = _run("search_bench.py", "--quick")
     out = result.stdout

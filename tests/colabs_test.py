@@ -17,6 +17,7 @@ def test_there_are_notebooks():
     assert NOTEBOOKS, "colabs/ has no notebooks"
 
 
+@pytest.mark.heavy(15)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_executes_without_errors(path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the kernel imports this checkout

@@ -164,6 +164,7 @@ def _forms(compiled, name):
 # -- the plugin --------------------------------------------------------------------------------
 
 
+@pytest.mark.heavy(80)
 def test_the_cuda_plugin_compiles_for_an_h100_at_jaxlibs_version(compiled):
     _usable(compiled)
     assert compiled["device"] == ["NVIDIA H100 80GB HBM3", "compile_only_runtime", "cpu"]

@@ -32,6 +32,7 @@ def test_readme_stays_short_and_links_every_docs_page():
         assert f"(docs/{page.name})" in text, page.name
 
 
+@pytest.mark.heavy(5)
 @pytest.mark.parametrize("name, block", BLOCKS, ids=[name for name, _ in BLOCKS])
 def test_each_python_block_runs_on_its_own_without_a_warning(name, block):
     """A reader copies one block into a fresh interpreter: its imports come with it."""

@@ -40,6 +40,7 @@ def _train(tmp_path, *flags, returncode=0):
     return result
 
 
+@pytest.mark.heavy(12)
 def test_short_float16_run_prints_the_table_and_writes_the_plot(tmp_path):
     plot = tmp_path / "loss.png"
     result = _train(
@@ -80,6 +81,7 @@ def _ratio(table, row):
     return float(next(line for line in table.splitlines() if row in line).split()[-1][:-1])
 
 
+@pytest.mark.heavy(12)
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_16_bit_policies_keep_fewer_activation_bytes_even_on_a_cpu(tmp_path, policy):
     """The bytes are read from the traced step, not from XLA's CPU buffers (which keep
@@ -137,6 +139,7 @@ def test_help_gives_every_default_and_the_policy_map_keys(tmp_path):
     assert "--policy-map keys: the model's submodules, head, hidden_0, hidden_1, norm" in epilog
 
 
+@pytest.mark.heavy(5)
 def test_module_names_are_the_policy_map_keys():
     train = _load_script()
     names = train.module_names()
@@ -217,6 +220,7 @@ def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path, flags, mes
     assert result.stdout == ""
 
 
+@pytest.mark.heavy(7)
 def test_a_typo_in_the_map_warns_once_at_the_scripts_line(tmp_path):
     result = _train(tmp_path, "--steps=2", "--policy-map=haed=float32", "--no-progress")
     warnings = [line for line in result.stderr.splitlines() if "UserWarning" in line]
@@ -225,6 +229,7 @@ def test_a_typo_in_the_map_warns_once_at_the_scripts_line(tmp_path):
     assert "['haed']" in warnings[0] and "closest module paths: 'head'" in warnings[0]
 
 
+@pytest.mark.heavy(6)
 def test_float8_policy_trains_with_its_state_split_off_the_gradients(tmp_path):
     """A float8 policy on the hidden layers: the script creates and carries the state."""
     result = _train(
@@ -266,6 +271,7 @@ def test_policy_map_option_rejects_an_item_without_a_policy():
         train.parse_policy_map("head", "mixed_bfloat16")
 
 
+@pytest.mark.heavy(8)
 def test_int8_policy_says_int8_matmuls_ran_and_how_weights_shrink(tmp_path):
     result = _train(tmp_path, "--steps=3", "--policy=int8_from_mixed_bfloat16", "--no-progress")
     assert "int8: the int8 layers ran int8 matmuls" in result.stdout
@@ -273,6 +279,7 @@ def test_int8_policy_says_int8_matmuls_ran_and_how_weights_shrink(tmp_path):
     assert "float8:" not in result.stdout
 
 
+@pytest.mark.heavy(8)
 def test_progress_bar_writes_the_scale_as_the_table_does(tmp_path):
     result = _train(tmp_path, "--steps=3", "--policy=mixed_float16", "--plot=loss.png")
     assert "scale=2**15" in result.stderr and "e+" not in result.stderr
