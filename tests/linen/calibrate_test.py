@@ -198,6 +198,13 @@ def test_attention_output_projection_is_calibrated_over_its_two_input_axes(metho
     rtn_got = maybe_jit(jp.linen.apply(model, rtn_policy))(rtn, held)
     rel = lambda y: float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))  # noqa: E731
     assert rel(got) < rel(rtn_got)
+    # per channel, the output projection's int4 kernel reaches its dot as int4 (AWQ: the
+    # inputs divided by s over both axes first); int4 blocks of a 3-D kernel dequantize, as
+    # round-to-nearest's do
+    channel = jp.DTypePolicyMap("float32", {"attn/out": f"{method}/4/-1_from_float32"})
+    q1 = jp.linen.calibrate(model, channel, variables, [x])
+    jaxpr = jax.make_jaxpr(jp.linen.apply(model, channel))(q1, held)
+    assert _int4_converts_into_dots(jaxpr.jaxpr) == 1
     # the stored kernel serves as its dequantized estimate: the matmul divides by s itself
     deq = jax.tree.map(
         lambda a: a.dequantize() if isinstance(a, jp.QuantizedArray) else a,
