@@ -8,7 +8,11 @@ statistic; Keras uses the max), normalised so that ``max(s) · min(s) = 1``; ``a
 best of ``num_grid_points + 1`` values in ``[0, 1]`` (Keras's grid) by the layer's output
 error on the calibration inputs, ``‖XW - XŴ‖² = tr((W - Ŵ)ᵀ XᵀX (W - Ŵ))``, computed from
 their Gram matrix. ``alpha = 0`` is round-to-nearest, so the search never does worse than it on
-the calibration inputs. Nothing here knows Flax.
+the calibration inputs. With ``clip_search`` each group's int4 scale is then clipped as
+AWQ's ``auto_clip`` does (:mod:`~jmp_policy._src.quantization.clipping`, by the group's share
+of the output error of the scaled layer). A kernel contracted over several leading axes
+(attention's output projection ``[heads, head_dim, out]``) is searched as its 2-D kernel,
+with one ``s`` per input (shape ``[heads, head_dim]``). Nothing here knows Flax.
 """
 
 from __future__ import annotations

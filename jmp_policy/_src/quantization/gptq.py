@@ -13,7 +13,10 @@ The result is stored exactly as round-to-nearest stores it
 (:func:`jmp_policy._src.quantization.quantize`): symmetric abs-max scales, int4 in groups
 of ``group_size`` rows (``-1``: per channel; a group's scale is taken from the rows as GPTQ
 has updated them when the group starts), int8 per channel. So the serving matmuls read a
-GPTQ kernel as they read any other. Nothing here knows Flax.
+GPTQ kernel as they read any other. With ``clip_search`` each group's scale is the
+reference code's ``mse=True`` choice (:mod:`~jmp_policy._src.quantization.clipping`)
+instead of abs-max. A kernel contracted over several leading axes (attention's output
+projection ``[heads, head_dim, out]``) is solved as its 2-D kernel. Nothing here knows Flax.
 """
 
 from __future__ import annotations
