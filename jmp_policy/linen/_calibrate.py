@@ -74,6 +74,7 @@ def calibrate(
     method: Any = None,
     hessian_damping: float = DEFAULT_HESSIAN_DAMPING,
     num_grid_points: int = DEFAULT_NUM_GRID_POINTS,
+    clip_search: bool = True,
     return_report: bool = False,
     progress: Any = False,
     **kwargs: Any,
@@ -100,6 +101,10 @@ def calibrate(
         method: the method to run (as ``module.apply``'s).
         hessian_damping: GPTQ's damping, a fraction of the mean Hessian diagonal.
         num_grid_points: AWQ's exponent grid ``0, 1/n, ..., 1``.
+        clip_search: choose each int4/int8 group's scale by a clipping search (GPTQ's
+            reference ``mse=True`` grid on the weights; AWQ's ``auto_clip`` by the group's
+            output error on the calibration inputs) instead of abs-max; ``False`` for
+            abs-max scales, as Keras 3.15.
         return_report: also return the per-layer report (a list of ``LayerReport``: per
             calibrated kernel, the relative output error of round-to-nearest and of the
             method on the calibration inputs, and seconds).
@@ -132,7 +137,7 @@ def calibrate(
     """
     check_module(module)
     check_params(variables, "calibrate")
-    calibration.check_settings(hessian_damping, num_grid_points)
+    calibration.check_settings(hessian_damping, num_grid_points, clip_search)
     calls = calibration.check_batches(batches)
     progress = calibration.check_progress(progress)
     policies = as_policy_or_map(policy_or_map)
@@ -145,13 +150,18 @@ def calibrate(
     targets = _targets(params, policy_tree)
     stacked = _stacked(module, variables, calls[0], kwargs, method)
     targets = {p: s for p, s in targets.items() if f"{p}/kernel" not in stacked}
-    stats = {p: LayerStats.zeros(s[0]) for p, s in targets.items()}
+    stats: dict[str, LayerStats] = {}
     run, unseen = _collect(module, targets, method, kwargs)
     if targets:
+        stats = calibration.zero_stats(jax.eval_shape(run, variables, stats, calls[0]))
         run = jax.jit(run)
         for args in calls:
             stats = run(variables, stats, args)
-    options = {"hessian_damping": hessian_damping, "num_grid_points": num_grid_points}
+    options = {
+        "hessian_damping": hessian_damping,
+        "num_grid_points": num_grid_points,
+        "clip_search": clip_search,
+    }
     new, report = calibration.quantize_calibrated(
         params, policy_tree, stats, stacked, options, unseen, progress
     )

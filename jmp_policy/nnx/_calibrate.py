@@ -67,7 +67,7 @@ def _gather(
     kwargs: Mapping[str, Any],
 ) -> dict[str, LayerStats]:
     """Each target's statistics over the calls (one jit-compiled run per batch shape)."""
-    stats = {p: LayerStats.zeros(s[0]) for p, s in targets.items()}
+    stats: dict[str, LayerStats] = {}
     if not targets:
         return stats
     graphdef, whole = nnx.split(model)
@@ -83,6 +83,7 @@ def _gather(
         live(*args, **kwargs)
         return stats
 
+    stats = calibration.zero_stats(jax.eval_shape(run, whole, stats, calls[0]))
     run_jit = jax.jit(run)
     for args in calls:
         stats = run_jit(whole, stats, args)
@@ -96,6 +97,7 @@ def calibrate(
     *,
     hessian_damping: float = DEFAULT_HESSIAN_DAMPING,
     num_grid_points: int = DEFAULT_NUM_GRID_POINTS,
+    clip_search: bool = True,
     return_report: bool = False,
     progress: Any = False,
     **kwargs: Any,
@@ -119,6 +121,10 @@ def calibrate(
         batches: an iterable of calls' arguments (a tuple per call, or one array).
         hessian_damping: GPTQ's damping, a fraction of the mean Hessian diagonal.
         num_grid_points: AWQ's exponent grid ``0, 1/n, ..., 1``.
+        clip_search: choose each int4/int8 group's scale by a clipping search (GPTQ's
+            reference ``mse=True`` grid on the weights; AWQ's ``auto_clip`` by the group's
+            output error on the calibration inputs) instead of abs-max; ``False`` for
+            abs-max scales, as Keras 3.15.
         return_report: also return the per-layer report (a list of ``LayerReport``: per
             calibrated kernel, the relative output error of round-to-nearest and of the
             method on the calibration inputs, and seconds).
@@ -154,7 +160,7 @@ def calibrate(
         (256, 8)
     """
     check_model(model)
-    calibration.check_settings(hessian_damping, num_grid_points)
+    calibration.check_settings(hessian_damping, num_grid_points, clip_search)
     calls = calibration.check_batches(batches)
     progress = calibration.check_progress(progress)
     policies = as_policy_or_map(policy_or_map)
@@ -169,7 +175,11 @@ def calibrate(
     stacked_params = _stacked_params(copy, params)
     targets, unseen = _targets(copy, params, policy_tree, stacked_params)
     stats = _gather(copy, targets, unseen, calls, kwargs)
-    options = {"hessian_damping": hessian_damping, "num_grid_points": num_grid_points}
+    options = {
+        "hessian_damping": hessian_damping,
+        "num_grid_points": num_grid_points,
+        "clip_search": clip_search,
+    }
     new, report = calibration.quantize_calibrated(
         params, policy_tree, stats, stacked_params, options, unseen, progress
     )

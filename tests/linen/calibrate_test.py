@@ -1,6 +1,8 @@
 """jp.linen.calibrate: GPTQ and AWQ kernels of an unmodified Linen model, int8 beside them,
 served through the weight-only matmul."""
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 
 import jmp_policy as jp
-from jmp_policy._src.quantization import awq
+from jmp_policy._src.quantization import awq, calibration_stats, gptq
 
 
 class MLP(nn.Module):
@@ -162,3 +164,74 @@ def test_batches_of_different_shapes_add_up():
         np.asarray(a["params"]["up"]["kernel"].values),
         np.asarray(b["params"]["up"]["kernel"].values),
     )
+
+
+class Attention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.MultiHeadDotProductAttention(4, name="attn")(x)  # out: [4, 8, 32]
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_attention_output_projection_is_calibrated_over_its_two_input_axes(method, maybe_jit):
+    model = Attention()
+    x = _inputs(512).reshape(16, 32, 32)
+    variables = model.init(jax.random.key(0), x)
+    policy = jp.DTypePolicyMap("float32", {"attn": f"{method}/4/2_from_float32"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer falls back to round-to-nearest
+        q, report = jp.linen.calibrate(model, policy, variables, [x[:8], x[8:]], return_report=True)
+    out = q["params"]["attn"]["out"]["kernel"]
+    assert out.shape == (4, 8, 32) and out.block_size == 2 and out.scale.shape == (2, 32)
+    if method == "awq":
+        assert isinstance(out, awq.InputScaledArray) and out.input_scale.shape == (4, 8)
+    paths = [r.path for r in report]
+    assert "attn/out/kernel" in paths and len(paths) == 4
+    for r in report:
+        assert r.error < r.rtn_error
+    held = _inputs(256, seed=1).reshape(8, 32, 32)
+    want = model.apply(variables, held)
+    fn = maybe_jit(jp.linen.apply(model, policy))
+    got = fn(q, held)
+    rtn_policy = jp.DTypePolicyMap("float32", {"attn": "int4/2_from_float32"})
+    rtn = jp.linen.quantize(model, rtn_policy, variables, held)
+    rtn_got = maybe_jit(jp.linen.apply(model, rtn_policy))(rtn, held)
+    rel = lambda y: float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))  # noqa: E731
+    assert rel(got) < rel(rtn_got)
+    # per channel, the output projection's int4 kernel reaches its dot as int4 (AWQ: the
+    # inputs divided by s over both axes first); int4 blocks of a 3-D kernel dequantize, as
+    # round-to-nearest's do
+    channel = jp.DTypePolicyMap("float32", {"attn/out": f"{method}/4/-1_from_float32"})
+    q1 = jp.linen.calibrate(model, channel, variables, [x])
+    jaxpr = jax.make_jaxpr(jp.linen.apply(model, channel))(q1, held)
+    assert _int4_converts_into_dots(jaxpr.jaxpr) == 1
+    # the stored kernel serves as its dequantized estimate: the matmul divides by s itself
+    deq = jax.tree.map(
+        lambda a: a.dequantize() if isinstance(a, jp.QuantizedArray) else a,
+        q,
+        is_leaf=lambda a: isinstance(a, jp.QuantizedArray),
+    )
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(model.apply(deq, held)), rtol=2e-4, atol=2e-4
+    )
+
+
+def test_clip_search_off_gives_abs_max_scales_and_a_bad_value_is_a_type_error():
+    model, x = MLP(), _inputs(256)
+    variables = model.init(jax.random.key(0), x)
+    policy = jp.DTypePolicyMap("float32", {"mid": "gptq/4/16_from_float32"})
+    off = jp.linen.calibrate(model, policy, variables, [x], clip_search=False)
+    on = jp.linen.calibrate(model, policy, variables, [x])  # the default: clipped
+    p = variables["params"]
+    h = nn.relu(x @ p["up"]["kernel"] + p["up"]["bias"])  # mid's inputs
+    gram = calibration_stats.gram(h)
+    for q, clip in ((off, False), (on, True)):
+        want = gptq.gptq_quantize(p["mid"]["kernel"], gram, group_size=16, clip_search=clip)
+        got = q["params"]["mid"]["kernel"]
+        np.testing.assert_allclose(np.asarray(got.scale), np.asarray(want.scale), rtol=1e-5)
+    assert np.any(
+        np.asarray(on["params"]["mid"]["kernel"].scale)
+        < np.asarray(off["params"]["mid"]["kernel"].scale)
+    )
+    with pytest.raises(TypeError, match=r"`clip_search` must be True .* clip_search='yes'"):
+        jp.linen.calibrate(model, policy, variables, [x], clip_search="yes")

@@ -1,6 +1,8 @@
 """jp.nnx.calibrate: GPTQ and AWQ kernels of an unmodified NNX model, int8 beside them,
 served through the weight-only matmul, with and without jit."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,3 +197,36 @@ def test_batches_of_different_shapes_add_up():
     np.testing.assert_array_equal(
         np.asarray(a.up.kernel.get_value().values), np.asarray(b.up.kernel.get_value().values)
     )
+
+
+class Attention(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(4, 32, decode=False, rngs=rngs)  # out: [4, 8, 32]
+
+    def __call__(self, x):
+        return self.attn(x)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_attention_output_projection_is_calibrated_over_its_two_input_axes(method, jit):
+    model = Attention(nnx.Rngs(0))
+    x = _inputs(512).reshape(16, 32, 32)
+    policy = jp.DTypePolicyMap("float32", {"attn": f"{method}/4/2_from_float32"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer falls back to round-to-nearest
+        q, report = jp.nnx.calibrate(model, policy, [x[:8], x[8:]], return_report=True)
+    out = q.attn.out.kernel.get_value()
+    assert out.shape == (4, 8, 32) and out.block_size == 2 and out.scale.shape == (2, 32)
+    if method == "awq":
+        assert isinstance(out, awq.InputScaledArray) and out.input_scale.shape == (4, 8)
+    assert "attn/out/kernel" in [r.path for r in report] and len(report) == 4
+    assert all(r.error < r.rtn_error for r in report)
+    held = _inputs(256, seed=1).reshape(8, 32, 32)
+    want = model(held)
+    fn = jp.nnx.apply(q, policy)
+    got = nnx.jit(lambda m, x: jp.nnx.apply(m, policy)(x))(q, held) if jit else fn(held)
+    rtn_policy = jp.DTypePolicyMap("float32", {"attn": "int4/2_from_float32"})
+    rtn = jp.nnx.quantize(model, rtn_policy)
+    rel = lambda y: float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))  # noqa: E731
+    assert rel(got) < rel(jp.nnx.apply(rtn, rtn_policy)(held))

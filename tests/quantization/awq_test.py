@@ -65,6 +65,71 @@ def test_awq_finds_the_brute_force_best_exponent(group, maybe_jit):
     assert q.mode == "int4" and q.block_size == group and q.values.dtype == jnp.int4
 
 
+def _brute_force_clip(w, x, s, group, qmax=7.0):
+    """AWQ's auto_clip by brute force: for the scaled kernel ``diag(s) w`` and inputs
+    ``x / s``, each group's and column's ratio ``1 - i/100`` (``i < 80``) of the abs-max
+    with the least output error of that group's rows, in float64."""
+    ws = w.astype(np.float64) * s[:, None]
+    xs = x.astype(np.float64) / s[None, :]
+    rows = w.shape[0]
+    size = rows if group == -1 else group
+    w_hat = np.zeros_like(ws)
+    for a in range(0, rows, size):
+        wg, xg = ws[a : a + size], xs[:, a : a + size]
+        amax = np.abs(wg).max(0)
+        best, best_err = None, np.full(amax.shape, np.inf)
+        for i in range(80):
+            sc = amax * (1 - i / 100) / qmax
+            dq = np.clip(np.round(wg / sc), -qmax, qmax) * sc
+            err = ((xg @ (wg - dq)) ** 2).sum(0)
+            better = err < best_err
+            best = dq if best is None else np.where(better, dq, best)
+            best_err = np.where(better, err, best_err)
+        w_hat[a : a + size] = best
+    return w_hat / s[:, None]
+
+
+@pytest.mark.parametrize("group", [32, -1])
+def test_awq_clipping_search_is_the_brute_force_auto_clip(group, maybe_jit):
+    x, w = _salient(1024, 128, seed=0), _kernel(128, 16)
+    mean_abs, gram = _stats(x)
+    fn = maybe_jit(lambda w, m, g: awq.awq_quantize(w, m, g, group_size=group, clip_search=True))
+    q = fn(jnp.asarray(w), mean_abs, gram)
+    plain = awq.awq_quantize(jnp.asarray(w), mean_abs, gram, group_size=group)
+    s = np.asarray(q.input_scale, np.float64)
+    np.testing.assert_allclose(s, np.asarray(plain.input_scale), rtol=1e-6)  # same s
+    w_hat = _brute_force_clip(w, x, s, group)
+    want = np.sum((x.astype(np.float64) @ (w - w_hat)) ** 2)
+    # float32 Gram against float64 inputs: the same minimum up to a near-tie's precision
+    np.testing.assert_allclose(_loss(w, x, q), want, rtol=1e-3)
+    assert _loss(w, x, q) < _loss(w, x, plain)
+    assert q.values.dtype == jnp.int4 and q.scale.shape == plain.scale.shape
+    assert q.mode == "int4" and q.block_size == group
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_awq_over_two_input_axes_is_awq_of_the_2d_kernel(clip, maybe_jit):
+    """Attention's output projection [heads, head_dim, out]: ``s`` per (head, head_dim)."""
+    x, w = _salient(1024, 64, seed=3), _kernel(64, 16, seed=4)
+    mean_abs, gram = _stats(x)
+    w3 = jnp.asarray(w.reshape(4, 16, 16))
+    fn = maybe_jit(
+        lambda w, m, g: awq.awq_quantize(w, m, g, group_size=2, in_axes=2, clip_search=clip)
+    )
+    q = fn(w3, mean_abs, gram)
+    flat = awq.awq_quantize(jnp.asarray(w), mean_abs, gram, group_size=32, clip_search=clip)
+    rtn = quantization.quantize(w3, "int4", 2)
+    assert q.shape == (4, 16, 16) and q.input_scale.shape == (4, 16)
+    assert q.values.shape == rtn.values.shape and q.scale.shape == rtn.scale.shape == (2, 16)
+    np.testing.assert_allclose(
+        np.asarray(q.input_scale).reshape(64), np.asarray(flat.input_scale), rtol=1e-6
+    )
+    np.testing.assert_array_equal(np.asarray(q.values).reshape(64, 16), np.asarray(flat.values))
+    np.testing.assert_allclose(
+        np.asarray(q.dequantize()).reshape(64, 16), np.asarray(flat.dequantize()), rtol=1e-5
+    )
+
+
 def test_awq_beats_round_to_nearest_on_held_out_inputs():
     x = _salient(3072, 256, seed=1)
     w = _kernel(256, 32)

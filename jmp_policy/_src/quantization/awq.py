@@ -8,21 +8,37 @@ statistic; Keras uses the max), normalised so that ``max(s) · min(s) = 1``; ``a
 best of ``num_grid_points + 1`` values in ``[0, 1]`` (Keras's grid) by the layer's output
 error on the calibration inputs, ``‖XW - XŴ‖² = tr((W - Ŵ)ᵀ XᵀX (W - Ŵ))``, computed from
 their Gram matrix. ``alpha = 0`` is round-to-nearest, so the search never does worse than it on
-the calibration inputs. Nothing here knows Flax.
+the calibration inputs. With ``clip_search`` each group's int4 scale is then clipped as
+AWQ's ``auto_clip`` does (:mod:`~jmp_policy._src.quantization.clipping`, by the group's share
+of the output error of the scaled layer). A kernel contracted over several leading axes
+(attention's output projection ``[heads, head_dim, out]``) is searched as its 2-D kernel,
+with one ``s`` per input (shape ``[heads, head_dim]``). Nothing here knows Flax.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src.quantization.gptq import check_bits_and_group, check_kernel, check_positive
-from jmp_policy._src.quantization.quantized_array import QuantizedArray, quantize
+from jmp_policy._src.quantization import clipping
+from jmp_policy._src.quantization.gptq import (
+    check_bits_and_group,
+    check_in_axes,
+    check_kernel,
+    check_positive,
+)
+from jmp_policy._src.quantization.quantized_array import (
+    INT4_MAX,
+    INT8_MAX,
+    QuantizedArray,
+    quantize,
+)
 
 DEFAULT_NUM_GRID_POINTS = 20
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -48,7 +64,7 @@ def output_error(w: jax.Array, w_hat: jax.Array, gram: jax.Array) -> jax.Array:
     return jnp.sum(jnp.matmul(gram, d, precision=_HIGHEST) * d)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "group", "num_grid_points"))
+@functools.partial(jax.jit, static_argnames=("mode", "group", "num_grid_points", "clip"))
 def _search(
     w: jax.Array,
     mean_abs: jax.Array,
@@ -57,8 +73,11 @@ def _search(
     mode: str,
     group: int | None,
     num_grid_points: int,
-) -> tuple[jax.Array, jax.Array]:
-    """The best ``s`` for one kernel ``w`` (float32) and every candidate's output error."""
+    clip: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One kernel ``w`` (float32, ``[in, ...]``): the best ``s``, the integer values
+    (float32) and scales of ``diag(s) w`` (clipped when ``clip``), and every candidate's
+    output error."""
 
     def loss(alpha: jax.Array) -> jax.Array:
         s = candidate_scales(mean_abs, alpha)
@@ -68,7 +87,21 @@ def _search(
     alphas = jnp.arange(num_grid_points + 1, dtype=jnp.float32) / num_grid_points
     losses = jax.lax.map(loss, alphas)
     best = jnp.argmin(jnp.where(jnp.isnan(losses), jnp.inf, losses))  # first minimum
-    return candidate_scales(mean_abs, alphas[best]), losses
+    s = candidate_scales(mean_abs, alphas[best])
+    scaled = _rows_times(w, s)
+    if not clip:
+        q = quantize(scaled, mode, group)
+        return s, q.values.astype(jnp.float32), q.scale, losses
+    # AWQ's auto_clip: each group's clip by its share of the output error of the scaled
+    # layer, whose inputs are x / s (Gram matrix XᵀX / (s sᵀ)).
+    rows, rest = w.shape[0], tuple(w.shape[1:])
+    qmax = INT4_MAX if mode == "int4" else INT8_MAX
+    size = rows if group in (None, -1) else int(group)  # type: ignore[arg-type]
+    gram_s = gram / s[:, None] / s[None, :]
+    values, scales = clipping.quantize_groups(scaled.reshape(rows, -1), rest, qmax, size, gram_s)
+    if mode == "int8":
+        scales = scales.reshape(-1)
+    return s, values.reshape(w.shape), scales, losses
 
 
 def awq_quantize(
@@ -80,33 +113,45 @@ def awq_quantize(
     group_size: int = 128,
     num_grid_points: int = DEFAULT_NUM_GRID_POINTS,
     stacked: int = 0,
+    in_axes: int = 1,
+    clip_search: bool = False,
 ) -> InputScaledArray:
     """AWQ-quantizes ``kernel``: ``Q(diag(s) W)`` with the searched input scale ``s``.
 
     Args:
         kernel: a floating kernel ``[in, ..., out]`` (``[*depth, in, ..., out]`` stacked).
         mean_abs: the mean magnitude of each input channel over the calibration inputs,
-            ``[in]`` (``[*depth, in]``).
+            ``[in]`` (``[*depth, in]``); with ``in_axes`` > 1, ``in`` is the product of the
+            input axes (flattened in order).
         gram: ``XᵀX`` of the calibration inputs, ``[in, in]`` (``[*depth, in, in]``).
         weight_bits: 4 (``jnp.int4``) or 8 (``jnp.int8``, per channel only).
         group_size: int4's rows per scale (``-1``: per channel).
         num_grid_points: the exponent grid is ``0, 1/n, ..., 1`` for ``n`` this.
         stacked: leading axes of ``kernel`` that stack layers, each searched on its own.
+        in_axes: the kernel's leading axes (after ``stacked``) that the layer contracts
+            with its inputs (2 for attention's output projection ``[heads, head_dim,
+            out]``); ``s`` then has their shape.
+        clip_search: after the scale search, choose each group's int4 scale by AWQ's
+            ``auto_clip`` (:func:`~jmp_policy._src.quantization.clipping.search_scale` by
+            the group's output error on the calibration inputs) instead of abs-max.
 
     Returns:
         An :class:`InputScaledArray`: the scaled kernel in round-to-nearest's storage and
-        ``input_scale`` ``s`` (float32, ``[*depth, in]``), the scale the matmul divides the
-        layer's inputs by; its ``dequantize()`` is ``W``'s estimate. Works under ``jit``.
+        ``input_scale`` ``s`` (float32, ``[*depth, *in_shape]``), the scale the matmul
+        divides the layer's inputs by; its ``dequantize()`` is ``W``'s estimate. Works
+        under ``jit``.
 
     Raises:
-        ValueError: unsupported ``weight_bits``/``group_size``/``num_grid_points``, or
-            shapes that disagree.
+        ValueError: unsupported ``weight_bits``/``group_size``/``num_grid_points``/
+            ``in_axes``, or shapes that disagree.
         TypeError: ``kernel`` is not a floating array.
     """
     group = check_bits_and_group(weight_bits, group_size, "AWQ")
     check_positive(num_grid_points, "num_grid_points")
     shape = check_kernel(kernel, stacked)
-    lead, rows = shape[:stacked], shape[stacked]
+    check_in_axes(in_axes, shape, stacked)
+    lead, ins = shape[:stacked], shape[stacked : stacked + in_axes]
+    rows, rest = math.prod(ins), shape[stacked + in_axes :]
     mean_abs, gram = jnp.asarray(mean_abs), jnp.asarray(gram)
     for name, x, want in (
         ("mean_abs", mean_abs, (*lead, rows)),
@@ -115,20 +160,26 @@ def awq_quantize(
         if tuple(x.shape) != want:
             raise ValueError(
                 f"`{name}` must have shape {want} for a kernel of shape {shape} "
-                f"(stacked={stacked}). Received: {name} of shape {tuple(x.shape)}"
+                f"(stacked={stacked}, in_axes={in_axes}). Received: {name} of shape "
+                f"{tuple(x.shape)}"
             )
     mode = "int4" if weight_bits == 4 else "int8"
     block = group if weight_bits == 4 else None
-    search = functools.partial(_search, mode=mode, group=block, num_grid_points=num_grid_points)
+    inner = math.prod(ins[1:])  # rows of the 2-D kernel per row of the stored kernel
+    flat_block = block * inner if block is not None and block > 0 else block
+    search = functools.partial(
+        _search, mode=mode, group=flat_block, num_grid_points=num_grid_points,
+        clip=bool(clip_search),
+    )  # fmt: skip
     for _ in range(stacked):
         search = jax.vmap(search)
-    w32 = jnp.asarray(kernel).astype(jnp.float32)
-    s, _ = search(w32, mean_abs.astype(jnp.float32), gram.astype(jnp.float32))
-    scaled = w32 * s.reshape(*lead, rows, *([1] * (len(shape) - stacked - 1)))
-    q = quantize(scaled, mode, block, stacked)
+    w32 = jnp.asarray(kernel).astype(jnp.float32).reshape(*lead, rows, *rest)
+    s, values, scales, _ = search(w32, mean_abs.astype(jnp.float32), gram.astype(jnp.float32))
+    dtype = jnp.int4 if weight_bits == 4 else jnp.int8
     return InputScaledArray(
-        q.values, q.scale, mode, block, shape, np.dtype(kernel.dtype), stacked, s
-    )
+        values.reshape(shape).astype(dtype), scales, mode, block, shape,
+        np.dtype(kernel.dtype), stacked, s.reshape(*lead, *ins),
+    )  # fmt: skip
 
 
 @functools.partial(
@@ -139,28 +190,33 @@ def awq_quantize(
 @dataclasses.dataclass(frozen=True)
 class InputScaledArray(QuantizedArray):
     """An AWQ kernel: a :class:`~jmp_policy.QuantizedArray` of ``diag(s) W`` and ``s``,
-    ``input_scale`` (float32, ``[*depth, in]``), which the matmul divides the layer's inputs
-    by; :meth:`dequantize` gives ``W`` itself (the rows divided by ``s``), so every path that
-    dequantizes reads the right kernel."""
+    ``input_scale`` (float32, ``[*depth, *in_shape]``: the kernel's leading input axes, one
+    for a Dense kernel, two for attention's output projection), which the matmul divides
+    the layer's inputs by; :meth:`dequantize` gives ``W`` itself (divided by ``s``), so
+    every path that dequantizes reads the right kernel."""
 
     input_scale: Any = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         s = self.input_scale
-        want = (*self.shape[: self.stacked], self.shape[self.stacked])
+        k = self.stacked
         concrete = isinstance(s, (jax.Array, np.ndarray)) and not isinstance(s, jax.core.Tracer)
-        if concrete and tuple(s.shape) != want:
+        if concrete and not (
+            k + 1 <= s.ndim < len(self.shape) and tuple(s.shape) == self.shape[: s.ndim]
+        ):
             raise ValueError(
-                f"`input_scale` must have shape {want} (one per input row) for a kernel "
-                f"of shape {self.shape}. Received: input_scale of shape {tuple(s.shape)}"
+                f"`input_scale` must have shape {self.shape[: k + 1]} (one per input row; a "
+                f"layer contracting several kernel axes: a longer prefix of the kernel's "
+                f"shape, at most {self.shape[:-1]}) for a kernel of shape {self.shape}. "
+                f"Received: input_scale of shape {tuple(s.shape)}"
             )
 
     def dequantize(self, dtype: Any = None) -> jax.Array:
         dtype = self.original_dtype if dtype is None else dtype
         real = super().dequantize(jnp.float32)
         s = jnp.asarray(self.input_scale, jnp.float32)
-        s = s.reshape(*s.shape, *([1] * (len(self.shape) - self.stacked - 1)))
+        s = s.reshape(*s.shape, *([1] * (len(self.shape) - s.ndim)))
         return (real / s).astype(dtype)
 
     def scaled_kernel(self) -> QuantizedArray:

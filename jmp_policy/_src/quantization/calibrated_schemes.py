@@ -108,8 +108,11 @@ class CalibratedScheme(Scheme):
         """``x`` rounded to nearest in this format's storage (layers calibrate cannot see)."""
         return quantization.quantize(x, self.storage_mode, self.block_size, stacked)
 
-    def solve(self, x: Any, gram: Any, mean_abs: Any, options: Mapping[str, Any]) -> Any:
-        """One kernel chosen from its layer's statistics (``XᵀX``, ``mean |x|``)."""
+    def solve(
+        self, x: Any, gram: Any, mean_abs: Any, options: Mapping[str, Any], in_axes: int = 1
+    ) -> Any:
+        """One kernel chosen from its layer's statistics (``XᵀX``, ``mean |x|``) over its
+        ``in_axes`` leading input axes (flattened)."""
         raise NotImplementedError
 
     def matmul(self, kind: str, *, path: str, state: Any, kernel: Any) -> Callable[..., Any] | None:
@@ -133,10 +136,13 @@ class GPTQScheme(CalibratedScheme):
     grammar: ClassVar[tuple[str, ...]] = ("'gptq/<weight_bits>/<group_size>'",)
     policy_class: ClassVar[str] = "GPTQDTypePolicy"
 
-    def solve(self, x: Any, gram: Any, mean_abs: Any, options: Mapping[str, Any]) -> Any:
+    def solve(
+        self, x: Any, gram: Any, mean_abs: Any, options: Mapping[str, Any], in_axes: int = 1
+    ) -> Any:
         return gptq.gptq_quantize(
             x, gram, weight_bits=self.weight_bits, group_size=self.group_size,
-            hessian_damping=options["hessian_damping"],
+            hessian_damping=options["hessian_damping"], in_axes=in_axes,
+            clip_search=options.get("clip_search", False),
         )  # fmt: skip
 
 
@@ -160,10 +166,13 @@ class AWQScheme(CalibratedScheme):
     policy_class: ClassVar[str] = "AWQDTypePolicy"
     bits: ClassVar[tuple[int, ...]] = (4,)
 
-    def solve(self, x: Any, gram: Any, mean_abs: Any, options: Mapping[str, Any]) -> Any:
+    def solve(
+        self, x: Any, gram: Any, mean_abs: Any, options: Mapping[str, Any], in_axes: int = 1
+    ) -> Any:
         return awq.awq_quantize(
             x, mean_abs, gram, weight_bits=self.weight_bits, group_size=self.group_size,
-            num_grid_points=options["num_grid_points"],
+            num_grid_points=options["num_grid_points"], in_axes=in_axes,
+            clip_search=options.get("clip_search", False),
         )  # fmt: skip
 
     def matmul(self, kind: str, *, path: str, state: Any, kernel: Any) -> Callable[..., Any] | None:
@@ -176,12 +185,21 @@ class AWQScheme(CalibratedScheme):
             dims = normalize_dims(dimension_numbers)
             (lc, rc), (lb, rb) = dims
             shape = tuple(getattr(rhs, "shape", kernel.shape))
-            if shape == kernel.shape and not kernel.stacked and 0 in rc and not (lb or rb):
+            k = int(np.ndim(kernel.input_scale))
+            if (
+                shape == kernel.shape
+                and not kernel.stacked
+                and set(range(k)) <= set(rc)
+                and not (lb or rb)
+            ):
                 lhs = jnp.asarray(lhs)
-                axis = lc[list(rc).index(0)]
-                scale = [1] * lhs.ndim
-                scale[axis] = -1
-                s = kernel.input_scale.reshape(scale)
+                axes = [lc[list(rc).index(j)] for j in range(k)]  # lhs axis of kernel axis j
+                order = sorted(range(k), key=lambda j: axes[j])
+                s = jnp.transpose(jnp.asarray(kernel.input_scale), order)
+                shape_s = [1] * lhs.ndim
+                for j in range(k):
+                    shape_s[axes[j]] = kernel.shape[j]
+                s = s.reshape(shape_s)
                 return fast((lhs.astype(jnp.float32) / s).astype(lhs.dtype), rhs, dims, *a, **kw)
             matmuls.record(path, "awq int4 weights: dequantized (input scale not divisible)")
             compute = np.dtype(getattr(rhs, "dtype", jnp.asarray(lhs).dtype))

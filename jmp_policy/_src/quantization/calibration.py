@@ -13,6 +13,7 @@ the rest stay float. Nothing here knows Flax.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 import warnings
@@ -59,6 +60,8 @@ def kernel_module(path: str) -> str | None:
 
 
 def _relative(w: jax.Array, w_hat: jax.Array, gram: jax.Array) -> float:
+    w = w.reshape(gram.shape[0], -1)
+    w_hat = w_hat.reshape(gram.shape[0], -1)
     err = awq.output_error(w, w_hat, gram)
     ref = awq.output_error(w, jnp.zeros_like(w), gram)
     return float(jnp.sqrt(err / jnp.maximum(ref, 1e-30)))
@@ -80,7 +83,7 @@ def quantize_calibrated(
         policy_tree: the policy of each leaf (``DTypePolicyMap.policy_tree(params)``).
         stats: module path -> the statistics its layer's matmul inputs gave.
         stacked: parameter path -> its leading stacked axes (absent: 0).
-        options: ``hessian_damping`` and ``num_grid_points``.
+        options: ``hessian_damping``, ``num_grid_points`` and ``clip_search``.
         unseen_reason: module path -> why its layer's inputs were not gathered.
         progress: see :func:`check_progress`.
 
@@ -117,11 +120,12 @@ def quantize_calibrated(
 MAX_GRID_POINTS = 10_000
 
 
-def check_settings(hessian_damping: Any, num_grid_points: Any) -> None:
+def check_settings(hessian_damping: Any, num_grid_points: Any, clip_search: Any = True) -> None:
     """``calibrate``'s solver settings, checked before any layer runs.
 
     Raises:
-        TypeError: ``hessian_damping`` is not a real number or ``num_grid_points`` not an int.
+        TypeError: ``hessian_damping`` is not a real number, ``num_grid_points`` not an
+            int or ``clip_search`` not a bool.
         ValueError: ``hessian_damping`` is negative or not finite; ``num_grid_points`` is
             outside 1 to :data:`MAX_GRID_POINTS`.
     """
@@ -144,6 +148,11 @@ def check_settings(hessian_damping: Any, num_grid_points: Any) -> None:
         raise ValueError(
             f"`num_grid_points` must be from 1 to {MAX_GRID_POINTS}. "
             f"Received: num_grid_points={num_grid_points!r}"
+        )
+    if not isinstance(clip_search, bool):
+        raise TypeError(
+            "`clip_search` must be True (search each group's clipping ratio, the default) "
+            f"or False (abs-max scales). Received: clip_search={clip_search!r}"
         )
 
 
@@ -230,7 +239,8 @@ def _calibrated_leaf(
         )
         return scheme.round_to_nearest(x, k)
     start = time.perf_counter()
-    q = scheme.solve(x, layer.gram, layer.mean_abs, options)
+    in_axes = input_axes(tuple(x.shape), layer.features)
+    q = scheme.solve(x, layer.gram, layer.mean_abs, options, in_axes)
     jax.block_until_ready(q.values)
     seconds = time.perf_counter() - start
     w = jnp.asarray(x, jnp.float32)
@@ -271,7 +281,8 @@ def capturing_dot_general(
     path: str, shape: tuple[int, ...], stats: dict[str, LayerStats], unseen: dict[str, str]
 ) -> Any:
     """A drop-in ``jax.lax.dot_general`` for the layer at ``path`` (kernel ``shape``) that
-    adds its input rows to ``stats[path]`` (or says in ``unseen`` why it cannot), then
+    adds its input rows to ``stats[path]`` (created at the first call, with as many
+    features as the matmul contracts), or says in ``unseen`` why it cannot, then
     multiplies as written."""
 
     def dot_general(lhs: Any, rhs: Any, dims: Any, *a: Any, **k: Any) -> Any:
@@ -281,18 +292,40 @@ def capturing_dot_general(
         if rows is None:
             unseen[path] = "its matmul contracts the kernel in a layout GPTQ/AWQ do not read"
         else:
-            stats[path] = stats[path].update(rows)
+            before = stats[path] if path in stats else LayerStats.zeros(int(rows.shape[-1]))
+            stats[path] = before.update(rows)
         return jax.lax.dot_general(lhs, rhs, dims, *a, **k)
 
     return dot_general
 
 
 def rows_for_kernel(lhs: Any, rhs_shape: tuple[int, ...], dims: Any) -> jax.Array | None:
-    """The matmul input as rows of the kernel's input features when the kernel's axis 0
-    alone is contracted with no batch axes (Dense, DenseGeneral over one axis); ``None``
-    for other layouts."""
+    """The matmul input as rows of the kernel's input features when the kernel's leading
+    axes ``0..k-1`` are contracted with no batch axes (Dense, DenseGeneral: attention's
+    output projection contracts ``[heads, head_dim]``), flattened in the kernel's axis
+    order; ``None`` for other layouts."""
     (lc, rc), (lb, rb) = dims
-    if tuple(rc) != (0,) or lb or rb or len(lc) != 1:
+    k = len(rc)
+    if sorted(int(r) for r in rc) != list(range(k)) or lb or rb or k >= len(rhs_shape):
         return None
     lhs = jnp.asarray(lhs)
-    return jnp.moveaxis(lhs, int(lc[0]), -1).reshape(-1, int(rhs_shape[0]))
+    axes = [int(lc[list(rc).index(j)]) for j in range(k)]  # lhs axis of kernel axis j
+    moved = jnp.moveaxis(lhs, axes, list(range(lhs.ndim - k, lhs.ndim)))
+    return moved.reshape(-1, math.prod(int(d) for d in rhs_shape[:k]))
+
+
+def zero_stats(shapes: Any) -> dict[str, LayerStats]:
+    """Statistics of no rows with the shapes ``jax.eval_shape`` of a gathering run gave
+    (each layer's feature count is known once its matmul is traced)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # type: ignore[no-any-return]
+
+
+def input_axes(shape: tuple[int, ...], features: int) -> int:
+    """How many leading axes of a kernel of ``shape`` its layer's ``features`` inputs span
+    (1 for a Dense kernel; 2 for attention's output projection ``[heads, head_dim, out]``)."""
+    total = 1
+    for k, d in enumerate(shape[:-1], start=1):
+        total *= int(d)
+        if total == features:
+            return k
+    return 1

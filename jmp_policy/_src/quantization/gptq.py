@@ -13,7 +13,10 @@ The result is stored exactly as round-to-nearest stores it
 (:func:`jmp_policy._src.quantization.quantize`): symmetric abs-max scales, int4 in groups
 of ``group_size`` rows (``-1``: per channel; a group's scale is taken from the rows as GPTQ
 has updated them when the group starts), int8 per channel. So the serving matmuls read a
-GPTQ kernel as they read any other. Nothing here knows Flax.
+GPTQ kernel as they read any other. With ``clip_search`` each group's scale is the
+reference code's ``mse=True`` choice (:mod:`~jmp_policy._src.quantization.clipping`)
+instead of abs-max. A kernel contracted over several leading axes (attention's output
+projection ``[heads, head_dim, out]``) is solved as its 2-D kernel. Nothing here knows Flax.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src.quantization import clipping
 from jmp_policy._src.quantization.quantized_array import (
     INT4_MAX,
     INT8_MAX,
@@ -94,6 +98,17 @@ def check_kernel(kernel: Any, stacked: Any) -> tuple[int, ...]:
     return shape
 
 
+def check_in_axes(in_axes: Any, shape: tuple[int, ...], stacked: int) -> None:
+    """``in_axes`` must leave at least one output axis of the kernel ``shape``."""
+    top = len(shape) - stacked - 1
+    if isinstance(in_axes, bool) or not isinstance(in_axes, int) or not 1 <= in_axes <= top:
+        raise ValueError(
+            f"`in_axes` must be an integer from 1 to {top} (the kernel's leading input "
+            f"axes, leaving an output axis) for a kernel of shape {shape} "
+            f"(stacked={stacked}). Received: in_axes={in_axes!r}"
+        )
+
+
 def damped_hessian(hessian: jax.Array, damping: Any) -> jax.Array:
     """``hessian`` with a zero diagonal entry set to 1 and ``damping`` times the mean
     diagonal added to the diagonal (as GPTQ's reference code and Keras do)."""
@@ -115,16 +130,20 @@ def inverse_cholesky(h: jax.Array) -> jax.Array:
 
 
 def _channel_scale(
-    rows: jax.Array, rest: tuple[int, ...], qmax: float
+    rows: jax.Array, rest: tuple[int, ...], qmax: float, clip: bool = False
 ) -> tuple[jax.Array, jax.Array]:
-    """The abs-max scale of ``rows`` (``[r, M]``, ``M = prod(rest)``) per index of the last
-    axis of ``rest``, broadcast back to ``[M]``, and the ``[n]`` scale itself."""
-    cols = jnp.max(jnp.abs(rows), axis=0).reshape(rest)
-    scale = abs_max_scale(cols, tuple(range(len(rest) - 1)), qmax).reshape(rest[-1])
-    return jnp.broadcast_to(scale, rest).reshape(-1), scale
+    """The scale of ``rows`` (``[r, M]``, ``M = prod(rest)``) per index of the last axis of
+    ``rest``, broadcast back to ``[M]``, and the ``[n]`` scale itself: abs-max, or with
+    ``clip`` the clipping search's (the reference code's ``mse=True`` grid)."""
+    if clip:
+        scale = clipping.search_scale(rows, rest, qmax)
+    else:
+        cols = jnp.max(jnp.abs(rows), axis=0).reshape(rest)
+        scale = abs_max_scale(cols, tuple(range(len(rest) - 1)), qmax).reshape(rest[-1])
+    return clipping.broadcast_scale(scale, rest), scale
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group", "block", "rest"))
+@functools.partial(jax.jit, static_argnames=("bits", "group", "block", "rest", "clip"))
 def _solve(
     w2: jax.Array,
     hessian: jax.Array,
@@ -134,6 +153,7 @@ def _solve(
     group: int,
     block: int,
     rest: tuple[int, ...],
+    clip: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """GPTQ on one kernel ``w2`` (``[in, M]``, float32): integer values (float32, ``[in, M]``),
     scales (``[groups, n]``; ``[n]`` per channel) and whether the factorisation was finite."""
@@ -150,7 +170,7 @@ def _solve(
     h = h + jnp.diag(pad_diag.astype(h.dtype))
     u = inverse_cholesky(h)
     ok = jnp.all(jnp.isfinite(u))
-    per_channel_m, per_channel_n = _channel_scale(w2, rest, qmax)
+    per_channel_m, per_channel_n = _channel_scale(w2, rest, qmax, clip and group <= 0)
     later = jnp.arange(size)[None, :] > jnp.arange(size)[:, None]  # [j, k]: k after j
 
     def one_block(w: jax.Array, k: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -158,7 +178,7 @@ def _solve(
         w1 = jax.lax.dynamic_slice(w, (start, 0), (size, m))
         u1 = jax.lax.dynamic_slice(u, (start, start), (size, size))
         if group > 0:
-            scale_m, scale_n = _channel_scale(w1, rest, qmax)
+            scale_m, scale_n = _channel_scale(w1, rest, qmax, clip)
         else:
             scale_m, scale_n = per_channel_m, per_channel_n
 
@@ -194,6 +214,8 @@ def gptq_quantize(
     hessian_damping: float = DEFAULT_HESSIAN_DAMPING,
     block_size: int = DEFAULT_BLOCK_SIZE,
     stacked: int = 0,
+    in_axes: int = 1,
+    clip_search: bool = False,
 ) -> QuantizedArray:
     """GPTQ-quantizes ``kernel`` for inputs whose Gram matrix is ``hessian``.
 
@@ -201,13 +223,22 @@ def gptq_quantize(
         kernel: a floating kernel ``[in, ..., out]`` (Flax's layout; with ``stacked``
             leading layer axes, ``[*depth, in, ..., out]``).
         hessian: ``XᵀX`` of the layer's inputs, ``[in, in]`` (``[*depth, in, in]``); any
-            positive multiple gives the same result.
+            positive multiple gives the same result. With ``in_axes`` > 1, ``in`` is the
+            product of the input axes (flattened in order).
         weight_bits: 4 (``jnp.int4`` values) or 8 (``jnp.int8``, per channel only).
         group_size: int4's rows per scale (``-1``: per channel), as ``int4/<group_size>``.
         hessian_damping: the fraction of the mean diagonal added to the diagonal.
         block_size: rows per block of the lazy batch update when ``group_size`` is -1
             (groups are the blocks otherwise); changes the speed, not the result.
         stacked: leading axes of ``kernel`` that stack layers, each solved on its own.
+        in_axes: the kernel's leading axes (after ``stacked``) that the layer contracts
+            with its inputs: 2 for attention's output projection ``[heads, head_dim,
+            out]``, solved as the 2-D kernel ``[heads · head_dim, out]`` (its int4 groups
+            of ``group_size`` heads are ``group_size · head_dim`` rows there).
+        clip_search: choose each group's scale by the clipping search (GPTQ's reference
+            ``mse=True`` grid: :func:`~jmp_policy._src.quantization.clipping.search_scale`
+            on the weights as GPTQ has updated them when the group starts) instead of
+            abs-max.
 
     Returns:
         A :class:`~jmp_policy.QuantizedArray` in the storage round-to-nearest gives
@@ -221,7 +252,9 @@ def gptq_quantize(
     group = check_bits_and_group(weight_bits, group_size)
     check_positive(block_size, "block_size")
     shape = check_kernel(kernel, stacked)
-    lead, rows, rest = shape[:stacked], shape[stacked], shape[stacked + 1 :]
+    check_in_axes(in_axes, shape, stacked)
+    lead, ins = shape[:stacked], shape[stacked : stacked + in_axes]
+    rows, rest = math.prod(ins), shape[stacked + in_axes :]
     hessian = jnp.asarray(hessian)
     if tuple(hessian.shape) != (*lead, rows, rows):
         raise ValueError(
@@ -232,7 +265,11 @@ def gptq_quantize(
     rtn = quantize(kernel, mode, group if weight_bits == 4 else None, stacked)
     if rows == 0 or math.prod(rest) == 0:
         return rtn
-    solve = functools.partial(_solve, bits=weight_bits, group=group, block=block_size, rest=rest)
+    inner = math.prod(ins[1:])  # rows of the 2-D kernel per row of the stored kernel
+    solve = functools.partial(
+        _solve, bits=weight_bits, group=group * inner if group > 0 else group,
+        block=block_size, rest=rest, clip=bool(clip_search),
+    )  # fmt: skip
     for _ in range(stacked):
         solve = jax.vmap(solve, in_axes=(0, 0, None))
     w2 = jnp.asarray(kernel).astype(jnp.float32).reshape(*lead, rows, -1)

@@ -1,0 +1,108 @@
+"""The clipping search (GPTQ's mse grid, AWQ's auto_clip) against a brute-force NumPy
+search over the same ratios, with and without jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmp_policy._src.quantization import clipping
+
+
+def _weights(rows, cols, seed, outliers=True):
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(rows, cols))
+    if outliers:  # heavy tails: a few large weights per column, where clipping pays
+        w = w * np.exp(0.8 * rng.normal(size=(rows, cols)))
+    return w.astype(np.float32)
+
+
+def _errors(w, rest, qmax, gram=None, norm=2.4):
+    """Brute force in float64: every ratio's error per scale index ``[ratios, n]``."""
+    w64 = w.astype(np.float64)
+    n = rest[-1]
+    amax = np.abs(w64).max(axis=0).reshape(-1, n).max(axis=0)
+    ratios = 1.0 - np.arange(80) / 100.0
+    out = []
+    for r in ratios:
+        s = np.broadcast_to(amax * r / qmax, rest).reshape(-1)
+        d = w64 - np.clip(np.round(w64 / s), -qmax, qmax) * s
+        e = (np.abs(d) ** norm).sum(0) if gram is None else (d * (gram @ d)).sum(0)
+        out.append(e.reshape(-1, n).sum(0))
+    return np.array(out), amax, ratios
+
+
+def _error_of(w, scale, rest, qmax, gram=None, norm=2.4):
+    w64 = w.astype(np.float64)
+    s = np.broadcast_to(np.asarray(scale, np.float64), rest).reshape(-1)
+    d = w64 - np.clip(np.round(w64 / s), -qmax, qmax) * s
+    e = (np.abs(d) ** norm).sum(0) if gram is None else (d * (gram @ d)).sum(0)
+    return e.reshape(-1, rest[-1]).sum(0)
+
+
+@pytest.mark.parametrize("objective", ["weights", "outputs"])
+@pytest.mark.parametrize("rest", [(12,), (3, 4)])  # (3, 4): one scale shared by 3 heads
+def test_search_scale_finds_the_brute_force_best_ratio(objective, rest, maybe_jit):
+    cols = int(np.prod(rest))
+    w = _weights(32, cols, seed=0)
+    gram = None
+    if objective == "outputs":
+        x = np.random.default_rng(1).normal(size=(256, 32)) * np.exp(
+            np.random.default_rng(2).normal(size=32)
+        )
+        gram = (x.T @ x).astype(np.float32)
+    fn = maybe_jit(lambda w, g: clipping.search_scale(w, rest, 7.0, g))
+    scale = np.asarray(fn(jnp.asarray(w), None if gram is None else jnp.asarray(gram)))
+    errors, amax, _ = _errors(w, rest, 7.0, None if gram is None else gram.astype(np.float64))
+    assert scale.shape == (rest[-1],)
+    # ours is the brute-force minimum (float32 against float64: equal to a tie's precision)
+    ours = _error_of(w, scale, rest, 7.0, None if gram is None else gram.astype(np.float64))
+    np.testing.assert_allclose(ours, errors.min(0), rtol=1e-5)
+    # and a ratio of the grid (1 - i/100, i < 80) times the abs-max
+    r = scale * 7.0 / amax
+    assert np.all(np.abs(r * 100 - np.round(r * 100)) < 1e-3) and np.all((r > 0.2) & (r <= 1))
+    assert np.any(r < 1)  # heavy tails: clipping pays for some scale
+
+
+def test_search_scale_keeps_abs_max_when_clipping_cannot_help():
+    w = jnp.asarray(np.tile([[7.0], [-7.0], [3.0], [1.0]], (1, 3)) * 0.1, jnp.float32)
+    scale = clipping.search_scale(w, (3,), 7.0)  # every weight on the abs-max grid
+    np.testing.assert_allclose(np.asarray(scale), [0.1, 0.1, 0.1], rtol=1e-6)
+
+
+def test_search_scale_of_zero_and_non_finite_groups():
+    w = jnp.asarray([[0.0, 1.0, np.nan], [0.0, 0.5, 1.0]], jnp.float32)
+    scale = np.asarray(clipping.search_scale(w, (3,), 7.0))
+    assert scale[0] == 1.0 and np.isfinite(scale[1]) and np.isnan(scale[2])
+
+
+@pytest.mark.parametrize("with_gram", [False, True])
+def test_quantize_groups_clips_each_group_on_its_own(with_gram, maybe_jit):
+    w = _weights(40, 6, seed=3)  # groups of 16: the last is short (8 rows)
+    gram = None
+    if with_gram:
+        x = np.random.default_rng(4).normal(size=(200, 40))
+        gram = jnp.asarray(x.T @ x, jnp.float32)
+    fn = maybe_jit(lambda w, g: clipping.quantize_groups(w, (6,), 7.0, 16, g))
+    values, scales = fn(jnp.asarray(w), gram)
+    assert values.shape == (40, 6) and scales.shape == (3, 6)
+    for g, (a, b) in enumerate([(0, 16), (16, 32), (32, 40)]):
+        block = None if gram is None else gram[a:b, a:b]
+        want = clipping.search_scale(jnp.asarray(w[a:b]), (6,), 7.0, block)
+        np.testing.assert_allclose(np.asarray(scales[g]), np.asarray(want), rtol=1e-6)
+        q = np.clip(np.round(w[a:b] / np.asarray(want)), -7, 7)
+        assert np.mean(np.asarray(values[a:b]) != q) < 0.02  # a rare tie may round apart
+    assert np.all(np.abs(np.asarray(values)) <= 7)
+
+
+def test_clip_ratios_are_the_reference_grid():
+    r = np.asarray(clipping.clip_ratios())
+    assert r.shape == (80,) and r[0] == 1.0 and np.isclose(r[-1], 0.21)
+    np.testing.assert_allclose(np.asarray(clipping.clip_ratios(20, 0.5)), 1 - np.arange(10) / 20)
+
+
+def test_search_scale_does_not_mutate_its_input():
+    w = _weights(16, 4, seed=5)
+    before = w.copy()
+    jax.block_until_ready(clipping.search_scale(w, (4,), 7.0))
+    np.testing.assert_array_equal(w, before)
