@@ -80,10 +80,19 @@ def linen_setup():
     return model, variables, [x, x * 0.5]
 
 
-@pytest.mark.parametrize("bits", [16, 8, 6, 5, 4.5])
-def test_linen_search_meets_the_budget_and_round_trips(linen_setup, bits):
+@pytest.fixture(scope="module")
+def linen_search(linen_setup):
+    """One search of ``linen_setup`` at 16 bits: the tests below read other budgets off it
+    with ``at`` (the same choice as a search at that budget, which
+    ``test_at_chooses_again_from_the_same_scores`` checks)."""
     model, variables, batches = linen_setup
-    result = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": bits})
+    return jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 16})
+
+
+@pytest.mark.parametrize("bits", [16, 8, 6, 5, 4.5])
+def test_linen_search_meets_the_budget_and_round_trips(linen_setup, linen_search, bits):
+    model, variables, batches = linen_setup
+    result = linen_search.at({"effective_bits": bits})
     params = sum(row.params for row in result.table)
     assert result.weight_bytes * 8 <= bits * params
     assert result.effective_bits == pytest.approx(8 * result.weight_bytes / params)
@@ -103,9 +112,8 @@ def test_linen_search_meets_the_budget_and_round_trips(linen_setup, bits):
     assert "total:" in str(result)
 
 
-def test_linen_scores_order_the_formats(linen_setup):
-    model, variables, batches = linen_setup
-    result = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 16})
+def test_linen_scores_order_the_formats(linen_search):
+    result = linen_search
     for row in result.table:
         s = row.scores
         assert 0 < s["int8_from_mixed_bfloat16"] < s["int4/128_from_mixed_bfloat16"], row
@@ -124,12 +132,11 @@ def test_linen_search_jit_and_eager_agree(linen_setup):
         assert ra.scores[name] == pytest.approx(rb.scores[name], rel=0.1)
 
 
-def test_loss_budget_minimizes_bytes(linen_setup):
-    model, variables, batches = linen_setup
-    loose = jp.linen.search_map(model, variables, batches, _loss, budget={"loss_increase": 1.0})
+def test_loss_budget_minimizes_bytes(linen_search):
+    loose = linen_search.at({"loss_increase": 1.0})
     assert loose.loss_increase <= 1.0
     assert loose.weight_bytes == sum(min(r.bytes.values()) for r in loose.table)
-    tight = jp.linen.search_map(model, variables, batches, _loss, budget={"loss_increase": 1e-12})
+    tight = linen_search.at({"loss_increase": 1e-12})
     assert tight.loss_increase <= 1e-12 and tight.weight_bytes > loose.weight_bytes
 
 
@@ -503,9 +510,9 @@ def test_nnx_scan_over_remat_scores_as_without_remat():
 @pytest.mark.parametrize(
     "budget", [{"effective_bits": 5}, {"weight_bytes": 300_000}, {"loss_increase": 1e-3}]
 )
-def test_at_chooses_again_from_the_same_scores(linen_setup, budget):
+def test_at_chooses_again_from_the_same_scores(linen_setup, linen_search, budget):
     model, variables, batches = linen_setup
-    first = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 16})
+    first = linen_search
     again = first.at(budget)
     direct = jp.linen.search_map(model, variables, batches, _loss, budget=budget)
     assert [r.choice for r in again.table] == [r.choice for r in direct.table]
@@ -516,9 +523,8 @@ def test_at_chooses_again_from_the_same_scores(linen_setup, budget):
     assert first.at({"effective_bits": 16}) == first
 
 
-def test_at_validates_its_budget(linen_setup):
-    model, variables, batches = linen_setup
-    first = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 16})
+def test_at_validates_its_budget(linen_search):
+    first = linen_search
     with pytest.raises(ValueError, match=r"cheapest possible is [\d,]+ weight bytes \(4\.\d+ eff"):
         first.at({"effective_bits": 2})
     with pytest.raises(TypeError, match="must be a dict of one of"):
