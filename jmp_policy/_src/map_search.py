@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import context, interception, map_choice
+from jmp_policy._src import context, interception, map_choice, scan_records
 from jmp_policy._src.policy_map import DTypePolicyMap
 from jmp_policy._src.policy_names import get_policy
 
@@ -353,31 +353,22 @@ def _around_scan(
     state = _STATE.get()
     if state is None or context.current_trace() is not state.trace:
         return scan(f, init, *args, **kwargs)
-    args, kwargs = list(args), dict(kwargs)
-    xs = args[0] if args else kwargs.get("xs")
-    length = args[1] if len(args) > 1 else kwargs.get("length")
-    leaves = jax.tree.leaves(xs)
-    if length is None and not leaves:
-        return scan(f, init, *args, **kwargs)  # JAX says what is missing
-    n = int(length) if length is not None else int(leaves[0].shape[0])
-    if args:
-        args[0] = (xs, jnp.arange(n))
-    else:
-        kwargs["xs"] = (xs, jnp.arange(n))
     traced: list[_State] = []
 
-    def body(carry: Any, x_i: Any) -> Any:
-        x, i = x_i
+    @contextlib.contextmanager
+    def step(i: Any, n: int) -> Iterator[Callable[[], Any]]:
         inner = state.inner(i, n)
         traced.append(inner)
         token = _STATE.set(inner)
         try:
-            new, y = f(carry, x)
+            yield lambda: (inner.ys, inner.scores)
         finally:
             _STATE.reset(token)
-        return new, (y, inner.ys, inner.scores)
 
-    carry, (ys, records, scores) = scan(body, init, *args, **kwargs)
+    done = scan_records.scan_with_records(scan, f, init, args, kwargs, step)
+    if done is None:
+        return scan(f, init, *args, **kwargs)  # JAX says what is missing
+    (carry, ys), (records, scores) = done
     last = traced[-1]
     for path, stacked in records.items():
         state.ys.setdefault(path, []).extend(stacked)
