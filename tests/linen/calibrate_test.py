@@ -164,7 +164,11 @@ def test_scan_stack_layers_are_each_calibrated_on_their_own_inputs(method, maybe
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no layer of the stack falls back to round-to-nearest
-        q, report = jp.linen.calibrate(model, policy, variables, [x], return_report=True)
+        told = []
+        q, report = jp.linen.calibrate(
+            model, policy, variables, [x], return_report=True, progress=told.append
+        )
+    assert told == report  # progress is told each layer of the stack
     kernel = q["params"]["layers"]["Dense_0"]["kernel"]
     rtn_policy = jp.DTypePolicyMap(
         "float32", {"layers": "int4/16_from_float32", "up|head": "int8_from_float32"}
@@ -261,6 +265,22 @@ class VmapStack(nn.Module):
             axis_size=2,
         )
         return stack(32, name="layers")(x)
+
+
+class Remat(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.remat(nn.Dense)(32, name="dense")(x)
+
+
+def test_an_nn_remat_layer_is_rounded_to_nearest_with_a_warning():
+    model, x = Remat(), _inputs(64)
+    variables = model.init(jax.random.key(0), x)
+    with pytest.warns(UserWarning, match=r"'dense/kernel'.*rounded to nearest.*nn.remat"):
+        q, report = jp.linen.calibrate(
+            model, "gptq/4/16_from_float32", variables, [x], return_report=True
+        )
+    assert q["params"]["dense"]["kernel"].scale.shape == (2, 32) and report == []
 
 
 def test_an_nn_vmap_stack_is_rounded_to_nearest_per_layer_with_a_warning():
