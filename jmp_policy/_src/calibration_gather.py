@@ -6,12 +6,13 @@ the model inside :func:`gathering`; each call adds its input rows to the layer's
 a loop (``nn.scan``, ``nnx.scan`` over ``nnx.vmap``-created layers: one module path, its
 kernel ``[depth, ...]``) runs its layers in a body traced apart: the statistics gathered
 there leave the loop as its stacked outputs (through ``interception.SCAN_AROUND`` and
-:mod:`jmp_policy._src.scan_records`, as the map search's taps do), so each layer of the
+:mod:`jmp_policy._src.traced_records`, as the map search's taps do), so each layer of the
 stack gets its own ``XᵀX`` and ``mean |x|`` (``[depth, in, in]``, ``[depth, in]``). A
 layer whose kernel is not stacked but runs in a loop (one kernel shared by the
-iterations) gets the sum over the iterations. A call made inside a transform the run
-cannot see (an ``nn.vmap`` stack, a ``jax.checkpoint``) is not gathered: its layer is
-said unseen, and rounded to nearest with a warning.
+iterations) gets the sum over the iterations. A rematerialized call (``nn.remat``, also
+inside ``nn.scan``; ``nnx.remat``) threads its statistics out the same way, as extra
+outputs. A call made inside a transform the run cannot see (a stack run by ``vmap``) is
+not gathered: its layer is said unseen, and rounded to nearest with a warning.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jmp_policy._src import context, interception, scan_records
+from jmp_policy._src import context, interception, traced_records
 from jmp_policy._src.quantization.calibration import rows_for_kernel
 from jmp_policy._src.quantization.calibration_stats import LayerStats
 
@@ -60,10 +61,12 @@ def gathering(
     state.stats.update(stats)
     token = _GATHERING.set(state)
     around = interception.SCAN_AROUND.set(_around_scan)
+    remat = traced_records.REMAT_AROUND.set(_around_remat)
     try:
-        with interception.loop_carries():
+        with interception.loop_carries(), traced_records.REMATS.active():
             yield state.stats
     finally:
+        traced_records.REMAT_AROUND.reset(remat)
         interception.SCAN_AROUND.reset(around)
         _GATHERING.reset(token)
 
@@ -89,7 +92,7 @@ def _capture(
     if context.current_trace() is not state.trace:
         state.unseen[path] = (
             "its layer runs inside a transform calibrate cannot see (a stack run by "
-            "nn.vmap/nnx.vmap, a jax.checkpoint such as nn.remat/nnx.remat)"
+            "nn.vmap/nnx.vmap instead of a scan)"
         )
         return
     rows = rows_for_kernel(lhs, shape, dims) if tuple(rhs.shape) == shape else None
@@ -124,7 +127,7 @@ def _around_scan(
         finally:
             _GATHERING.reset(token)
 
-    done = scan_records.scan_with_records(scan, f, init, args, kwargs, step)
+    done = traced_records.scan_with_records(scan, f, init, args, kwargs, step)
     if done is None:
         return scan(f, init, *args, **kwargs)  # JAX says what is missing
     result, records = done
@@ -133,6 +136,30 @@ def _around_scan(
             stacked = jax.tree.map(lambda a: a.sum(0), stacked)
         state.add(path, stacked)
     return result
+
+
+def _around_remat(
+    original: Callable[..., Any], plain: Any, fun: Any, args: Any, kwargs: Any, a: Any, k: Any
+) -> Any:
+    """A call of a function checkpointed in a gathering run: its statistics, gathered
+    apart, leave the call as extra outputs and are added to the run's."""
+    state = _GATHERING.get()
+    if state is None or context.current_trace() is not state.trace:
+        return plain(*a, **k)
+
+    @contextlib.contextmanager
+    def step() -> Iterator[Callable[[], Any]]:
+        inner = _Gathering(state.stacked, state.unseen, state.level)
+        token = _GATHERING.set(inner)
+        try:
+            yield lambda: inner.stats
+        finally:
+            _GATHERING.reset(token)
+
+    out, records = traced_records.checkpoint_with_records(original, fun, args, kwargs, a, k, step)
+    for path, stats in records.items():
+        state.add(path, stats)
+    return out
 
 
 def zero_stats(shapes: Any) -> dict[str, LayerStats]:

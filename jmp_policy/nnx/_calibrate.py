@@ -117,9 +117,10 @@ def calibrate(
     :func:`quantize` does; the rest stay float. Each layer sees the float model's inputs.
     The layers of a stack (created with ``nnx.vmap``, run with ``nnx.scan``) are each
     solved from the inputs they see in their own iteration, and stored stacked as
-    :func:`quantize` stores them. A layer under a GPTQ/AWQ policy whose matmul is not
-    seen (an ``nnx.Einsum``, a custom ``dot_general``, a stack run by ``nnx.vmap``, a
-    layer under ``nnx.remat``) is rounded to nearest with a warning naming it.
+    :func:`quantize` stores them (layers called through ``nnx.remat`` too). A layer under
+    a GPTQ/AWQ policy whose matmul is not seen (an ``nnx.Einsum``, a custom
+    ``dot_general``, a stack run by ``nnx.vmap``) is rounded to nearest with a warning
+    naming it.
 
     Args:
         model: an ``nnx.Module``; never modified (the copy is made with ``nnx.clone``).

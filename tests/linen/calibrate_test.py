@@ -121,7 +121,10 @@ def test_a_layer_whose_matmul_is_not_seen_is_rounded_to_nearest_with_a_warning()
 
 
 class ScanMLP(nn.Module):
-    """int8 ``up`` and ``head`` around an ``nn.scan`` stack of three Dense layers."""
+    """int8 ``up`` and ``head`` around an ``nn.scan`` stack of three Dense layers (each
+    block under ``nn.remat`` with ``remat=True``)."""
+
+    remat: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -130,8 +133,9 @@ class ScanMLP(nn.Module):
             def __call__(self, x, _):
                 return nn.relu(nn.Dense(32)(x)), None
 
+        block = nn.remat(Block) if self.remat else Block
         x = nn.relu(nn.Dense(32, name="up")(x))
-        layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
         x = layers(name="layers")(x, None)[0]
         return nn.Dense(8, name="head")(x)
 
@@ -273,14 +277,33 @@ class Remat(nn.Module):
         return nn.remat(nn.Dense)(32, name="dense")(x)
 
 
-def test_an_nn_remat_layer_is_rounded_to_nearest_with_a_warning():
-    model, x = Remat(), _inputs(64)
+def test_nn_remat_layers_are_calibrated_alone_and_in_a_scan_stack():
+    model, x = Remat(), _inputs(128)
     variables = model.init(jax.random.key(0), x)
-    with pytest.warns(UserWarning, match=r"'dense/kernel'.*rounded to nearest.*nn.remat"):
-        q, report = jp.linen.calibrate(
-            model, "gptq/4/16_from_float32", variables, [x], return_report=True
-        )
-    assert q["params"]["dense"]["kernel"].scale.shape == (2, 32) and report == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = jp.linen.calibrate(model, "gptq/4/16_from_float32", variables, [x])
+    dense = variables["params"]["dense"]
+    want = gptq.gptq_quantize(
+        dense["kernel"], calibration_stats.gram(x), group_size=16, clip_search=True
+    )
+    np.testing.assert_allclose(
+        np.asarray(q["params"]["dense"]["kernel"].scale), np.asarray(want.scale), rtol=1e-5
+    )
+    # nn.scan over nn.remat blocks: the same per-layer kernels as without remat
+    x = _inputs(256)
+    policy = {"layers": "gptq/4/16_from_float32"}
+    got = {}
+    for remat in (False, True):
+        model = ScanMLP(remat=remat)
+        variables = model.init(jax.random.key(0), x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            q, report = jp.linen.calibrate(model, policy, variables, [x], return_report=True)
+        assert len(report) == 3
+        got[remat] = q["params"]["layers"]["Dense_0"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(got[True].values), np.asarray(got[False].values))
+    np.testing.assert_allclose(np.asarray(got[True].scale), np.asarray(got[False].scale))
 
 
 def test_an_nn_vmap_stack_is_rounded_to_nearest_per_layer_with_a_warning():

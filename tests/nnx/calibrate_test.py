@@ -139,9 +139,10 @@ def test_a_layer_whose_matmul_is_not_seen_is_rounded_to_nearest_with_a_warning()
 
 class ScanMLP(nnx.Module):
     """int8 ``up`` and ``head`` around three layers created stacked (``nnx.vmap``) and run
-    with ``nnx.scan`` over layers (``scan=False``: run by ``nnx.vmap`` on one input)."""
+    with ``nnx.scan`` over layers (``scan=False``: run by ``nnx.vmap`` on one input;
+    ``remat=True``: each layer called through ``nnx.remat``)."""
 
-    def __init__(self, rngs, scan=True):
+    def __init__(self, rngs, scan=True, remat=False):
         @nnx.split_rngs(splits=3)
         @nnx.vmap
         def make(rngs):
@@ -150,7 +151,7 @@ class ScanMLP(nnx.Module):
         self.up = nnx.Linear(32, 32, rngs=rngs)
         self.layers = make(rngs)
         self.head = nnx.Linear(32, 8, rngs=rngs)
-        self.scan = scan
+        self.scan, self.remat = scan, remat
 
     def __call__(self, x):
         x = nnx.relu(self.up(x))
@@ -158,7 +159,8 @@ class ScanMLP(nnx.Module):
 
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
             def body(x, layer):
-                return nnx.relu(layer(x))
+                call = nnx.remat(lambda layer, x: layer(x)) if self.remat else type(layer).__call__
+                return nnx.relu(call(layer, x))
 
             x = body(x, self.layers)
         else:
@@ -242,6 +244,21 @@ def test_scan_stack_layers_are_each_calibrated_on_their_own_inputs(method, jit):
     )
     rel = lambda y: float(jnp.linalg.norm(y - model(held)) / jnp.linalg.norm(model(held)))  # noqa: E731
     assert rel(got) < rel(run(rtn, rtn_policy, held))
+
+
+def test_a_scan_stack_under_nnx_remat_gets_the_same_per_layer_kernels():
+    x = _inputs(256)
+    got = {}
+    for remat in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            q, report = jp.nnx.calibrate(
+                ScanMLP(nnx.Rngs(0), remat=remat), _stack_map("gptq"), [x], return_report=True
+            )
+        assert [r.path for r in report] == [f"layers/kernel[{i}]" for i in range(3)]
+        got[remat] = q.layers.kernel.get_value()
+    np.testing.assert_array_equal(np.asarray(got[True].values), np.asarray(got[False].values))
+    np.testing.assert_allclose(np.asarray(got[True].scale), np.asarray(got[False].scale))
 
 
 def test_a_stack_run_by_nnx_vmap_is_rounded_to_nearest_per_layer_with_a_warning():
