@@ -409,3 +409,43 @@ def test_clip_search_off_gives_abs_max_scales_and_a_bad_value_is_a_type_error():
     )
     with pytest.raises(TypeError, match=r"`clip_search` must be True .* clip_search='yes'"):
         jp.linen.calibrate(model, policy, variables, [x], clip_search="yes")
+
+
+class ScannedAttention(nn.Module):
+    """Two attention blocks under ``nn.remat``, stacked by ``nn.scan`` (a transformer's
+    usual layout): out projections ``[2, 4, 8, 32]``."""
+
+    @nn.compact
+    def __call__(self, x):
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, x, _):
+                return x + nn.MultiHeadDotProductAttention(4, name="attn")(x), None
+
+        scan = nn.scan(
+            nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=2
+        )
+        return scan(name="layers")(x, None)[0]
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_scanned_rematerialized_attention_stack_is_calibrated_per_layer(method):
+    model, x = ScannedAttention(), _inputs(256).reshape(8, 32, 32)
+    variables = model.init(jax.random.key(0), x)
+    policy = jp.DTypePolicyMap("float32", {"layers": f"{method}/4/2_from_float32"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q, report = jp.linen.calibrate(model, policy, variables, [x], return_report=True)
+    out = q["params"]["layers"]["attn"]["out"]["kernel"]
+    assert (out.shape, out.stacked, out.scale.shape) == ((2, 4, 8, 32), 1, (2, 2, 32))
+    if method == "awq":
+        assert out.input_scale.shape == (2, 4, 8)
+    assert len(report) == 8 and all(r.error < r.rtn_error for r in report)
+    assert "layers/attn/out/kernel[1]" in [r.path for r in report]
+    held = _inputs(128, seed=1).reshape(4, 32, 32)
+    want = model.apply(variables, held)
+    rtn_policy = jp.DTypePolicyMap("float32", {"layers": "int4/2_from_float32"})
+    rtn = jp.linen.quantize(model, rtn_policy, variables, held)
+    rel = lambda y: float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))  # noqa: E731
+    got = jax.jit(jp.linen.apply(model, policy))(q, held)
+    assert rel(got) < rel(jp.linen.apply(model, rtn_policy)(rtn, held))
