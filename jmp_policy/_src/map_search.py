@@ -22,7 +22,7 @@ loop's stacked outputs and read their iteration's slice of the cached arrays (se
 :func:`_around_scan`), so the stack is scored as one layer of the map (a path map cannot
 tell its layers apart): the sum of its iterations' scores, all its layers' bytes. A
 rematerialized call (``jax.checkpoint`` made during the run: ``nn.remat``, also inside
-``nn.scan``) threads its records out the same way, as extra outputs (:func:`_remat`).
+``nn.scan``) threads its records out the same way, as extra outputs (:func:`_around_remat`).
 
 The choice is a multiple-choice knapsack (:mod:`jmp_policy._src.map_choice`); the base
 policy (no quantization) is always an option. The result is a
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -44,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import context, interception, map_choice
+from jmp_policy._src import context, interception, map_choice, traced_records
 from jmp_policy._src.policy_map import DTypePolicyMap
 from jmp_policy._src.policy_names import get_policy
 
@@ -353,31 +352,22 @@ def _around_scan(
     state = _STATE.get()
     if state is None or context.current_trace() is not state.trace:
         return scan(f, init, *args, **kwargs)
-    args, kwargs = list(args), dict(kwargs)
-    xs = args[0] if args else kwargs.get("xs")
-    length = args[1] if len(args) > 1 else kwargs.get("length")
-    leaves = jax.tree.leaves(xs)
-    if length is None and not leaves:
-        return scan(f, init, *args, **kwargs)  # JAX says what is missing
-    n = int(length) if length is not None else int(leaves[0].shape[0])
-    if args:
-        args[0] = (xs, jnp.arange(n))
-    else:
-        kwargs["xs"] = (xs, jnp.arange(n))
     traced: list[_State] = []
 
-    def body(carry: Any, x_i: Any) -> Any:
-        x, i = x_i
+    @contextlib.contextmanager
+    def step(i: Any, n: int) -> Iterator[Callable[[], Any]]:
         inner = state.inner(i, n)
         traced.append(inner)
         token = _STATE.set(inner)
         try:
-            new, y = f(carry, x)
+            yield lambda: (inner.ys, inner.scores)
         finally:
             _STATE.reset(token)
-        return new, (y, inner.ys, inner.scores)
 
-    carry, (ys, records, scores) = scan(body, init, *args, **kwargs)
+    done = traced_records.scan_with_records(scan, f, init, args, kwargs, step)
+    if done is None:
+        return scan(f, init, *args, **kwargs)  # JAX says what is missing
+    (carry, ys), (records, scores) = done
     last = traced[-1]
     for path, stacked in records.items():
         state.ys.setdefault(path, []).extend(stacked)
@@ -387,62 +377,50 @@ def _around_scan(
     return carry, ys
 
 
-def _remat(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``jax.checkpoint``/``jax.remat`` in a tapped run (``nn.remat``, also inside an
-    ``nn.scan``; ``nnx.remat`` applied while the model runs): each call's taps record into
-    a state of their own, whose records leave the call as extra outputs. Each call traces
-    a function of its own (JAX caches a checkpointed function's trace: a second call of
-    the same one would reuse the first call's taps)."""
+def _around_remat(
+    original: Callable[..., Any], plain: Any, fun: Any, args: Any, kwargs: Any, a: Any, k: Any
+) -> Any:
+    """A call of a function checkpointed in a tapped run (``nn.remat``, also inside an
+    ``nn.scan``; ``nnx.remat`` applied while the model runs): its taps record into a state
+    of their own, whose records leave the call as extra outputs."""
+    state = _STATE.get()
+    if state is None or context.current_trace() is not state.trace:
+        return plain(*a, **k)
+    traced: list[_State] = []
 
-    @functools.wraps(original)
-    def checkpoint(fun: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        plain = original(fun, *args, **kwargs)
-        if not _REMATS.inside() or _STATE.get() is None:
-            return plain
+    @contextlib.contextmanager
+    def step() -> Iterator[Callable[[], Any]]:
+        inner = state.inner()
+        traced.append(inner)
+        token = _STATE.set(inner)
+        try:
+            yield lambda: (inner.ys, inner.scores)
+        finally:
+            _STATE.reset(token)
 
-        @functools.wraps(fun)
-        def call(*a: Any, **k: Any) -> Any:
-            state = _STATE.get()
-            if state is None or context.current_trace() is not state.trace:
-                return plain(*a, **k)
-            traced: list[_State] = []
-
-            def tapped(*a: Any, **k: Any) -> Any:
-                inner = state.inner()
-                traced.append(inner)
-                token = _STATE.set(inner)
-                try:
-                    out = fun(*a, **k)
-                finally:
-                    _STATE.reset(token)
-                return out, (inner.ys, inner.scores)
-
-            out, (ys, scores) = original(tapped, *args, **kwargs)(*a, **k)
-            for path, entries in ys.items():
-                state.ys.setdefault(path, []).extend(entries)
-            for path, score in scores.items():
-                state.scores[path] = state.scores.get(path, 0.0) + score
-            state.calls = traced[-1].calls
-            return out
-
-        return call
-
-    return checkpoint
-
-
-_REMATS = interception.ThreadPatch(jax, {"checkpoint": _remat, "remat": _remat})
+    out, (ys, scores) = traced_records.checkpoint_with_records(
+        original, fun, args, kwargs, a, k, step
+    )
+    for path, entries in ys.items():
+        state.ys.setdefault(path, []).extend(entries)
+    for path, score in scores.items():
+        state.scores[path] = state.scores.get(path, 0.0) + score
+    state.calls = traced[-1].calls
+    return out
 
 
 @contextlib.contextmanager
 def _tapping(state: _State) -> Iterator[_State]:
     token = _STATE.set(state)
     around = interception.SCAN_AROUND.set(_around_scan)
+    remat = traced_records.REMAT_AROUND.set(_around_remat)
     try:
-        with warnings.catch_warnings(), _REMATS.active():
+        with warnings.catch_warnings(), traced_records.REMATS.active():
             # The float8 layers' "too small to gain" notice: these runs only measure error.
             warnings.filterwarnings("ignore", message="The float8 layer")
             yield state
     finally:
+        traced_records.REMAT_AROUND.reset(remat)
         interception.SCAN_AROUND.reset(around)
         _STATE.reset(token)
 

@@ -8,7 +8,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from jmp_policy._src import global_state, interception, quantization
+from jmp_policy._src import calibration_gather, global_state, interception, quantization
 from jmp_policy._src.options import as_policy_or_map
 from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path
 from jmp_policy._src.quantization import calibration
@@ -32,15 +32,19 @@ def _targets(params: Any, policy_tree: Any) -> dict[str, tuple[int, ...]]:
 
 
 def _collect(
-    module: nn.Module, targets: Mapping[str, tuple[int, ...]], method: Any, kwargs: Any
+    module: nn.Module,
+    targets: Mapping[str, tuple[int, ...]],
+    stacked: Mapping[str, int],
+    method: Any,
+    kwargs: Any,
 ) -> tuple[Any, dict[str, str]]:
     """``(run, unseen)``: ``run(variables, stats, args) -> stats`` adds one batch's inputs
-    (jit it); ``unseen`` collects, as runs are traced, why a target's inputs were not."""
+    (jit it); ``unseen`` collects, as runs are traced, why a target's inputs were not.
+    ``targets``: module path -> one layer's kernel shape; ``stacked``: module path -> the
+    leading axes its stacked kernel has (its layers gathered one per loop iteration)."""
     unseen: dict[str, str] = {}
 
     def run(variables: Any, stats: dict[str, LayerStats], args: tuple[Any, ...]) -> Any:
-        stats = dict(stats)
-
         def intercept(next_fun: Any, a: Any, k: Any, context: Any) -> Any:
             mod = context.module
             path = path_of(mod)
@@ -54,13 +58,14 @@ def _collect(
                     f"its layer is a {type(mod).__name__}, whose matmul calibrate does not see"
                 )
                 return next_fun(*a, **k)
-            capture = calibration.capturing_dot_general(path, targets[path], stats, unseen)
+            capture = calibration_gather.capturing_dot_general(path, targets[path])
             with interception.attribute_set(mod, "dot_general", capture):
                 return next_fun(*a, **k)
 
-        with nn.intercept_methods(intercept):
+        gather = calibration_gather.gathering(stats, stacked, unseen)
+        with gather as gathered, nn.intercept_methods(intercept):
             module.apply(variables, *args, method=method, mutable=True, **kwargs)
-        return stats
+        return gathered
 
     return run, unseen
 
@@ -89,8 +94,10 @@ def calibrate(
     each jit-compiled) in the int4/int8 storage the serving matmuls read. Kernels under
     int8/int4 policies are rounded to nearest, as :func:`quantize` does; the rest stay
     float. Each layer sees the float model's inputs (not those of already-quantized
-    earlier layers). A layer under a GPTQ/AWQ policy whose matmul is not seen (an
-    ``nn.Einsum``, a custom matmul, a stacked ``nn.scan`` layer) is rounded to nearest with
+    earlier layers). The layers of an ``nn.scan`` stack are each solved from the inputs
+    they see in their own iteration, and stored stacked as :func:`quantize` stores them
+    (``nn.remat`` layers too). A layer under a GPTQ/AWQ policy whose matmul is not seen
+    (an ``nn.Einsum``, a custom matmul, an ``nn.vmap`` stack) is rounded to nearest with
     a warning naming it. Batches of different shapes each compile the run once.
 
     Args:
@@ -149,11 +156,12 @@ def calibrate(
     policy_tree = policies.policy_tree(params)
     targets = _targets(params, policy_tree)
     stacked = _stacked(module, variables, calls[0], kwargs, method)
-    targets = {p: s for p, s in targets.items() if f"{p}/kernel" not in stacked}
+    lead = {p: stacked.get(f"{p}/kernel", 0) for p in targets}
+    targets = {p: s[lead[p] :] for p, s in targets.items()}  # one layer's kernel
     stats: dict[str, LayerStats] = {}
-    run, unseen = _collect(module, targets, method, kwargs)
+    run, unseen = _collect(module, targets, lead, method, kwargs)
     if targets:
-        stats = calibration.zero_stats(jax.eval_shape(run, variables, stats, calls[0]))
+        stats = calibration_gather.zero_stats(jax.eval_shape(run, variables, stats, calls[0]))
         run = jax.jit(run)
         for args in calls:
             stats = run(variables, stats, args)

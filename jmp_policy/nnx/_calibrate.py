@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import jax
 from flax import nnx
 
-from jmp_policy._src import global_state
+from jmp_policy._src import calibration_gather, global_state
 from jmp_policy._src.options import as_policy_or_map
 from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path
 from jmp_policy._src.quantization import calibration
@@ -49,10 +49,10 @@ def _targets(
         path = leaf_path(kp)
         module = calibration.kernel_module(path)
         policy = policy_tree_leaf(policy_tree, kp)
-        if module is None or path in stacked_params or not calibration.is_calibrated(policy):
+        if module is None or not calibration.is_calibrated(policy):
             continue
         if _seeable(modules.get(module)):
-            targets[module] = tuple(x.shape)
+            targets[module] = tuple(x.shape)[stacked_params.get(path, 0) :]  # one layer's
         else:
             name = type(modules.get(module)).__name__
             unseen[module] = f"its layer is a {name}, whose matmul calibrate does not see"
@@ -63,27 +63,30 @@ def _gather(
     model: nnx.Module,
     targets: Mapping[str, tuple[int, ...]],
     unseen: dict[str, str],
+    stacked_params: Mapping[str, int],
     calls: list[tuple[Any, ...]],
     kwargs: Mapping[str, Any],
 ) -> dict[str, LayerStats]:
-    """Each target's statistics over the calls (one jit-compiled run per batch shape)."""
+    """Each target's statistics over the calls (one jit-compiled run per batch shape); a
+    stacked layer's per layer, gathered in each iteration of its ``nnx.scan``."""
     stats: dict[str, LayerStats] = {}
     if not targets:
         return stats
     graphdef, whole = nnx.split(model)
+    lead = {p: stacked_params.get(f"{p}/kernel", 0) for p in targets}
 
     def run(whole: Any, stats: Mapping[str, LayerStats], args: tuple[Any, ...]) -> Any:
-        stats = dict(stats)
         live = nnx.merge(graphdef, whole)
         for parts, m in nnx.iter_modules(live):
             path = path_of(parts)
             if path in targets:
-                capture = calibration.capturing_dot_general(path, targets[path], stats, unseen)
+                capture = calibration_gather.capturing_dot_general(path, targets[path])
                 m.dot_general = capture  # type: ignore[attr-defined]  # a Linear(General)
-        live(*args, **kwargs)
-        return stats
+        with calibration_gather.gathering(stats, lead, unseen) as gathered:
+            live(*args, **kwargs)
+        return gathered
 
-    stats = calibration.zero_stats(jax.eval_shape(run, whole, stats, calls[0]))
+    stats = calibration_gather.zero_stats(jax.eval_shape(run, whole, stats, calls[0]))
     run_jit = jax.jit(run)
     for args in calls:
         stats = run_jit(whole, stats, args)
@@ -112,8 +115,12 @@ def calibrate(
     kernel (GPTQ, or AWQ's scale search, each jit-compiled) in the int4/int8 storage the
     serving matmuls read. Kernels under int8/int4 policies are rounded to nearest, as
     :func:`quantize` does; the rest stay float. Each layer sees the float model's inputs.
-    A layer under a GPTQ/AWQ policy whose matmul is not seen (an ``nnx.Einsum``, a custom
-    ``dot_general``, a stacked layer) is rounded to nearest with a warning naming it.
+    The layers of a stack (created with ``nnx.vmap``, run with ``nnx.scan``) are each
+    solved from the inputs they see in their own iteration, and stored stacked as
+    :func:`quantize` stores them (layers called through ``nnx.remat`` too). A layer under
+    a GPTQ/AWQ policy whose matmul is not seen (an ``nnx.Einsum``, a custom
+    ``dot_general``, a stack run by ``nnx.vmap``) is rounded to nearest with a warning
+    naming it.
 
     Args:
         model: an ``nnx.Module``; never modified (the copy is made with ``nnx.clone``).
@@ -174,7 +181,7 @@ def calibrate(
     policy_tree = policies.policy_tree(params)
     stacked_params = _stacked_params(copy, params)
     targets, unseen = _targets(copy, params, policy_tree, stacked_params)
-    stats = _gather(copy, targets, unseen, calls, kwargs)
+    stats = _gather(copy, targets, unseen, stacked_params, calls, kwargs)
     options = {
         "hessian_damping": hessian_damping,
         "num_grid_points": num_grid_points,

@@ -120,7 +120,12 @@ def test_a_layer_whose_matmul_is_not_seen_is_rounded_to_nearest_with_a_warning()
     assert q["params"]["dense"]["kernel"].mode == "int4"
 
 
-class Stack(nn.Module):
+class ScanMLP(nn.Module):
+    """int8 ``up`` and ``head`` around an ``nn.scan`` stack of three Dense layers (each
+    block under ``nn.remat`` with ``remat=True``)."""
+
+    remat: bool = False
+
     @nn.compact
     def __call__(self, x):
         class Block(nn.Module):
@@ -128,16 +133,185 @@ class Stack(nn.Module):
             def __call__(self, x, _):
                 return nn.relu(nn.Dense(32)(x)), None
 
-        layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
-        return layers(name="layers")(x, None)[0]
+        block = nn.remat(Block) if self.remat else Block
+        x = nn.relu(nn.Dense(32, name="up")(x))
+        layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        x = layers(name="layers")(x, None)[0]
+        return nn.Dense(8, name="head")(x)
 
 
-def test_stacked_layers_are_rounded_to_nearest_per_layer_with_a_warning():
-    model, x = Stack(), _inputs(64)
+def _scan_layer_inputs(params, x):
+    """The inputs each layer of the stack sees, run unrolled with the float parameters."""
+    h = nn.relu(x @ params["up"]["kernel"] + params["up"]["bias"])
+    dense = params["layers"]["Dense_0"]
+    inputs = []
+    for i in range(3):
+        inputs.append(h)
+        h = nn.relu(h @ dense["kernel"][i] + dense["bias"][i])
+    return inputs
+
+
+def _dequantized(q):
+    return jax.tree.map(
+        lambda a: a.dequantize() if isinstance(a, jp.QuantizedArray) else a,
+        q,
+        is_leaf=lambda a: isinstance(a, jp.QuantizedArray),
+    )
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_scan_stack_layers_are_each_calibrated_on_their_own_inputs(method, maybe_jit):
+    model, x = ScanMLP(), _inputs(256)
     variables = model.init(jax.random.key(0), x)
-    with pytest.warns(UserWarning, match=r"'layers/Dense_0/kernel'.*stacked.*not supported"):
-        q = jp.linen.calibrate(model, "gptq/4/16_from_float32", variables, [x])
+    policy = jp.DTypePolicyMap(
+        "float32", {"layers": f"{method}/4/16_from_float32", "up|head": "int8_from_float32"}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer of the stack falls back to round-to-nearest
+        told = []
+        q, report = jp.linen.calibrate(
+            model, policy, variables, [x], return_report=True, progress=told.append
+        )
+    assert told == report  # progress is told each layer of the stack
     kernel = q["params"]["layers"]["Dense_0"]["kernel"]
+    rtn_policy = jp.DTypePolicyMap(
+        "float32", {"layers": "int4/16_from_float32", "up|head": "int8_from_float32"}
+    )
+    rtn = jp.linen.quantize(model, rtn_policy, variables, x)
+    rtn_kernel = rtn["params"]["layers"]["Dense_0"]["kernel"]
+    # the layout quantize gives a stack: stacked=1, scales [depth, blocks, out]
+    assert (kernel.shape, kernel.stacked, kernel.block_size) == ((3, 32, 32), 1, 16)
+    assert kernel.scale.shape == rtn_kernel.scale.shape == (3, 2, 32)
+    assert kernel.values.dtype == jnp.int4
+    assert q["params"]["up"]["kernel"].mode == "int8"
+    assert q["params"]["layers"]["Dense_0"]["bias"].shape == (3, 32)  # float, stacked
+    paths = [f"layers/Dense_0/kernel[{i}]" for i in range(3)]
+    assert [(r.path, r.method) for r in report] == [(p, method) for p in paths]
+    for r in report:  # each layer's output error, on its own inputs, below RTN's
+        assert r.error < r.rtn_error
+    dense = variables["params"]["layers"]["Dense_0"]
+    for i, h in enumerate(_scan_layer_inputs(variables["params"], x)):
+        gram = calibration_stats.gram(h)
+        if method == "gptq":
+            want = gptq.gptq_quantize(dense["kernel"][i], gram, group_size=16, clip_search=True)
+        else:
+            mean_abs = jnp.abs(h).mean(0)
+            want = awq.awq_quantize(
+                dense["kernel"][i], mean_abs, gram, group_size=16, clip_search=True
+            )
+            np.testing.assert_allclose(
+                np.asarray(kernel.input_scale[i]), np.asarray(want.input_scale), rtol=1e-5
+            )
+        np.testing.assert_allclose(
+            np.asarray(kernel.scale[i]), np.asarray(want.scale), rtol=1e-5, atol=1e-7
+        )
+        same = np.asarray(kernel.values[i], np.int8) == np.asarray(want.values, np.int8)
+        assert same.mean() > 0.999
+        # held out: the layer's output error below round-to-nearest's
+        held = _scan_layer_inputs(variables["params"], _inputs(128, seed=1))[i]
+        w = dense["kernel"][i]
+        err = lambda k, w=w, held=held: float(jnp.linalg.norm(held @ w - held @ k))  # noqa: E731
+        assert err(kernel.dequantize()[i]) < err(rtn_kernel.dequantize()[i])
+    # the calibrated stack serves as a round-to-nearest stack does, as its dequantized
+    # kernels (a float stack beside the same int8 layers)
+    held = _inputs(128, seed=1)
+    got = maybe_jit(jp.linen.apply(model, policy))(q, held)
+    floats = {**q["params"], "layers": _dequantized(q["params"]["layers"])}
+    int8_only = jp.DTypePolicyMap("float32", {"up|head": "int8_from_float32"})
+    want = maybe_jit(jp.linen.apply(model, int8_only))({**q, "params": floats}, held)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
+    float_out = model.apply(variables, held)
+    rel = lambda y: float(jnp.linalg.norm(y - float_out) / jnp.linalg.norm(float_out))  # noqa: E731
+    assert rel(got) < rel(maybe_jit(jp.linen.apply(model, rtn_policy))(rtn, held))
+
+
+class SharedScan(nn.Module):
+    """One Dense kernel shared by three iterations of an ``nn.scan`` (not a stack)."""
+
+    @nn.compact
+    def __call__(self, x):
+        class Cell(nn.Module):
+            @nn.compact
+            def __call__(self, x, _):
+                return jnp.tanh(nn.Dense(32)(x)), None
+
+        cells = nn.scan(Cell, variable_broadcast="params", split_rngs={"params": False}, length=3)
+        return cells(name="cells")(x, None)[0]
+
+
+def test_a_kernel_shared_by_scan_iterations_is_calibrated_on_all_their_inputs():
+    model, x = SharedScan(), _inputs(128)
+    variables = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = jp.linen.calibrate(model, "gptq/4/16_from_float32", variables, [x])
+    kernel = q["params"]["cells"]["Dense_0"]["kernel"]
+    assert kernel.shape == (32, 32) and kernel.stacked == 0
+    dense = variables["params"]["cells"]["Dense_0"]
+    h, inputs = x, []
+    for _ in range(3):
+        inputs.append(h)
+        h = jnp.tanh(h @ dense["kernel"] + dense["bias"])
+    gram = calibration_stats.gram(jnp.concatenate(inputs))
+    want = gptq.gptq_quantize(dense["kernel"], gram, group_size=16, clip_search=True)
+    np.testing.assert_allclose(np.asarray(kernel.scale), np.asarray(want.scale), rtol=1e-5)
+
+
+class VmapStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.vmap(
+            nn.Dense,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=None,
+            out_axes=0,
+            axis_size=2,
+        )
+        return stack(32, name="layers")(x)
+
+
+class Remat(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.remat(nn.Dense)(32, name="dense")(x)
+
+
+def test_nn_remat_layers_are_calibrated_alone_and_in_a_scan_stack():
+    model, x = Remat(), _inputs(128)
+    variables = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = jp.linen.calibrate(model, "gptq/4/16_from_float32", variables, [x])
+    dense = variables["params"]["dense"]
+    want = gptq.gptq_quantize(
+        dense["kernel"], calibration_stats.gram(x), group_size=16, clip_search=True
+    )
+    np.testing.assert_allclose(
+        np.asarray(q["params"]["dense"]["kernel"].scale), np.asarray(want.scale), rtol=1e-5
+    )
+    # nn.scan over nn.remat blocks: the same per-layer kernels as without remat
+    x = _inputs(256)
+    policy = {"layers": "gptq/4/16_from_float32"}
+    got = {}
+    for remat in (False, True):
+        model = ScanMLP(remat=remat)
+        variables = model.init(jax.random.key(0), x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            q, report = jp.linen.calibrate(model, policy, variables, [x], return_report=True)
+        assert len(report) == 3
+        got[remat] = q["params"]["layers"]["Dense_0"]["kernel"]
+    np.testing.assert_array_equal(np.asarray(got[True].values), np.asarray(got[False].values))
+    np.testing.assert_allclose(np.asarray(got[True].scale), np.asarray(got[False].scale))
+
+
+def test_an_nn_vmap_stack_is_rounded_to_nearest_per_layer_with_a_warning():
+    model, x = VmapStack(), _inputs(64)
+    variables = model.init(jax.random.key(0), x)
+    with pytest.warns(UserWarning, match=r"'layers/kernel'.*rounded to nearest.*nn.vmap"):
+        q = jp.linen.calibrate(model, "gptq/4/16_from_float32", variables, [x])
+    kernel = q["params"]["layers"]["kernel"]
     assert kernel.stacked == 1 and kernel.scale.shape == (2, 2, 32)
 
 
@@ -235,3 +409,43 @@ def test_clip_search_off_gives_abs_max_scales_and_a_bad_value_is_a_type_error():
     )
     with pytest.raises(TypeError, match=r"`clip_search` must be True .* clip_search='yes'"):
         jp.linen.calibrate(model, policy, variables, [x], clip_search="yes")
+
+
+class ScannedAttention(nn.Module):
+    """Two attention blocks under ``nn.remat``, stacked by ``nn.scan`` (a transformer's
+    usual layout): out projections ``[2, 4, 8, 32]``."""
+
+    @nn.compact
+    def __call__(self, x):
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, x, _):
+                return x + nn.MultiHeadDotProductAttention(4, name="attn")(x), None
+
+        scan = nn.scan(
+            nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=2
+        )
+        return scan(name="layers")(x, None)[0]
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_scanned_rematerialized_attention_stack_is_calibrated_per_layer(method):
+    model, x = ScannedAttention(), _inputs(256).reshape(8, 32, 32)
+    variables = model.init(jax.random.key(0), x)
+    policy = jp.DTypePolicyMap("float32", {"layers": f"{method}/4/2_from_float32"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q, report = jp.linen.calibrate(model, policy, variables, [x], return_report=True)
+    out = q["params"]["layers"]["attn"]["out"]["kernel"]
+    assert (out.shape, out.stacked, out.scale.shape) == ((2, 4, 8, 32), 1, (2, 2, 32))
+    if method == "awq":
+        assert out.input_scale.shape == (2, 4, 8)
+    assert len(report) == 8 and all(r.error < r.rtn_error for r in report)
+    assert "layers/attn/out/kernel[1]" in [r.path for r in report]
+    held = _inputs(128, seed=1).reshape(4, 32, 32)
+    want = model.apply(variables, held)
+    rtn_policy = jp.DTypePolicyMap("float32", {"layers": "int4/2_from_float32"})
+    rtn = jp.linen.quantize(model, rtn_policy, variables, held)
+    rel = lambda y: float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))  # noqa: E731
+    got = jax.jit(jp.linen.apply(model, policy))(q, held)
+    assert rel(got) < rel(jp.linen.apply(model, rtn_policy)(rtn, held))

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jmp_policy as jp
-from jmp_policy._src.quantization import awq
+from jmp_policy._src.quantization import awq, calibration_stats, gptq
 
 
 class MLP(nnx.Module):
@@ -137,29 +137,136 @@ def test_a_layer_whose_matmul_is_not_seen_is_rounded_to_nearest_with_a_warning()
     assert [r.path for r in report] == ["dense/kernel"]
 
 
-class Stack(nnx.Module):
-    def __init__(self, rngs):
-        @nnx.split_rngs(splits=2)
+class ScanMLP(nnx.Module):
+    """int8 ``up`` and ``head`` around three layers created stacked (``nnx.vmap``) and run
+    with ``nnx.scan`` over layers (``scan=False``: run by ``nnx.vmap`` on one input;
+    ``remat=True``: each layer called through ``nnx.remat``)."""
+
+    def __init__(self, rngs, scan=True, remat=False):
+        @nnx.split_rngs(splits=3)
         @nnx.vmap
         def make(rngs):
             return nnx.Linear(32, 32, rngs=rngs)
 
+        self.up = nnx.Linear(32, 32, rngs=rngs)
         self.layers = make(rngs)
+        self.head = nnx.Linear(32, 8, rngs=rngs)
+        self.scan, self.remat = scan, remat
 
     def __call__(self, x):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(x, layer):
-            return nnx.relu(layer(x))
+        x = nnx.relu(self.up(x))
+        if self.scan:
 
-        return body(x, self.layers)
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def body(x, layer):
+                call = nnx.remat(lambda layer, x: layer(x)) if self.remat else type(layer).__call__
+                return nnx.relu(call(layer, x))
+
+            x = body(x, self.layers)
+        else:
+            x = nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None))(self.layers, x).mean(0)
+        return self.head(x)
 
 
-def test_stacked_layers_are_rounded_to_nearest_per_layer_with_a_warning():
-    model, x = Stack(nnx.Rngs(0)), _inputs(64)
-    with pytest.warns(UserWarning, match=r"'layers/kernel'.*stacked.*not supported"):
-        q = jp.nnx.calibrate(model, "gptq/4/16_from_float32", [x])
+def _scan_layer_inputs(model, x):
+    """The inputs each layer of the stack sees, run unrolled with the float parameters."""
+    h = nnx.relu(model.up(x))
+    kernel, bias = model.layers.kernel.get_value(), model.layers.bias.get_value()
+    inputs = []
+    for i in range(3):
+        inputs.append(h)
+        h = nnx.relu(h @ kernel[i] + bias[i])
+    return inputs
+
+
+def _stack_map(method):
+    return jp.DTypePolicyMap(
+        "float32", {"layers": f"{method}/4/16_from_float32", "up|head": "int8_from_float32"}
+    )
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
+def test_scan_stack_layers_are_each_calibrated_on_their_own_inputs(method, jit):
+    model, x = ScanMLP(nnx.Rngs(0)), _inputs(256)
+    policy = _stack_map(method)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer of the stack falls back to round-to-nearest
+        q, report = jp.nnx.calibrate(model, policy, [x], return_report=True)
     kernel = q.layers.kernel.get_value()
-    assert kernel.stacked == 1 and kernel.scale.shape == (2, 2, 32)
+    rtn_policy = jp.DTypePolicyMap(
+        "float32", {"layers": "int4/16_from_float32", "up|head": "int8_from_float32"}
+    )
+    rtn = jp.nnx.quantize(model, rtn_policy)
+    rtn_kernel = rtn.layers.kernel.get_value()
+    # the layout quantize gives a stack: stacked=1, scales [depth, blocks, out]
+    assert (kernel.shape, kernel.stacked, kernel.block_size) == ((3, 32, 32), 1, 16)
+    assert kernel.scale.shape == rtn_kernel.scale.shape == (3, 2, 32)
+    assert kernel.values.dtype == jnp.int4 and q.up.kernel.get_value().mode == "int8"
+    assert q.layers.bias.get_value().shape == (3, 32)  # float, stacked
+    paths = [f"layers/kernel[{i}]" for i in range(3)]
+    assert [(r.path, r.method) for r in report] == [(p, method) for p in paths]
+    assert all(r.error < r.rtn_error for r in report)  # each layer, on its own inputs
+    w_all = model.layers.kernel.get_value()
+    held_inputs = _scan_layer_inputs(model, _inputs(128, seed=1))
+    for i, h in enumerate(_scan_layer_inputs(model, x)):
+        gram = calibration_stats.gram(h)
+        if method == "gptq":
+            want = gptq.gptq_quantize(w_all[i], gram, group_size=16, clip_search=True)
+        else:
+            mean_abs = jnp.abs(h).mean(0)
+            want = awq.awq_quantize(w_all[i], mean_abs, gram, group_size=16, clip_search=True)
+            np.testing.assert_allclose(
+                np.asarray(kernel.input_scale[i]), np.asarray(want.input_scale), rtol=1e-5
+            )
+        np.testing.assert_allclose(
+            np.asarray(kernel.scale[i]), np.asarray(want.scale), rtol=1e-5, atol=1e-7
+        )
+        same = np.asarray(kernel.values[i], np.int8) == np.asarray(want.values, np.int8)
+        assert same.mean() > 0.999
+        held = held_inputs[i]  # held out: the layer's output error below RTN's
+        err = lambda k, w=w_all[i], h=held: float(jnp.linalg.norm(h @ w - h @ k))  # noqa: E731
+        assert err(kernel.dequantize()[i]) < err(rtn_kernel.dequantize()[i])
+    # the calibrated stack serves as a round-to-nearest stack does, as its dequantized
+    # kernels (a float stack beside the same int8 layers)
+    held = _inputs(128, seed=1)
+
+    def run(m, policy, x):
+        serve = lambda m, x: jp.nnx.apply(m, policy)(x)  # noqa: E731
+        return (nnx.jit(serve) if jit else serve)(m, x)
+
+    got = run(q, policy, held)
+    floats = nnx.clone(q)
+    floats.layers.kernel.set_value(kernel.dequantize())
+    int8_only = jp.DTypePolicyMap("float32", {"up|head": "int8_from_float32"})
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(run(floats, int8_only, held)), rtol=2e-4, atol=2e-4
+    )
+    rel = lambda y: float(jnp.linalg.norm(y - model(held)) / jnp.linalg.norm(model(held)))  # noqa: E731
+    assert rel(got) < rel(run(rtn, rtn_policy, held))
+
+
+def test_a_scan_stack_under_nnx_remat_gets_the_same_per_layer_kernels():
+    x = _inputs(256)
+    got = {}
+    for remat in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            q, report = jp.nnx.calibrate(
+                ScanMLP(nnx.Rngs(0), remat=remat), _stack_map("gptq"), [x], return_report=True
+            )
+        assert [r.path for r in report] == [f"layers/kernel[{i}]" for i in range(3)]
+        got[remat] = q.layers.kernel.get_value()
+    np.testing.assert_array_equal(np.asarray(got[True].values), np.asarray(got[False].values))
+    np.testing.assert_allclose(np.asarray(got[True].scale), np.asarray(got[False].scale))
+
+
+def test_a_stack_run_by_nnx_vmap_is_rounded_to_nearest_per_layer_with_a_warning():
+    model, x = ScanMLP(nnx.Rngs(0), scan=False), _inputs(64)
+    with pytest.warns(UserWarning, match=r"'layers/kernel'.*rounded to nearest.*nnx.vmap"):
+        q = jp.nnx.calibrate(model, _stack_map("gptq"), [x])
+    kernel = q.layers.kernel.get_value()
+    assert kernel.stacked == 1 and kernel.scale.shape == (3, 2, 32)
     assert q.layers.bias.get_value().dtype == jnp.float32
 
 

@@ -5,9 +5,12 @@ layer path; this picks, per kernel, GPTQ, AWQ, round-to-nearest or nothing).
 A kernel under a GPTQ or AWQ policy whose layer was seen on the calibration batches is
 solved (:func:`~jmp_policy._src.quantization.gptq.gptq_quantize`,
 :func:`~jmp_policy._src.quantization.awq.awq_quantize`); one whose layer was not seen (a matmul the glue
-cannot see, or a stacked layer) is rounded to nearest in the same storage, with a warning
-naming it. Kernels under int8/int4 policies are rounded to nearest, as ``quantize`` does;
-the rest stay float. Nothing here knows Flax.
+cannot see) is rounded to nearest in the same storage, with a warning naming it. A
+stacked kernel (``[depth, ...]``, an ``nn.scan``/``nnx.scan`` layer stack) whose
+statistics were gathered per layer (``[depth, in, in]``) is solved layer by layer, each
+from its own statistics, and stored stacked as ``quantize`` stores a stack. Kernels under
+int8/int4 policies are rounded to nearest, as ``quantize`` does; the rest stay float.
+Nothing here knows Flax.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jmp_policy._src.quantization import awq
 from jmp_policy._src.quantization import quantized_array as quantization
@@ -106,8 +110,9 @@ def quantize_calibrated(
         if not quantization.quantizable_layers(x, k):
             out.append(x)
         elif is_calibrated(policy):
+            done = len(reports)
             out.append(_calibrated_leaf(path, x, k, policy, stats, options, unseen_reason, reports))
-            tell(path, reports[-1] if reports and reports[-1].path == path else None)
+            tell(path, reports[done:])
         elif getattr(policy, "scheme", None) is not None and policy.scheme.stores_weights:
             out.append(policy.scheme.quantize(x, k))
         else:
@@ -173,13 +178,14 @@ def check_progress(progress: Any) -> Any:
 
 
 def _progress(progress: Any, total: int) -> tuple[Any, Any]:
-    """``(tell(path, report_or_None), close())`` for :func:`check_progress`'s values."""
+    """``(tell(path, reports), close())`` for :func:`check_progress`'s values (``reports``:
+    the kernel's, one per layer of a stack; none where it was rounded to nearest)."""
     if progress is False:
-        return (lambda path, report: None), (lambda: None)
+        return (lambda path, reports: None), (lambda: None)
     if progress is not True:
 
-        def call(path: str, report: LayerReport | None) -> None:
-            if report is not None:
+        def call(path: str, reports: list[LayerReport]) -> None:
+            for report in reports:
                 progress(report)
 
         return call, (lambda: None)
@@ -188,15 +194,15 @@ def _progress(progress: Any, total: int) -> tuple[Any, Any]:
     except ImportError:
         done = [0]
 
-        def line(path: str, report: LayerReport | None) -> None:
+        def line(path: str, reports: list[LayerReport]) -> None:
             done[0] += 1
-            what = _row(report) if report else f"{path} rounded to nearest"
+            what = "\n  ".join(map(_row, reports)) or f"{path} rounded to nearest"
             print(f"calibrate [{done[0]}/{total}] {what}", file=sys.stderr)
 
         return line, (lambda: None)
     bar = tqdm(total=total, desc="calibrate", unit="layer")
 
-    def step(path: str, report: LayerReport | None) -> None:
+    def step(path: str, reports: list[LayerReport]) -> None:
         bar.set_postfix_str(path)
         bar.update(1)
 
@@ -221,23 +227,42 @@ def _calibrated_leaf(
     scheme = policy.scheme
     if module is None:  # not a kernel (DenseGeneral's 2-D bias): rounded as quantize does
         return scheme.round_to_nearest(x, k)
-    layer = None if k else stats.get(module)
-    block = scheme.block_size
-    mode = scheme.storage_mode
-    if layer is None or float(layer.count) == 0:
-        why = (
-            f"it is stacked ({k} leading axes): calibrate stacked layers is not supported yet"
-            if k
-            else unseen_reason.get(module or "", "no calibration batch reached its matmul")
-        )
+    layer = stats.get(module)
+    lead = tuple(x.shape[:k])
+    why = unseen_reason.get(module or "", "no calibration batch reached its matmul")
+    if layer is not None and tuple(layer.gram.shape[:-2]) != lead:
+        why = f"its {lead} stacked layers were not seen one per iteration of an nn.scan/nnx.scan"
+        layer = None
+    if layer is None or bool(jnp.any(layer.count == 0)):
+        block = scheme.block_size
         warnings.warn(
             f"calibrate: {path!r} is under {policy.name!r} but is rounded to nearest "
-            f"({mode}{'' if block is None else f'/{block}'}) because {why}. Give it an "
-            "'int4/<block>' or 'int8' policy in the map to say so, or make its layer a "
-            "Dense/DenseGeneral (Linen) or Linear/LinearGeneral (NNX) with its own matmul.",
+            f"({scheme.storage_mode}{'' if block is None else f'/{block}'}) because {why}. "
+            "Give it an 'int4/<block>' or 'int8' policy in the map to say so, or make its "
+            "layer a Dense/DenseGeneral (Linen) or Linear/LinearGeneral (NNX) with its own "
+            "matmul.",
             stacklevel=4,
         )
         return scheme.round_to_nearest(x, k)
+    if not k:
+        return _solve_layer(path, x, scheme, layer, options, reports)
+    solved = []
+    for index in np.ndindex(*lead):  # each layer of the stack from its own statistics
+        one = jax.tree.map(lambda a, index=index: a[index], layer)
+        name = f"{path}[{','.join(map(str, index))}]"
+        solved.append(_solve_layer(name, x[index], scheme, one, options, reports))
+    return stack_layers(solved, tuple(x.shape), k)
+
+
+def _solve_layer(
+    path: str,
+    x: Any,
+    scheme: Any,
+    layer: LayerStats,
+    options: Mapping[str, Any],
+    reports: list[LayerReport],
+) -> Any:
+    """One (unstacked) kernel solved from its layer's statistics, its report appended."""
     start = time.perf_counter()
     in_axes = input_axes(tuple(x.shape), layer.features)
     q = scheme.solve(x, layer.gram, layer.mean_abs, options, in_axes)
@@ -249,6 +274,25 @@ def _calibrated_leaf(
     error = _relative(w, q.dequantize(jnp.float32), layer.gram)
     reports.append(LayerReport(path, scheme.mode, rtn_error, error, seconds))
     return q
+
+
+def stack_layers(layers: list[Any], shape: tuple[int, ...], k: int) -> Any:
+    """The solved kernels of a stack's layers (in ``np.ndindex`` order of its ``k`` leading
+    axes, of ``shape[:k]``) as one stacked kernel of ``shape``: the layout
+    ``quantize(x, stacked=k)`` gives (values, scales and an AWQ input scale with the
+    leading axes)."""
+    lead = shape[:k]
+
+    def stacked(name: str) -> Any:
+        parts = [jnp.asarray(getattr(q, name)) for q in layers]
+        return jnp.stack(parts).reshape(*lead, *parts[0].shape)
+
+    fields: dict[str, Any] = {
+        "values": stacked("values"), "scale": stacked("scale"), "shape": shape, "stacked": k
+    }  # fmt: skip
+    if isinstance(layers[0], awq.InputScaledArray):
+        fields["input_scale"] = stacked("input_scale")
+    return dataclasses.replace(layers[0], **fields)
 
 
 def format_report(reports: list[LayerReport]) -> str:
@@ -277,28 +321,6 @@ def check_batches(batches: Any) -> list[tuple[Any, ...]]:
     return [b if isinstance(b, tuple) else (b,) for b in items]
 
 
-def capturing_dot_general(
-    path: str, shape: tuple[int, ...], stats: dict[str, LayerStats], unseen: dict[str, str]
-) -> Any:
-    """A drop-in ``jax.lax.dot_general`` for the layer at ``path`` (kernel ``shape``) that
-    adds its input rows to ``stats[path]`` (created at the first call, with as many
-    features as the matmul contracts), or says in ``unseen`` why it cannot, then
-    multiplies as written."""
-
-    def dot_general(lhs: Any, rhs: Any, dims: Any, *a: Any, **k: Any) -> Any:
-        rows = None
-        if tuple(rhs.shape) == shape:
-            rows = rows_for_kernel(lhs, shape, dims)
-        if rows is None:
-            unseen[path] = "its matmul contracts the kernel in a layout GPTQ/AWQ do not read"
-        else:
-            before = stats[path] if path in stats else LayerStats.zeros(int(rows.shape[-1]))
-            stats[path] = before.update(rows)
-        return jax.lax.dot_general(lhs, rhs, dims, *a, **k)
-
-    return dot_general
-
-
 def rows_for_kernel(lhs: Any, rhs_shape: tuple[int, ...], dims: Any) -> jax.Array | None:
     """The matmul input as rows of the kernel's input features when the kernel's leading
     axes ``0..k-1`` are contracted with no batch axes (Dense, DenseGeneral: attention's
@@ -312,12 +334,6 @@ def rows_for_kernel(lhs: Any, rhs_shape: tuple[int, ...], dims: Any) -> jax.Arra
     axes = [int(lc[list(rc).index(j)]) for j in range(k)]  # lhs axis of kernel axis j
     moved = jnp.moveaxis(lhs, axes, list(range(lhs.ndim - k, lhs.ndim)))
     return moved.reshape(-1, math.prod(int(d) for d in rhs_shape[:k]))
-
-
-def zero_stats(shapes: Any) -> dict[str, LayerStats]:
-    """Statistics of no rows with the shapes ``jax.eval_shape`` of a gathering run gave
-    (each layer's feature count is known once its matmul is traced)."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # type: ignore[no-any-return]
 
 
 def input_axes(shape: tuple[int, ...], features: int) -> int:

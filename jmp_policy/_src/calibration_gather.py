@@ -1,0 +1,168 @@
+"""Gathering each calibrated layer's input statistics in one run of the model.
+
+The glues give each GPTQ/AWQ layer :func:`capturing_dot_general` as its matmul and run
+the model inside :func:`gathering`; each call adds its input rows to the layer's
+:class:`~jmp_policy._src.quantization.calibration_stats.LayerStats`. A layer stack run in
+a loop (``nn.scan``, ``nnx.scan`` over ``nnx.vmap``-created layers: one module path, its
+kernel ``[depth, ...]``) runs its layers in a body traced apart: the statistics gathered
+there leave the loop as its stacked outputs (through ``interception.SCAN_AROUND`` and
+:mod:`jmp_policy._src.traced_records`, as the map search's taps do), so each layer of the
+stack gets its own ``XᵀX`` and ``mean |x|`` (``[depth, in, in]``, ``[depth, in]``). A
+layer whose kernel is not stacked but runs in a loop (one kernel shared by the
+iterations) gets the sum over the iterations. A rematerialized call (``nn.remat``, also
+inside ``nn.scan``; ``nnx.remat``) threads its statistics out the same way, as extra
+outputs. A call made inside a transform the run cannot see (a stack run by ``vmap``) is
+not gathered: its layer is said unseen, and rounded to nearest with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jmp_policy._src import context, interception, traced_records
+from jmp_policy._src.quantization.calibration import rows_for_kernel
+from jmp_policy._src.quantization.calibration_stats import LayerStats
+
+
+class _Gathering:
+    """One run's statistics at one loop depth: ``level`` enclosing scans, its trace."""
+
+    def __init__(self, stacked: Mapping[str, int], unseen: dict[str, str], level: int = 0):
+        self.stats: dict[str, LayerStats] = {}
+        self.stacked = stacked
+        self.unseen = unseen
+        self.level = level
+        self.trace = context.current_trace()
+
+    def add(self, path: str, stats: LayerStats) -> None:
+        before = self.stats.get(path)
+        self.stats[path] = stats if before is None else jax.tree.map(jnp.add, before, stats)
+
+
+_GATHERING: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar(
+    "jmp_policy_calibration_gathering", default=None
+)
+
+
+@contextlib.contextmanager
+def gathering(
+    stats: Mapping[str, LayerStats], stacked: Mapping[str, int], unseen: dict[str, str]
+) -> Iterator[dict[str, LayerStats]]:
+    """Inside the block, :func:`capturing_dot_general` adds to the statistics it yields
+    (a copy of ``stats``); ``stacked``: module path -> its kernel's leading layer axes;
+    ``unseen`` collects why a layer's inputs were not gathered."""
+    state = _Gathering(stacked, unseen)
+    state.stats.update(stats)
+    token = _GATHERING.set(state)
+    around = interception.SCAN_AROUND.set(_around_scan)
+    remat = traced_records.REMAT_AROUND.set(_around_remat)
+    try:
+        with interception.loop_carries(), traced_records.REMATS.active():
+            yield state.stats
+    finally:
+        traced_records.REMAT_AROUND.reset(remat)
+        interception.SCAN_AROUND.reset(around)
+        _GATHERING.reset(token)
+
+
+def capturing_dot_general(path: str, shape: tuple[int, ...]) -> Any:
+    """A drop-in ``jax.lax.dot_general`` for the layer at ``path`` (one layer's kernel
+    ``shape``) that adds its input rows to the statistics of :func:`gathering` (created at
+    the first call, with as many features as the matmul contracts), or says in its
+    ``unseen`` why it cannot, then multiplies as written."""
+
+    def dot_general(lhs: Any, rhs: Any, dims: Any, *a: Any, **k: Any) -> Any:
+        state = _GATHERING.get()
+        if state is not None:
+            _capture(state, path, shape, lhs, rhs, dims)
+        return jax.lax.dot_general(lhs, rhs, dims, *a, **k)
+
+    return dot_general
+
+
+def _capture(
+    state: _Gathering, path: str, shape: tuple[int, ...], lhs: Any, rhs: Any, dims: Any
+) -> None:
+    if context.current_trace() is not state.trace:
+        state.unseen[path] = (
+            "its layer runs inside a transform calibrate cannot see (a stack run by "
+            "nn.vmap/nnx.vmap instead of a scan)"
+        )
+        return
+    rows = rows_for_kernel(lhs, shape, dims) if tuple(rhs.shape) == shape else None
+    if rows is None:
+        state.unseen[path] = "its matmul contracts the kernel in a layout GPTQ/AWQ do not read"
+        return
+    before = state.stats.get(path)
+    if before is None:
+        before = LayerStats.zeros(int(rows.shape[-1]))
+    elif before.gram.ndim != 2:  # a stack's statistics, reached outside its loop
+        state.unseen[path] = "its stacked layers run outside a loop calibrate sees"
+        return
+    state.stats[path] = before.update(rows)
+
+
+def _around_scan(
+    scan: Callable[..., Any], f: Callable[..., Any], init: Any, args: Any, kwargs: Any
+) -> Any:
+    """A ``jax.lax.scan`` in a gathering run: each iteration gathers into statistics of
+    its own, which leave the loop stacked; a layer whose kernel stacks this loop's layers
+    keeps the new leading axis, any other sums over it."""
+    state = _GATHERING.get()
+    if state is None or context.current_trace() is not state.trace:
+        return scan(f, init, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def step(i: Any, n: int) -> Iterator[Callable[[], Any]]:
+        inner = _Gathering(state.stacked, state.unseen, state.level + 1)
+        token = _GATHERING.set(inner)
+        try:
+            yield lambda: inner.stats
+        finally:
+            _GATHERING.reset(token)
+
+    done = traced_records.scan_with_records(scan, f, init, args, kwargs, step)
+    if done is None:
+        return scan(f, init, *args, **kwargs)  # JAX says what is missing
+    result, records = done
+    for path, stacked in records.items():
+        if state.level >= state.stacked.get(path, 0):  # not this loop's layers: summed
+            stacked = jax.tree.map(lambda a: a.sum(0), stacked)
+        state.add(path, stacked)
+    return result
+
+
+def _around_remat(
+    original: Callable[..., Any], plain: Any, fun: Any, args: Any, kwargs: Any, a: Any, k: Any
+) -> Any:
+    """A call of a function checkpointed in a gathering run: its statistics, gathered
+    apart, leave the call as extra outputs and are added to the run's."""
+    state = _GATHERING.get()
+    if state is None or context.current_trace() is not state.trace:
+        return plain(*a, **k)
+
+    @contextlib.contextmanager
+    def step() -> Iterator[Callable[[], Any]]:
+        inner = _Gathering(state.stacked, state.unseen, state.level)
+        token = _GATHERING.set(inner)
+        try:
+            yield lambda: inner.stats
+        finally:
+            _GATHERING.reset(token)
+
+    out, records = traced_records.checkpoint_with_records(original, fun, args, kwargs, a, k, step)
+    for path, stats in records.items():
+        state.add(path, stats)
+    return out
+
+
+def zero_stats(shapes: Any) -> dict[str, LayerStats]:
+    """Statistics of no rows with the shapes ``jax.eval_shape`` of a gathering run gave
+    (each layer's feature count is known once its matmul is traced)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # type: ignore[no-any-return]
