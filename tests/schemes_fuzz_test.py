@@ -31,7 +31,11 @@ sources = st.one_of(st.sampled_from(SOURCES), st.text(max_size=12))
 
 
 def _round_trips(policy):
-    assert jp.get(policy.name) == policy
+    named = jp.get(policy.name)
+    if named.get_config() == policy.get_config():
+        assert named == policy
+    else:  # a setting the name does not carry (float8's amax_history_length), as Keras
+        assert named != policy and type(named) is type(policy)
     config = policy.get_config()
     before = copy.deepcopy(config)
     assert type(policy).from_config(config) == policy

@@ -172,9 +172,7 @@ def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
             _learn_route(module, call.path, run)
         kernel = None if run is None else run.kernels.get(call.path)
         ahead = None if run is None or kernel is not None else run.ahead.get(call.path)
-        if ahead is not None and (policy.scheme is None or policy.scheme.reads_stored_kernels):
-            # Weights that came in quantized are served, never trained (no int8 rule).
-            matmuls.dequantized_ahead(call.path, ahead, policy.scheme)
+        if matmuls.dequantized_ahead(call.path, ahead, policy.scheme):
             return None
         state = None
         if policy.scheme is not None and policy.scheme.stateful:

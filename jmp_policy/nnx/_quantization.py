@@ -186,9 +186,7 @@ def quantized_matmuls(
     else:
         state = None
         ahead = (_AHEAD.get() or {}).get(call.path)
-        if ahead is not None and (policy.scheme is None or policy.scheme.reads_stored_kernels):
-            # Weights that came in quantized are served, never trained (no int8 rule).
-            matmuls.dequantized_ahead(call.path, ahead, policy.scheme)
+        if matmuls.dequantized_ahead(call.path, ahead, policy.scheme):
             return next_fn(*args, **kwargs)
     kind = "einsum" if name == "einsum_op" else "dot_general"
     whole = _WHOLE.get()

@@ -74,13 +74,19 @@ def _label(scheme: Any, kernel: Any) -> str:
     return storage_label(kernel) if scheme is None else str(scheme.describe(kernel))
 
 
-def dequantized_ahead(path: str, kernel: Any, scheme: Any) -> None:
-    """Records a layer whose ``QuantizedArray`` kernel was dequantized ahead of it (a
-    scanned stack's layer sees a slice): the glue runs it as written, a matmul in the
-    compute dtype, never the int8 rule of float kernels (no activation rounding).
-    ``scheme``: the layer's policy's (``None`` for a float policy), which words it."""
+def dequantized_ahead(path: str, kernel: Any, scheme: Any) -> bool:
+    """Whether a layer runs as written because its ``QuantizedArray`` kernel was
+    dequantized ahead of it (a scanned stack's layer sees a slice; ``kernel``: that stored
+    kernel, ``None`` when there is none). Weights that came in quantized are served, never
+    trained: a matmul in the compute dtype, never the int8 rule of float kernels (no
+    activation rounding). ``scheme``: the layer's policy's (``None`` for a float policy),
+    which words it; a scheme that does not read stored kernels (float8) keeps its matmul.
+    Both glues ask this one function; a ``True`` is recorded for ``explain``."""
+    if kernel is None or not (scheme is None or scheme.reads_stored_kernels):
+        return False
     label = _label(scheme, kernel)
     record(path, f"{label} weights: dequantized ahead (a stack), compute-dtype matmul")
+    return True
 
 
 def record_float8(path: str, m: int, k: int, n: int, scaling: str) -> None:
