@@ -354,15 +354,8 @@ def _around_scan(
         return scan(f, init, *args, **kwargs)
     traced: list[_State] = []
 
-    @contextlib.contextmanager
-    def step(i: Any, n: int) -> Iterator[Callable[[], Any]]:
-        inner = state.inner(i, n)
-        traced.append(inner)
-        token = _STATE.set(inner)
-        try:
-            yield lambda: (inner.ys, inner.scores)
-        finally:
-            _STATE.reset(token)
+    def step(i: Any, n: int) -> Any:
+        return _recording_into(state.inner(i, n), traced)
 
     done = traced_records.scan_with_records(scan, f, init, args, kwargs, step)
     if done is None:
@@ -377,6 +370,18 @@ def _around_scan(
     return carry, ys
 
 
+@contextlib.contextmanager
+def _recording_into(inner: _State, traced: list[_State]) -> Iterator[Callable[[], Any]]:
+    """The taps record into ``inner`` (a loop body's or a checkpointed call's own state,
+    appended to ``traced``) while the body is traced; yields how to read its records."""
+    traced.append(inner)
+    token = _STATE.set(inner)
+    try:
+        yield lambda: (inner.ys, inner.scores)
+    finally:
+        _STATE.reset(token)
+
+
 def _around_remat(
     original: Callable[..., Any], plain: Any, fun: Any, args: Any, kwargs: Any, a: Any, k: Any
 ) -> Any:
@@ -388,15 +393,8 @@ def _around_remat(
         return plain(*a, **k)
     traced: list[_State] = []
 
-    @contextlib.contextmanager
-    def step() -> Iterator[Callable[[], Any]]:
-        inner = state.inner()
-        traced.append(inner)
-        token = _STATE.set(inner)
-        try:
-            yield lambda: (inner.ys, inner.scores)
-        finally:
-            _STATE.reset(token)
+    def step() -> Any:
+        return _recording_into(state.inner(), traced)
 
     out, (ys, scores) = traced_records.checkpoint_with_records(
         original, fun, args, kwargs, a, k, step
