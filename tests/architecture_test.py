@@ -17,7 +17,7 @@ PACKAGE = "jmp_policy"
 # The integration modules (or packages) that may import flax.
 FLAX_GLUE = ("linen", "nnx")
 # Modules that must import nothing of jmp_policy (they sit under everything).
-BOTTOM = ("jmp_policy._src.context",)
+BOTTOM = ("jmp_policy._src.context", "jmp_policy._src.int_arguments")
 
 
 def _module_name(path: pathlib.Path) -> str:

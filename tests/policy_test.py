@@ -324,10 +324,17 @@ def test_float8_policy_defaults():
     assert jp.QuantizedFloat8DTypePolicy("float8", "float32", 1).amax_history_length == 1
 
 
-@pytest.mark.parametrize("length", [1.0, 16.0, "16", None, True, False, np.int64(16)])
+@pytest.mark.parametrize("length", [1.0, 16.0, "16", None, True, False, np.array(16)])
 def test_float8_non_int_history_length_raises_type_error(length):
     with pytest.raises(TypeError, match="`amax_history_length` must be an integer"):
         jp.QuantizedFloat8DTypePolicy("float8", "float32", length)
+
+
+@pytest.mark.parametrize("length", [np.int64(16), np.int32(16), np.uint8(16)])
+def test_float8_numpy_int_history_length_is_kept_as_an_int(length):
+    policy = jp.QuantizedFloat8DTypePolicy("float8", "float32", length)
+    assert policy.amax_history_length == 16 and type(policy.amax_history_length) is int
+    assert policy.get_config()["amax_history_length"] == 16
 
 
 @pytest.mark.parametrize("length", [0, -1, -1024])

@@ -245,11 +245,12 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
     Args:
         mode: ``"float8"`` (or ``"float8_current"``, the same as ``scaling="current"``).
         source_name: the float policy the dtypes come from; ``None`` takes the global one.
-        amax_history_length: the amax history's length, a positive ``int`` (delayed scaling).
+        amax_history_length: the amax history's length, a positive ``int`` (delayed scaling;
+            a NumPy integer is kept as an ``int``).
         scaling: ``"delayed"``, ``"current"`` or ``None`` (as ``mode`` says).
 
     Raises:
-        TypeError: ``amax_history_length`` is not an ``int`` (bools included).
+        TypeError: ``amax_history_length`` is not an integer (bools and floats included).
         ValueError: another mode or scaling, a bad source name, or a length not in 1..65536.
 
     Examples:

@@ -386,10 +386,10 @@ def test_paths_filter_that_names_nothing_warns():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"every": 0}, ValueError, r"`every` must be an int from 1 to 2147483647.*every=0"),
+        ({"every": 0}, ValueError, r"`every` must be an integer from 1 to 2147483647.*every=0"),
         ({"every": 2**63}, ValueError, r"from 1 to 2147483647.*every=9223372036854775808"),
-        ({"every": 2.5}, TypeError, r"`every` must be an int >= 1.*every=2\.5 of type float"),
-        ({"every": True}, TypeError, r"every=True of type bool"),
+        ({"every": 2.5}, TypeError, r"`every` must be an integer from 1.*2\.5 \(of type float\)"),
+        ({"every": True}, TypeError, r"every=True \(of type bool\)"),
         ({"paths": 5}, TypeError, r"`paths` must be None.*paths=5"),
         ({"paths": ["head", 3]}, TypeError, r"paths=\['head', 3\]"),
         ({"paths": []}, ValueError, r"`paths` is empty.*paths=\[\]"),

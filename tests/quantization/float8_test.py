@@ -137,8 +137,8 @@ def test_init_state_names_shapes_and_dtypes():
     [
         (0, ValueError, "from 1 to 65536. Received: amax_history_length=0"),
         (2**40, ValueError, "from 1 to 65536. Received: amax_history_length=1099511627776"),
-        (True, TypeError, "must be an integer. Received: amax_history_length=True"),
-        (2.0, TypeError, "must be an integer. Received: amax_history_length=2.0"),
+        (True, TypeError, "from 1 to 65536. Received: amax_history_length=True \\(of type bool"),
+        (2.0, TypeError, "from 1 to 65536. Received: amax_history_length=2.0 \\(of type float"),
     ],
 )
 def test_init_state_rejects_bad_lengths(value, error, message):

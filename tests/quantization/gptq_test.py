@@ -147,11 +147,13 @@ def test_gptq_over_two_input_axes_is_gptq_of_the_2d_kernel(group, maybe_jit):
     )
 
 
-@pytest.mark.parametrize("in_axes", [0, 3, True, 1.0])
-def test_gptq_rejects_bad_in_axes(in_axes):
+@pytest.mark.parametrize(
+    ("in_axes", "error"), [(0, ValueError), (3, ValueError), (True, TypeError), (1.0, TypeError)]
+)
+def test_gptq_rejects_bad_in_axes(in_axes, error):
     w = jnp.ones((4, 16, 8), jnp.float32)
     with pytest.raises(
-        ValueError,
+        error,
         match=rf"`in_axes` must be an integer from 1 to 2 .*\(4, 16, 8\).*in_axes={in_axes!r}",
     ):
         gptq.gptq_quantize(w, jnp.eye(4), in_axes=in_axes)

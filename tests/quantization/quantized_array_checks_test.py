@@ -20,10 +20,20 @@ def test_int4_block_rejects_other_values_naming_the_argument(block):
         checks.int4_block(block)
 
 
-@pytest.mark.parametrize("stacked", [-1, True, 1.0, None])
-def test_check_stacked_rejects_anything_but_a_non_negative_int(stacked):
-    with pytest.raises(ValueError, match="`stacked` must be a non-negative int"):
+@pytest.mark.parametrize(
+    ("stacked", "error"), [(-1, ValueError), (True, TypeError), (1.0, TypeError), (None, TypeError)]
+)
+def test_check_stacked_rejects_anything_but_a_non_negative_int(stacked, error):
+    with pytest.raises(
+        error, match=rf"`stacked` must be a non-negative integer.*stacked={stacked}"
+    ):
         checks.check_stacked(stacked)
+
+
+@pytest.mark.parametrize("stacked", [0, 2, np.int64(2)])
+def test_check_stacked_returns_a_python_int(stacked):
+    assert checks.check_stacked(stacked) == stacked
+    assert type(checks.check_stacked(stacked)) is int
 
 
 def test_fields_are_checked_in_order_settings_dtype_values_scale():

@@ -323,7 +323,7 @@ def test_stacked_quantized_array_checks_its_scale_and_keeps_old_fields_working()
     q = quantization.quantize(_stack(), "int8", None, 1)
     with pytest.raises(ValueError, match=r"`scale` must have shape \(3, 16\)"):
         jp.QuantizedArray(q.values, q.scale[0], "int8", None, q.shape, np.dtype("float32"), 1)
-    with pytest.raises(ValueError, match=r"`stacked` must be.*stacked='1'"):
+    with pytest.raises(TypeError, match=r"`stacked` must be.*stacked='1' \(of type str\)"):
         jp.QuantizedArray(q.values, q.scale, "int8", None, q.shape, np.dtype("float32"), "1")
     # Six positional fields (the earlier layout) still build an unstacked kernel.
     flat = jp.QuantizedArray(q.values[0], q.scale[0], "int8", None, (64, 16), np.dtype("float32"))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_policy._src.int_arguments import check_int
 from jmp_policy._src.path_patterns import PathPattern, compile_pattern, is_literal
 
 _ENTRY = "entry {key} of `paths`"
@@ -77,18 +78,10 @@ class Selection:
 
 def selection(every: Any = 1, paths: Any = None) -> Selection:
     """Checks ``diagnose``'s ``every`` and ``paths`` arguments and returns a :class:`Selection`."""
-    if isinstance(every, bool) or not isinstance(every, (int, np.integer)):
-        raise TypeError(
-            "`every` must be an int >= 1 (compute the statistics on one step in `every`). "
-            f"Received: every={every!r} of type {type(every).__name__}"
-        )
-    if not 1 <= every <= MAX_INT:
-        raise ValueError(
-            f"`every` must be an int from 1 to {MAX_INT} (compute the statistics on one step "
-            f"in `every`; steps are int32). Received: every={every!r}"
-        )
+    why = " (compute the statistics on one step in `every`; steps are int32)"
+    every = check_int(every, "every", 1, MAX_INT, why=why)
     if paths is None:
-        return Selection(int(every), None)
+        return Selection(every, None)
     keys = (paths,) if isinstance(paths, str) else paths
     if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys):
         raise TypeError(
@@ -103,4 +96,4 @@ def selection(every: Any = 1, paths: Any = None) -> Selection:
         )
     for key in keys:  # exact module paths or patterns matched as a DTypePolicyMap's keys
         compile_pattern(key, _ENTRY, f"paths={paths!r}")
-    return Selection(int(every), tuple(keys))
+    return Selection(every, tuple(keys))

@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_policy._src.int_arguments import check_int
 from jmp_policy._src.quantization import clipping
 from jmp_policy._src.quantization.gptq import (
     check_bits_and_group,
     check_in_axes,
     check_kernel,
-    check_positive,
 )
 from jmp_policy._src.quantization.quantized_array import (
     INT4_MAX,
@@ -142,14 +142,15 @@ def awq_quantize(
         under ``jit``.
 
     Raises:
-        ValueError: unsupported ``weight_bits``/``group_size``/``num_grid_points``/
-            ``in_axes``, or shapes that disagree.
-        TypeError: ``kernel`` is not a floating array.
+        ValueError: unsupported ``weight_bits``/``group_size``, ``num_grid_points``/
+            ``in_axes``/``stacked`` out of range, or shapes that disagree.
+        TypeError: ``kernel`` is not a floating array, or ``num_grid_points``/``in_axes``/
+            ``stacked`` no integer.
     """
     group = check_bits_and_group(weight_bits, group_size, "AWQ")
-    check_positive(num_grid_points, "num_grid_points")
+    num_grid_points = check_int(num_grid_points, "num_grid_points", 1)
     shape = check_kernel(kernel, stacked)
-    check_in_axes(in_axes, shape, stacked)
+    in_axes = check_in_axes(in_axes, shape, stacked)
     lead, ins = shape[:stacked], shape[stacked : stacked + in_axes]
     rows, rest = math.prod(ins), shape[stacked + in_axes :]
     mean_abs, gram = jnp.asarray(mean_abs), jnp.asarray(gram)

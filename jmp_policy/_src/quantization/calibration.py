@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_policy._src.int_arguments import check_int
 from jmp_policy._src.quantization import awq
 from jmp_policy._src.quantization import quantized_array as quantization
 from jmp_policy._src.quantization.calibrated_schemes import CalibratedScheme
@@ -144,16 +145,7 @@ def check_settings(hessian_damping: Any, num_grid_points: Any, clip_search: Any 
             "`hessian_damping` must be a finite number >= 0 (Keras's default 0.01). "
             f"Received: hessian_damping={hessian_damping!r}"
         )
-    if isinstance(num_grid_points, bool) or not isinstance(num_grid_points, int):
-        raise TypeError(
-            "`num_grid_points` must be an integer (Keras's default 20). "
-            f"Received: num_grid_points={num_grid_points!r}"
-        )
-    if not 1 <= num_grid_points <= MAX_GRID_POINTS:
-        raise ValueError(
-            f"`num_grid_points` must be from 1 to {MAX_GRID_POINTS}. "
-            f"Received: num_grid_points={num_grid_points!r}"
-        )
+    check_int(num_grid_points, "num_grid_points", 1, MAX_GRID_POINTS, why=" (Keras's default 20)")
     if not isinstance(clip_search, bool):
         raise TypeError(
             "`clip_search` must be True (search each group's clipping ratio, the default) "

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src.dtypes import MAX_AMAX_HISTORY
+from jmp_policy._src.int_arguments import check_int
 
 SCALINGS = ("delayed", "current")
 
@@ -93,20 +94,11 @@ def init_state(amax_history_length: int) -> dict[str, jax.Array]:
         >>> state["input_scale"], state["input_amax_history"]
         (Array(1., dtype=float32), Array([0., 0., 0., 0.], dtype=float32))
     """
-    if isinstance(amax_history_length, bool) or not isinstance(amax_history_length, int):
-        raise TypeError(
-            "`amax_history_length` must be an integer. "
-            f"Received: amax_history_length={amax_history_length!r}"
-        )
-    if not 1 <= amax_history_length <= MAX_AMAX_HISTORY:
-        raise ValueError(
-            f"`amax_history_length` must be from 1 to {MAX_AMAX_HISTORY}. "
-            f"Received: amax_history_length={amax_history_length!r}"
-        )
+    length = check_int(amax_history_length, "amax_history_length", 1, MAX_AMAX_HISTORY)
     state: dict[str, jax.Array] = {}
     for tensor in TENSORS:
         state[f"{tensor}_scale"] = jnp.ones((), jnp.float32)
-        state[f"{tensor}_amax_history"] = jnp.zeros((amax_history_length,), jnp.float32)
+        state[f"{tensor}_amax_history"] = jnp.zeros((length,), jnp.float32)
     return state
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from jmp_policy._src.dtypes import MAX_AMAX_HISTORY
+from jmp_policy._src.int_arguments import check_int
 from jmp_policy._src.quantization import float8, float8_matmul, matmuls
 from jmp_policy._src.schemes import Scheme, register
 
@@ -50,16 +51,9 @@ class Float8Scheme(Scheme):
         scaling, length = self.scaling, self.amax_history_length
         if not isinstance(scaling, str) or scaling not in SCALINGS:
             raise ValueError(f"`scaling` must be one of {SCALINGS}. Received: scaling={scaling!r}")
-        if isinstance(length, bool) or not isinstance(length, int):
-            raise TypeError(
-                "`amax_history_length` must be an integer. "
-                f"Received: amax_history_length={length!r} (of type {type(length).__name__})"
-            )
-        if not 1 <= length <= MAX_AMAX_HISTORY:
-            raise ValueError(
-                f"`amax_history_length` must be from 1 to {MAX_AMAX_HISTORY} (amaxes kept per "
-                f"tensor). Received: amax_history_length={length!r}"
-            )
+        why = " (amaxes kept per tensor)"
+        length = check_int(length, "amax_history_length", 1, MAX_AMAX_HISTORY, why=why)
+        object.__setattr__(self, "amax_history_length", length)  # a NumPy int as an int
 
     @classmethod
     def parse(cls, text: str) -> Float8Scheme | None:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src.int_arguments import check_int
 from jmp_policy._src.quantization import clipping
 from jmp_policy._src.quantization.quantized_array import (
     INT4_MAX,
@@ -73,12 +74,6 @@ def check_bits_and_group(bits: Any, group_size: Any, what: str = "GPTQ") -> int:
     return group_size  # type: ignore[no-any-return]
 
 
-def check_positive(value: Any, name: str) -> None:
-    """``value`` must be a positive int."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-
-
 def check_kernel(kernel: Any, stacked: Any) -> tuple[int, ...]:
     """``kernel`` must be a floating array of rank >= 2 after ``stacked`` axes; its shape."""
     check_stacked(stacked)
@@ -98,15 +93,14 @@ def check_kernel(kernel: Any, stacked: Any) -> tuple[int, ...]:
     return shape
 
 
-def check_in_axes(in_axes: Any, shape: tuple[int, ...], stacked: int) -> None:
+def check_in_axes(in_axes: Any, shape: tuple[int, ...], stacked: int) -> int:
     """``in_axes`` must leave at least one output axis of the kernel ``shape``."""
     top = len(shape) - stacked - 1
-    if isinstance(in_axes, bool) or not isinstance(in_axes, int) or not 1 <= in_axes <= top:
-        raise ValueError(
-            f"`in_axes` must be an integer from 1 to {top} (the kernel's leading input "
-            f"axes, leaving an output axis) for a kernel of shape {shape} "
-            f"(stacked={stacked}). Received: in_axes={in_axes!r}"
-        )
+    why = (
+        " (the kernel's leading input axes, leaving an output axis) for a kernel of shape "
+        f"{shape} (stacked={stacked})"
+    )
+    return check_int(in_axes, "in_axes", 1, top, why=why)
 
 
 def damped_hessian(hessian: jax.Array, damping: Any) -> jax.Array:
@@ -246,13 +240,15 @@ def gptq_quantize(
         is rounded to nearest (with a warning outside ``jit``). Works under ``jit``.
 
     Raises:
-        ValueError: unsupported ``weight_bits``/``group_size``, or shapes that disagree.
-        TypeError: ``kernel`` is not a floating array.
+        ValueError: unsupported ``weight_bits``/``group_size``, ``block_size``/``in_axes``/
+            ``stacked`` out of range, or shapes that disagree.
+        TypeError: ``kernel`` is not a floating array, or ``block_size``/``in_axes``/
+            ``stacked`` no integer.
     """
     group = check_bits_and_group(weight_bits, group_size)
-    check_positive(block_size, "block_size")
+    block_size = check_int(block_size, "block_size", 1)
     shape = check_kernel(kernel, stacked)
-    check_in_axes(in_axes, shape, stacked)
+    in_axes = check_in_axes(in_axes, shape, stacked)
     lead, ins = shape[:stacked], shape[stacked : stacked + in_axes]
     rows, rest = math.prod(ins), shape[stacked + in_axes :]
     hessian = jnp.asarray(hessian)

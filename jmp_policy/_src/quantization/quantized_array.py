@@ -218,9 +218,9 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
             1); each layer is quantized on its own.
 
     Raises:
-        ValueError: another mode, a bad block size or ``stacked``, or an array whose
-            layers have rank < 2.
-        TypeError: ``x`` is not a floating array.
+        ValueError: another mode, a bad block size, a negative ``stacked``, or an array
+            whose layers have rank < 2.
+        TypeError: ``x`` is not a floating array, or ``stacked`` no integer.
     """
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
@@ -234,7 +234,7 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
             "Only arrays of rank >= 2 (kernels) are quantized; biases and norm scales stay "
             f"float. Received an array of shape {tuple(x.shape)}"
         )
-    check_stacked(stacked)
+    stacked = check_stacked(stacked)
     if x.ndim - stacked < 2:
         raise ValueError(
             "Each stacked layer must be of rank >= 2 (a kernel): with `stacked` leading "

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src.int_arguments import check_int
 
 MODES = ("int8", "int4")
 # Python values that are no array at all (an array-like of another kind is left alone).
@@ -43,13 +44,9 @@ def int4_block(block_size: Any) -> int:
     return block  # type: ignore[no-any-return]
 
 
-def check_stacked(stacked: Any) -> None:
-    """``stacked`` must be a non-negative int."""
-    if isinstance(stacked, bool) or not isinstance(stacked, int) or stacked < 0:
-        raise ValueError(
-            "`stacked` must be a non-negative int (the number of leading stacked-layer "
-            f"axes). Received: stacked={stacked!r}"
-        )
+def check_stacked(stacked: Any) -> int:
+    """``stacked`` as an int, checked: a non-negative integer."""
+    return check_int(stacked, "stacked", 0, why=" (the number of leading stacked-layer axes)")
 
 
 def _concrete(x: Any) -> bool:
