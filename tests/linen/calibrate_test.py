@@ -8,9 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from quantization import calibrate_reference as ref
+from quantization.calibrate_reference import correlated_inputs as _inputs
+from quantization.calibrate_reference import int4_converts_into_dots
 
 import jmp_policy as jp
-from jmp_policy._src.quantization import awq, calibration_stats, gptq
+from jmp_policy._src.quantization import awq
 
 
 class MLP(nn.Module):
@@ -19,15 +22,6 @@ class MLP(nn.Module):
         x = nn.relu(nn.Dense(64, name="up")(x))
         x = nn.relu(nn.Dense(64, name="mid")(x))
         return nn.Dense(8, name="head")(x)
-
-
-def _inputs(rows, seed=0):
-    """Correlated features of unequal sizes; one mixing for every seed (held-out rows)."""
-    fixed = np.random.default_rng(123)
-    mix = fixed.normal(size=(32, 32)) / np.sqrt(32)
-    scale = np.exp(fixed.normal(size=32))
-    rng = np.random.default_rng(seed)
-    return jnp.asarray((rng.normal(size=(rows, 32)) @ mix) * scale, jnp.float32)
 
 
 MAP = jp.DTypePolicyMap(
@@ -75,33 +69,10 @@ def test_calibrated_model_serves_close_to_float_with_and_without_jit(calibrated)
     assert rel < rtn_rel
 
 
-def _int4_converts_into_dots(jaxpr):
-    """How many dot_generals read an operand converted from int4."""
-    produced = {}
-    count = 0
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            produced[v] = eqn
-        if eqn.primitive.name == "dot_general":
-            for v in eqn.invars:
-                src = produced.get(v)
-                if (
-                    src is not None
-                    and src.primitive.name == "convert_element_type"
-                    and str(src.invars[0].aval.dtype) == "int4"
-                ):
-                    count += 1
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", None)
-            if inner is not None and hasattr(inner, "eqns"):
-                count += _int4_converts_into_dots(inner)
-    return count
-
-
 def test_calibrated_int4_kernels_reach_the_dot_as_int4(calibrated):
     model, _, q, _ = calibrated
     jaxpr = jax.make_jaxpr(jp.linen.apply(model, MAP))(q, _inputs(128, seed=2))
-    assert _int4_converts_into_dots(jaxpr.jaxpr) == 2  # GPTQ's and AWQ's kernels
+    assert int4_converts_into_dots(jaxpr.jaxpr) == 2  # GPTQ's and AWQ's kernels
 
 
 class WithEinsum(nn.Module):
@@ -142,13 +113,9 @@ class ScanMLP(nn.Module):
 
 def _scan_layer_inputs(params, x):
     """The inputs each layer of the stack sees, run unrolled with the float parameters."""
-    h = nn.relu(x @ params["up"]["kernel"] + params["up"]["bias"])
     dense = params["layers"]["Dense_0"]
-    inputs = []
-    for i in range(3):
-        inputs.append(h)
-        h = nn.relu(h @ dense["kernel"][i] + dense["bias"][i])
-    return inputs
+    up = (params["up"]["kernel"], params["up"]["bias"])
+    return ref.stack_inputs(x, up, (dense["kernel"], dense["bias"]))
 
 
 def _dequantized(q):
@@ -189,29 +156,14 @@ def test_scan_stack_layers_are_each_calibrated_on_their_own_inputs(method, maybe
     assert [(r.path, r.method) for r in report] == [(p, method) for p in paths]
     for r in report:  # each layer's output error, on its own inputs, below RTN's
         assert r.error < r.rtn_error
-    dense = variables["params"]["layers"]["Dense_0"]
-    for i, h in enumerate(_scan_layer_inputs(variables["params"], x)):
-        gram = calibration_stats.gram(h)
-        if method == "gptq":
-            want = gptq.gptq_quantize(dense["kernel"][i], gram, group_size=16, clip_search=True)
-        else:
-            mean_abs = jnp.abs(h).mean(0)
-            want = awq.awq_quantize(
-                dense["kernel"][i], mean_abs, gram, group_size=16, clip_search=True
-            )
-            np.testing.assert_allclose(
-                np.asarray(kernel.input_scale[i]), np.asarray(want.input_scale), rtol=1e-5
-            )
-        np.testing.assert_allclose(
-            np.asarray(kernel.scale[i]), np.asarray(want.scale), rtol=1e-5, atol=1e-7
-        )
-        same = np.asarray(kernel.values[i], np.int8) == np.asarray(want.values, np.int8)
-        assert same.mean() > 0.999
-        # held out: the layer's output error below round-to-nearest's
-        held = _scan_layer_inputs(variables["params"], _inputs(128, seed=1))[i]
-        w = dense["kernel"][i]
-        err = lambda k, w=w, held=held: float(jnp.linalg.norm(held @ w - held @ k))  # noqa: E731
-        assert err(kernel.dequantize()[i]) < err(rtn_kernel.dequantize()[i])
+    ref.assert_each_layer_solved_alone(
+        method,
+        kernel,
+        rtn_kernel,
+        variables["params"]["layers"]["Dense_0"]["kernel"],
+        _scan_layer_inputs(variables["params"], x),
+        _scan_layer_inputs(variables["params"], _inputs(128, seed=1)),  # held out
+    )
     # the calibrated stack serves as a round-to-nearest stack does, as its dequantized
     # kernels (a float stack beside the same int8 layers)
     held = _inputs(128, seed=1)
@@ -252,8 +204,7 @@ def test_a_kernel_shared_by_scan_iterations_is_calibrated_on_all_their_inputs():
     for _ in range(3):
         inputs.append(h)
         h = jnp.tanh(h @ dense["kernel"] + dense["bias"])
-    gram = calibration_stats.gram(jnp.concatenate(inputs))
-    want = gptq.gptq_quantize(dense["kernel"], gram, group_size=16, clip_search=True)
+    want = ref.solve_alone("gptq", dense["kernel"], jnp.concatenate(inputs), 16)
     np.testing.assert_allclose(np.asarray(kernel.scale), np.asarray(want.scale), rtol=1e-5)
 
 
@@ -284,9 +235,7 @@ def test_nn_remat_layers_are_calibrated_alone_and_in_a_scan_stack():
         warnings.simplefilter("error")
         q = jp.linen.calibrate(model, "gptq/4/16_from_float32", variables, [x])
     dense = variables["params"]["dense"]
-    want = gptq.gptq_quantize(
-        dense["kernel"], calibration_stats.gram(x), group_size=16, clip_search=True
-    )
+    want = ref.solve_alone("gptq", dense["kernel"], x, 16)
     np.testing.assert_allclose(
         np.asarray(q["params"]["dense"]["kernel"].scale), np.asarray(want.scale), rtol=1e-5
     )
@@ -378,7 +327,7 @@ def test_attention_output_projection_is_calibrated_over_its_two_input_axes(metho
     channel = jp.DTypePolicyMap("float32", {"attn/out": f"{method}/4/-1_from_float32"})
     q1 = jp.linen.calibrate(model, channel, variables, [x])
     jaxpr = jax.make_jaxpr(jp.linen.apply(model, channel))(q1, held)
-    assert _int4_converts_into_dots(jaxpr.jaxpr) == 1
+    assert int4_converts_into_dots(jaxpr.jaxpr) == 1
     # the stored kernel serves as its dequantized estimate: the matmul divides by s itself
     deq = jax.tree.map(
         lambda a: a.dequantize() if isinstance(a, jp.QuantizedArray) else a,
@@ -398,9 +347,8 @@ def test_clip_search_off_gives_abs_max_scales_and_a_bad_value_is_a_type_error():
     on = jp.linen.calibrate(model, policy, variables, [x])  # the default: clipped
     p = variables["params"]
     h = nn.relu(x @ p["up"]["kernel"] + p["up"]["bias"])  # mid's inputs
-    gram = calibration_stats.gram(h)
     for q, clip in ((off, False), (on, True)):
-        want = gptq.gptq_quantize(p["mid"]["kernel"], gram, group_size=16, clip_search=clip)
+        want = ref.solve_alone("gptq", p["mid"]["kernel"], h, 16, clip_search=clip)
         got = q["params"]["mid"]["kernel"]
         np.testing.assert_allclose(np.asarray(got.scale), np.asarray(want.scale), rtol=1e-5)
     assert np.any(

@@ -8,9 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from quantization import calibrate_reference as ref
+from quantization.calibrate_reference import correlated_inputs as _inputs
+from quantization.calibrate_reference import int4_converts_into_dots
 
 import jmp_policy as jp
-from jmp_policy._src.quantization import awq, calibration_stats, gptq
+from jmp_policy._src.quantization import awq
 
 
 class MLP(nnx.Module):
@@ -21,15 +24,6 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         return self.head(nnx.relu(self.mid(nnx.relu(self.up(x)))))
-
-
-def _inputs(rows, seed=0):
-    """Correlated features of unequal sizes; one mixing for every seed (held-out rows)."""
-    fixed = np.random.default_rng(123)
-    mix = fixed.normal(size=(32, 32)) / np.sqrt(32)
-    scale = np.exp(fixed.normal(size=32))
-    rng = np.random.default_rng(seed)
-    return jnp.asarray((rng.normal(size=(rows, 32)) @ mix) * scale, jnp.float32)
 
 
 MAP = jp.DTypePolicyMap(
@@ -87,28 +81,6 @@ def test_calibrated_model_serves_close_to_float(calibrated, jit):
     assert rel < rtn_rel and rel < 0.15
 
 
-def _int4_converts_into_dots(jaxpr):
-    """How many dot_generals read an operand converted from int4."""
-    produced, count = {}, 0
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            produced[v] = eqn
-        if eqn.primitive.name == "dot_general":
-            for v in eqn.invars:
-                src = produced.get(v)
-                if (
-                    src is not None
-                    and src.primitive.name == "convert_element_type"
-                    and str(src.invars[0].aval.dtype) == "int4"
-                ):
-                    count += 1
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", None)
-            if inner is not None and hasattr(inner, "eqns"):
-                count += _int4_converts_into_dots(inner)
-    return count
-
-
 def test_calibrated_int4_kernels_reach_the_dot_as_int4(calibrated):
     _, q, _ = calibrated
     graphdef, state = nnx.split(q)
@@ -117,7 +89,7 @@ def test_calibrated_int4_kernels_reach_the_dot_as_int4(calibrated):
         return jp.nnx.apply(nnx.merge(graphdef, state), MAP)(x)
 
     jaxpr = jax.make_jaxpr(serve)(state, _inputs(128, seed=2))
-    assert _int4_converts_into_dots(jaxpr.jaxpr) == 2  # GPTQ's and AWQ's kernels
+    assert int4_converts_into_dots(jaxpr.jaxpr) == 2  # GPTQ's and AWQ's kernels
 
 
 class WithEinsum(nnx.Module):
@@ -170,13 +142,9 @@ class ScanMLP(nnx.Module):
 
 def _scan_layer_inputs(model, x):
     """The inputs each layer of the stack sees, run unrolled with the float parameters."""
-    h = nnx.relu(model.up(x))
-    kernel, bias = model.layers.kernel.get_value(), model.layers.bias.get_value()
-    inputs = []
-    for i in range(3):
-        inputs.append(h)
-        h = nnx.relu(h @ kernel[i] + bias[i])
-    return inputs
+    up = (model.up.kernel.get_value(), model.up.bias.get_value())
+    stack = (model.layers.kernel.get_value(), model.layers.bias.get_value())
+    return ref.stack_inputs(x, up, stack)
 
 
 def _stack_map(method):
@@ -207,26 +175,14 @@ def test_scan_stack_layers_are_each_calibrated_on_their_own_inputs(method, jit):
     paths = [f"layers/kernel[{i}]" for i in range(3)]
     assert [(r.path, r.method) for r in report] == [(p, method) for p in paths]
     assert all(r.error < r.rtn_error for r in report)  # each layer, on its own inputs
-    w_all = model.layers.kernel.get_value()
-    held_inputs = _scan_layer_inputs(model, _inputs(128, seed=1))
-    for i, h in enumerate(_scan_layer_inputs(model, x)):
-        gram = calibration_stats.gram(h)
-        if method == "gptq":
-            want = gptq.gptq_quantize(w_all[i], gram, group_size=16, clip_search=True)
-        else:
-            mean_abs = jnp.abs(h).mean(0)
-            want = awq.awq_quantize(w_all[i], mean_abs, gram, group_size=16, clip_search=True)
-            np.testing.assert_allclose(
-                np.asarray(kernel.input_scale[i]), np.asarray(want.input_scale), rtol=1e-5
-            )
-        np.testing.assert_allclose(
-            np.asarray(kernel.scale[i]), np.asarray(want.scale), rtol=1e-5, atol=1e-7
-        )
-        same = np.asarray(kernel.values[i], np.int8) == np.asarray(want.values, np.int8)
-        assert same.mean() > 0.999
-        held = held_inputs[i]  # held out: the layer's output error below RTN's
-        err = lambda k, w=w_all[i], h=held: float(jnp.linalg.norm(h @ w - h @ k))  # noqa: E731
-        assert err(kernel.dequantize()[i]) < err(rtn_kernel.dequantize()[i])
+    ref.assert_each_layer_solved_alone(
+        method,
+        kernel,
+        rtn_kernel,
+        model.layers.kernel.get_value(),
+        _scan_layer_inputs(model, x),
+        _scan_layer_inputs(model, _inputs(128, seed=1)),  # held out
+    )
     # the calibrated stack serves as a round-to-nearest stack does, as its dequantized
     # kernels (a float stack beside the same int8 layers)
     held = _inputs(128, seed=1)
