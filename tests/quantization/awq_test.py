@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jmp_policy._src import quantization
-from jmp_policy._src.quantization import awq, calibration_stats
+from jmp_policy._src.quantization import awq, calibration_stats, kernel_matmul
 
 
 def _salient(rows, features, seed):
@@ -235,3 +235,28 @@ def test_input_scaled_array_is_a_pytree_that_keeps_its_scale_and_checks_its_shap
         awq.InputScaledArray(
             q.values, q.scale, "int4", -1, (32, 8), np.dtype("float32"), 0, jnp.ones(31)
         )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_an_awq_kernel_outside_its_scheme_matmul_is_dequantized_by_its_type(jit):
+    """The kernel matmul knows an AWQ kernel by its class (it cannot divide the inputs by
+    ``s``), so it multiplies by ``W``'s estimate; the plain ``Q(diag(s) W)`` runs fast."""
+    x, w = _salient(64, 16, 0), _kernel(16, 8)
+    q = awq.awq_quantize(jnp.asarray(w), *_stats(x), group_size=-1)
+    dims = (((1,), (0,)), ((), ()))
+    assert kernel_matmul.kernel_form(q, dims, 64, False) == "dequantized"
+    plain = q.scaled_kernel()
+    assert kernel_matmul.kernel_form(plain, dims, 64, False) == "weight-only, scale after"
+    forms = []
+    dot = kernel_matmul.quantized_kernel_dot_general(q, record=forms.append)
+    call = lambda x: dot(x, jnp.zeros(q.shape), dims)  # noqa: E731
+    got = (jax.jit(call) if jit else call)(jnp.asarray(x))
+    assert forms == ["dequantized"]
+    np.testing.assert_allclose(
+        np.asarray(got), x @ np.asarray(q.dequantize()), rtol=1e-5, atol=1e-4
+    )
+    # handed reshaped by its layer (two input axes), it is still dequantized, not reshaped
+    dims3 = (((1, 2), (0, 1)), ((), ()))
+    got3 = dot(jnp.asarray(x).reshape(64, 4, 4), jnp.zeros((4, 4, 8)), dims3)
+    assert forms[-1] == "dequantized"
+    np.testing.assert_allclose(np.asarray(got3), np.asarray(got), rtol=1e-5, atol=1e-4)

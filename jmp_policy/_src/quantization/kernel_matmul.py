@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src.quantization.awq import InputScaledArray
 from jmp_policy._src.quantization.quantized_array import QuantizedArray
 from jmp_policy._src.quantization.quantized_matmul import (
     JNP_EINSUM,
@@ -45,7 +46,7 @@ def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> 
     last_free = q.ndim - 1 not in rc and q.ndim - 1 not in rb
     if q.packed or q.stacked or lb or rb or not last_free:
         return "dequantized"
-    if getattr(q, "input_scale", None) is not None:
+    if isinstance(q, InputScaledArray):
         return "dequantized"  # an AWQ kernel outside its scheme's matmul (which divides x)
     if int8_compute and q.mode == "int8" and rows >= INT8_GEMM_MIN_ROWS:
         return "int8 x int8"
@@ -129,7 +130,7 @@ def _as_called(q: QuantizedArray, shape: tuple[int, ...]) -> QuantizedArray | No
             f"{shape}: run the model through jmp_policy's apply wrappers, which "
             "pass quantized kernels whole."
         )
-    if q.stacked or not _per_channel(q) or getattr(q, "input_scale", None) is not None:
+    if q.stacked or not _per_channel(q) or isinstance(q, InputScaledArray):
         return None
     return dataclasses.replace(q, values=q.values.reshape(shape), shape=shape)
 
