@@ -296,6 +296,56 @@ def test_a_vmap_stack_with_broadcast_inputs_gives_each_layer_the_same_inputs():
         np.testing.assert_allclose(np.asarray(kernel.scale[i]), np.asarray(want.scale), rtol=1e-5)
 
 
+class ScanOfEnsembles(nn.Module):
+    """An ``nn.scan`` of three ``nn.remat`` blocks, each an ``nn.vmap`` ensemble of two
+    Dense layers on the same input (kernels ``[3, 2, in, out]``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, x, _):
+                ensemble = nn.vmap(
+                    nn.Dense,
+                    variable_axes={"params": 0},
+                    split_rngs={"params": True},
+                    in_axes=None,
+                    axis_size=2,
+                )
+                return nn.relu(ensemble(32, name="ens")(x)).mean(0), None
+
+        scan = nn.scan(
+            nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )
+        return scan(name="layers")(x, None)[0]
+
+
+def test_vmap_ensembles_in_a_scan_stack_are_each_calibrated_on_their_own_inputs():
+    model, x = ScanOfEnsembles(), _inputs(128)
+    variables = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q, report = jp.linen.calibrate(
+            model, "gptq/4/16_from_float32", variables, [x], return_report=True
+        )
+    kernel = q["params"]["layers"]["ens"]["kernel"]
+    assert (kernel.shape, kernel.stacked, kernel.scale.shape) == ((3, 2, 32, 32), 2, (3, 2, 2, 32))
+    assert [r.path for r in report] == [
+        f"layers/ens/kernel[{d},{i}]" for d in range(3) for i in range(2)
+    ]
+    dense, h = variables["params"]["layers"]["ens"], x
+    for d in range(3):  # the block's input: the mean of the ensemble before it
+        for i in range(2):
+            want = ref.solve_alone("gptq", dense["kernel"][d, i], h, 16)
+            np.testing.assert_allclose(
+                np.asarray(kernel.scale[d, i]), np.asarray(want.scale), rtol=1e-5
+            )
+        h = jax.nn.relu(
+            jnp.einsum("bi,nio->nbo", h, dense["kernel"][d]) + dense["bias"][d][:, None]
+        )
+        h = h.mean(0)
+
+
 class Remat(nn.Module):
     @nn.compact
     def __call__(self, x):
