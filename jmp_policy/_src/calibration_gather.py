@@ -8,11 +8,17 @@ kernel ``[depth, ...]``) runs its layers in a body traced apart: the statistics 
 there leave the loop as its stacked outputs (through ``interception.SCAN_AROUND`` and
 :mod:`jmp_policy._src.traced_records`, as the map search's taps do), so each layer of the
 stack gets its own ``XᵀX`` and ``mean |x|`` (``[depth, in, in]``, ``[depth, in]``). A
-layer whose kernel is not stacked but runs in a loop (one kernel shared by the
-iterations) gets the sum over the iterations. A rematerialized call (``nn.remat``, also
-inside ``nn.scan``; ``nnx.remat``) threads its statistics out the same way, as extra
-outputs. A call made inside a transform the run cannot see (a stack run by ``vmap``) is
-not gathered: its layer is said unseen, and rounded to nearest with a warning.
+stack run by ``vmap`` (``nn.vmap`` with ``variable_axes={'params': 0}``, ``nnx.vmap``
+over ``nnx.vmap``-created layers) is gathered the same way, through
+``traced_records.VMAP_AROUND``: each lane's statistics, from the inputs that lane sees
+(the same ``x`` in every lane when the inputs are broadcast), leave the vmap as extra
+outputs mapped on axis 0. A layer whose kernel is not stacked but runs in a loop or a
+vmap (one kernel shared by the iterations or lanes) gets the sum over them. A
+rematerialized call (``nn.remat``, also inside ``nn.scan``; ``nnx.remat``) threads its
+statistics out the same way, as extra outputs. A call made inside a transform the run
+cannot see into (``shard_map``, ``pmap``, a ``jax.vmap``/``nnx.vmap`` function made before
+the run, at import) is not gathered: its layer is said unseen, and rounded to nearest
+with a warning.
 """
 
 from __future__ import annotations
@@ -62,10 +68,16 @@ def gathering(
     token = _GATHERING.set(state)
     around = interception.SCAN_AROUND.set(_around_scan)
     remat = traced_records.REMAT_AROUND.set(_around_remat)
+    vmap = traced_records.VMAP_AROUND.set(_around_vmap)
     try:
-        with interception.loop_carries(), traced_records.REMATS.active():
+        with (
+            interception.loop_carries(),
+            traced_records.REMATS.active(),
+            traced_records.VMAPS.active(),
+        ):
             yield state.stats
     finally:
+        traced_records.VMAP_AROUND.reset(vmap)
         traced_records.REMAT_AROUND.reset(remat)
         interception.SCAN_AROUND.reset(around)
         _GATHERING.reset(token)
@@ -91,8 +103,9 @@ def _capture(
 ) -> None:
     if context.current_trace() is not state.trace:
         state.unseen[path] = (
-            "its layer runs inside a transform calibrate cannot see (a stack run by "
-            "nn.vmap/nnx.vmap instead of a scan)"
+            "its layer runs inside a transform calibrate cannot see into (one other than "
+            "a scan, remat or vmap, such as shard_map or pmap, or a jax.vmap/nnx.vmap "
+            "function made before calibrate ran, at import)"
         )
         return
     rows = rows_for_kernel(lhs, shape, dims) if tuple(rhs.shape) == shape else None
@@ -112,11 +125,38 @@ def _around_scan(
     scan: Callable[..., Any], f: Callable[..., Any], init: Any, args: Any, kwargs: Any
 ) -> Any:
     """A ``jax.lax.scan`` in a gathering run: each iteration gathers into statistics of
-    its own, which leave the loop stacked; a layer whose kernel stacks this loop's layers
-    keeps the new leading axis, any other sums over it."""
+    its own, which leave the loop stacked (see :func:`_add_stacked`)."""
     state = _GATHERING.get()
     if state is None or context.current_trace() is not state.trace:
         return scan(f, init, *args, **kwargs)
+    done = traced_records.scan_with_records(scan, f, init, args, kwargs, _stepping(state))
+    if done is None:
+        return scan(f, init, *args, **kwargs)  # JAX says what is missing
+    result, records = done
+    _add_stacked(state, records)
+    return result
+
+
+def _around_vmap(
+    original: Callable[..., Any], plain: Any, fun: Any, args: Any, kwargs: Any, a: Any, k: Any
+) -> Any:
+    """A call of a function vmapped in a gathering run (``nn.vmap``, ``nnx.vmap``): each
+    lane gathers into statistics of its own, from the inputs it sees (the same ``x`` in
+    every lane when the inputs are broadcast), which leave the call stacked (see
+    :func:`_add_stacked`)."""
+    state = _GATHERING.get()
+    if state is None or context.current_trace() is not state.trace:
+        return plain(*a, **k)
+    out, records = traced_records.vmap_with_records(
+        original, fun, args, kwargs, a, k, _stepping(state)
+    )
+    _add_stacked(state, records)
+    return out
+
+
+def _stepping(state: _Gathering) -> traced_records.Step:
+    """``step(i, n)`` for a scan's iterations or a vmap's lanes: each gathers into
+    statistics of its own, one loop deeper than ``state``."""
 
     @contextlib.contextmanager
     def step(i: Any, n: int) -> Iterator[Callable[[], Any]]:
@@ -127,15 +167,16 @@ def _around_scan(
         finally:
             _GATHERING.reset(token)
 
-    done = traced_records.scan_with_records(scan, f, init, args, kwargs, step)
-    if done is None:
-        return scan(f, init, *args, **kwargs)  # JAX says what is missing
-    result, records = done
+    return step
+
+
+def _add_stacked(state: _Gathering, records: Mapping[str, LayerStats]) -> None:
+    """Adds the statistics that left a scan or a vmap with a new leading axis: a layer
+    whose kernel stacks this loop's layers keeps the axis, any other sums over it."""
     for path, stacked in records.items():
         if state.level >= state.stacked.get(path, 0):  # not this loop's layers: summed
             stacked = jax.tree.map(lambda a: a.sum(0), stacked)
         state.add(path, stacked)
-    return result
 
 
 def _around_remat(

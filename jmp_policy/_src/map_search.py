@@ -22,7 +22,9 @@ loop's stacked outputs and read their iteration's slice of the cached arrays (se
 :func:`_around_scan`), so the stack is scored as one layer of the map (a path map cannot
 tell its layers apart): the sum of its iterations' scores, all its layers' bytes. A
 rematerialized call (``jax.checkpoint`` made during the run: ``nn.remat``, also inside
-``nn.scan``) threads its records out the same way, as extra outputs (:func:`_around_remat`).
+``nn.scan``) threads its records out the same way, as extra outputs (:func:`_around_remat`),
+and so does a stack run by ``vmap`` (``nn.vmap``, ``nnx.vmap``: each lane reads its slice
+of the cached arrays, its records leave mapped on axis 0; :func:`_around_vmap`).
 
 The choice is a multiple-choice knapsack (:mod:`jmp_policy._src.map_choice`); the base
 policy (no quantization) is always an option. The result is a
@@ -269,31 +271,42 @@ def kernel_bytes(policy: Any, kernel: Any, stacked: int = 0) -> int | None:
 # -- the taps -----------------------------------------------------------------------------
 
 
+class Loops(NamedTuple):
+    """The loops a layer's taps ran in: their lengths and kinds (``"scan"``, ``"vmap"``)."""
+
+    lengths: tuple[int, ...] = ()
+    kinds: tuple[str, ...] = ()
+
+
 class _State:
-    """What the taps of one run record. A scan body over a layer stack gets a state of its
-    own (its trace, its iteration ``index``), sharing ``stacks`` with the run's."""
+    """What the taps of one run record. A scan body over a layer stack (or a vmap's lane)
+    gets a state of its own (its trace, its iteration ``index``), sharing ``stacks`` with
+    the run's."""
 
     def __init__(self, mode: str, targets: frozenset[str], **arrays: Any):
         self.mode = mode
         self.targets = targets
         self.arrays = arrays
         self.trace = context.current_trace()
-        self.index: tuple[Any, ...] = ()  # the iteration of each enclosing scan
+        self.index: tuple[Any, ...] = ()  # the iteration (or lane) of each enclosing loop
         self.lengths: tuple[int, ...] = ()  # and their lengths
+        self.loops: tuple[str, ...] = ()  # and their kinds: "scan" or "vmap"
         self.calls: dict[str, int] = {}
         self.ys: dict[str, list[Any]] = {}
         self.scores: dict[str, Any] = {}
-        self.stacks: dict[str, tuple[int, ...]] = {}  # path -> the lengths of its scans
+        self.stacks: dict[str, Loops] = {}  # path -> the lengths and kinds of its loops
 
-    def inner(self, i: Any = None, length: int = 0) -> _State:
-        """The state of a body traced apart: a scan's iteration ``i`` of ``length``, or
-        (``i`` None) a rematerialized call, at this state's iteration."""
+    def inner(self, i: Any = None, length: int = 0, loop: str = "scan") -> _State:
+        """The state of a body traced apart: a ``loop``'s (``"scan"``'s iteration or
+        ``"vmap"``'s lane) ``i`` of ``length``, or (``i`` None) a rematerialized call, at
+        this state's iteration."""
         state = _State.__new__(_State)
         state.mode, state.targets, state.arrays = self.mode, self.targets, self.arrays
         state.trace = context.current_trace()
-        state.index, state.lengths = self.index, self.lengths
+        state.index, state.lengths, state.loops = self.index, self.lengths, self.loops
         if i is not None:
             state.index, state.lengths = (*self.index, i), (*self.lengths, length)
+            state.loops = (*self.loops, loop)
         state.calls, state.ys, state.scores = dict(self.calls), {}, {}
         state.stacks = self.stacks
         return state
@@ -326,7 +339,7 @@ class ScoreTaps:
             return out
         k = state.calls.get(path, 0)
         state.calls[path] = k + 1
-        state.stacks.setdefault(path, state.lengths)
+        state.stacks.setdefault(path, Loops(state.lengths, state.loops))
         if state.mode == "shapes":
             state.ys.setdefault(path, []).append(jnp.zeros(out.shape, jnp.float32))
             return out
@@ -368,6 +381,31 @@ def _around_scan(
         state.scores[path] = state.scores.get(path, 0.0) + per_step.sum()
     state.calls = last.calls
     return carry, ys
+
+
+def _around_vmap(
+    original: Callable[..., Any], plain: Any, fun: Any, args: Any, kwargs: Any, a: Any, k: Any
+) -> Any:
+    """A call of a function vmapped in a tapped run (a layer stack run in parallel:
+    ``nn.vmap``, ``nnx.vmap``): as a scan's iterations, each lane's taps read their lane's
+    slice of the cached arrays, and their records leave the call stacked on axis 0."""
+    state = _STATE.get()
+    if state is None or context.current_trace() is not state.trace:
+        return plain(*a, **k)
+    traced: list[_State] = []
+
+    def step(i: Any, n: int) -> Any:
+        return _recording_into(state.inner(i, n, "vmap"), traced)
+
+    out, (records, scores) = traced_records.vmap_with_records(
+        original, fun, args, kwargs, a, k, step
+    )
+    for path, stacked in records.items():
+        state.ys.setdefault(path, []).extend(stacked)
+    for path, per_lane in scores.items():
+        state.scores[path] = state.scores.get(path, 0.0) + per_lane.sum()
+    state.calls = traced[-1].calls
+    return out
 
 
 @contextlib.contextmanager
@@ -412,12 +450,18 @@ def _tapping(state: _State) -> Iterator[_State]:
     token = _STATE.set(state)
     around = interception.SCAN_AROUND.set(_around_scan)
     remat = traced_records.REMAT_AROUND.set(_around_remat)
+    vmap = traced_records.VMAP_AROUND.set(_around_vmap)
     try:
-        with warnings.catch_warnings(), traced_records.REMATS.active():
+        with (
+            warnings.catch_warnings(),
+            traced_records.REMATS.active(),
+            traced_records.VMAPS.active(),
+        ):
             # The float8 layers' "too small to gain" notice: these runs only measure error.
             warnings.filterwarnings("ignore", message="The float8 layer")
             yield state
     finally:
+        traced_records.VMAP_AROUND.reset(vmap)
         traced_records.REMAT_AROUND.reset(remat)
         interception.SCAN_AROUND.reset(around)
         _STATE.reset(token)
@@ -456,7 +500,7 @@ def search(  # long: the passes in their order (gradients, then one per candidat
     base_map = DTypePolicyMap(base)
     fn, params = make_loss(base_map)
 
-    stacks: dict[str, tuple[int, ...]] = {}
+    stacks: dict[str, Loops] = {}
 
     def shapes(params: Any, batch: Any) -> dict[str, list[Any]]:
         with _tapping(_State("shapes", targets)) as state:
@@ -467,7 +511,7 @@ def search(  # long: the passes in their order (gradients, then one per candidat
     seen = jax.eval_shape(shapes, params, batches[0])
     eps = {p: [jnp.zeros(s.shape, s.dtype) for s in v] for p, v in seen.items()}
     scored = sorted(eps)
-    layout = {p: _stacking(kernels[p], stacks.get(p, ())) for p in kernels}
+    layout = {p: _stacking(kernels[p], stacks.get(p, Loops())) for p in kernels}
 
     def record(eps: Any, params: Any, batch: Any) -> Any:
         with _tapping(_State("record", targets, eps=eps)) as state:
@@ -521,15 +565,19 @@ def search(  # long: the passes in their order (gradients, then one per candidat
     return _choose(layers, policies, base, kind, value)
 
 
-def _stacking(kernel: Any, lengths: tuple[int, ...]) -> tuple[int, str]:
+def _stacking(kernel: Any, loops: Loops) -> tuple[int, str]:
     """How many leading axes of ``kernel`` stack layers, and the table's unit for a layer
-    its taps saw inside scans of ``lengths`` (``()``: none)."""
+    its taps saw inside ``loops`` (none: a layer)."""
+    lengths = loops.lengths
     if not lengths:
         return 0, "layer"
     steps = int(np.prod(lengths))
+    kinds = sorted(set(loops.kinds))  # ["scan"], ["vmap"] or both
     if tuple(kernel.shape[: len(lengths)]) == lengths and kernel.ndim - len(lengths) >= 2:
-        return len(lengths), f"per stack (scanned: {steps} layers)"
-    return 0, f"one kernel shared by {steps} scan iterations"
+        how = " and ".join({"scan": "scanned", "vmap": "vmapped"}[k] for k in kinds)
+        return len(lengths), f"per stack ({how}: {steps} layers)"
+    over = " and ".join({"scan": "scan iterations", "vmap": "vmap lanes"}[k] for k in kinds)
+    return 0, f"one kernel shared by {steps} {over}"
 
 
 def _choose(  # long: feasibility, the knapsack and the table, in one place
@@ -591,8 +639,9 @@ def _choose(  # long: feasibility, the knapsack and the table, in one place
 def _why(options: list[tuple[str, int, float]], j: int, scored: bool, unit: str) -> str:
     if not scored:
         return (
-            "not scored (called inside a transform the search cannot see into: nn.vmap/"
-            "nnx.vmap, or an nnx.remat function made before the search ran): base kept"
+            "not scored (called inside a transform the search cannot see into: one other "
+            "than a scan, remat or vmap, or an nnx.remat/nnx.vmap function made before the "
+            "search ran): base kept"
         )
     _, b, s = options[j]
     if unit.startswith("per stack"):

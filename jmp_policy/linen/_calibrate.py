@@ -95,10 +95,13 @@ def calibrate(
     int8/int4 policies are rounded to nearest, as :func:`quantize` does; the rest stay
     float. Each layer sees the float model's inputs (not those of already-quantized
     earlier layers). The layers of an ``nn.scan`` stack are each solved from the inputs
-    they see in their own iteration, and stored stacked as :func:`quantize` stores them
+    they see in their own iteration, those of an ``nn.vmap`` stack (``variable_axes=
+    {"params": 0}``) from the inputs they see in their own lane (the same inputs for all
+    when ``in_axes=None``), and stored stacked as :func:`quantize` stores them
     (``nn.remat`` layers too). A layer under a GPTQ/AWQ policy whose matmul is not seen
-    (an ``nn.Einsum``, a custom matmul, an ``nn.vmap`` stack) is rounded to nearest with
-    a warning naming it. Batches of different shapes each compile the run once.
+    (an ``nn.Einsum``, a custom matmul, a layer inside a transform other than these, such
+    as ``shard_map``) is rounded to nearest with a warning naming it. Batches of different
+    shapes each compile the run once.
 
     Args:
         module: a ``flax.linen`` Module instance.

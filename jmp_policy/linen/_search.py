@@ -50,13 +50,14 @@ def search_map(
     it causes. A multiple-choice knapsack then picks one candidate per layer (``base``, no
     quantization, always allowed). Layers are the modules holding a ``kernel``
     (``Dense``, ``DenseGeneral``, ``Conv``, ``Einsum``); embeddings and norms keep
-    ``base``. A layer stack under ``nn.scan`` (kernels ``[depth, ...]``) is one module
-    path, so one entry of the map: it is scored and chosen per stack (its score the sum
-    over its layers, its bytes all of theirs; the table says ``per stack (scanned: N
+    ``base``. A layer stack under ``nn.scan`` or ``nn.vmap`` (kernels ``[depth, ...]``)
+    is one module path, so one entry of the map: it is scored and chosen per stack (its
+    score the sum over its layers, each on its own iteration's or lane's inputs, its bytes
+    all of theirs; the table says ``per stack (scanned: N layers)`` or ``(vmapped: N
     layers)``); a map cannot give the layers of one stack different policies. Layers
     under ``nn.remat`` (also ``nn.scan`` of ``nn.remat``) are scored as without it;
-    layers under ``nn.vmap`` are not scored, keep ``base``, and the table says so.
-    Deterministic.
+    layers inside another transform (``shard_map``) are not scored, keep ``base``, and
+    the table says so. Deterministic.
 
     Args:
         module: a ``flax.linen`` Module instance.

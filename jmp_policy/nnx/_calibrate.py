@@ -68,7 +68,8 @@ def _gather(
     kwargs: Mapping[str, Any],
 ) -> dict[str, LayerStats]:
     """Each target's statistics over the calls (one jit-compiled run per batch shape); a
-    stacked layer's per layer, gathered in each iteration of its ``nnx.scan``."""
+    stacked layer's per layer, gathered in each iteration of its ``nnx.scan`` or lane of
+    its ``nnx.vmap``."""
     stats: dict[str, LayerStats] = {}
     if not targets:
         return stats
@@ -115,12 +116,14 @@ def calibrate(
     kernel (GPTQ, or AWQ's scale search, each jit-compiled) in the int4/int8 storage the
     serving matmuls read. Kernels under int8/int4 policies are rounded to nearest, as
     :func:`quantize` does; the rest stay float. Each layer sees the float model's inputs.
-    The layers of a stack (created with ``nnx.vmap``, run with ``nnx.scan``) are each
-    solved from the inputs they see in their own iteration, and stored stacked as
-    :func:`quantize` stores them (layers called through ``nnx.remat`` too). A layer under
-    a GPTQ/AWQ policy whose matmul is not seen (an ``nnx.Einsum``, a custom
-    ``dot_general``, a stack run by ``nnx.vmap``) is rounded to nearest with a warning
-    naming it.
+    The layers of a stack (created with ``nnx.vmap``) are each solved from the inputs
+    they see in their own iteration when run with ``nnx.scan``, in their own lane when run
+    with ``nnx.vmap`` (the same inputs for all when they are broadcast, ``in_axes=None``),
+    and stored stacked as :func:`quantize` stores them (layers called through
+    ``nnx.remat`` too). A layer under a GPTQ/AWQ policy whose matmul is not seen (an
+    ``nnx.Einsum``, a custom ``dot_general``, a layer inside a transform other than
+    these, or an ``nnx.vmap`` function made before calibrate ran, at import) is rounded to
+    nearest with a warning naming it.
 
     Args:
         model: an ``nnx.Module``; never modified (the copy is made with ``nnx.clone``).

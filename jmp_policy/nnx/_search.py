@@ -34,11 +34,11 @@ def search_map(
     The layers are the ``nnx.Param`` kernels of rank >= 2 (``nnx.Linear``,
     ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``); ``model`` is not modified (the
     candidates run on quantized copies). The passes run eagerly (call it outside
-    ``nnx.jit``). A layer stack (made by ``nnx.vmap``, run under ``nnx.scan``) is one
-    path of the map, so it is scored and chosen per stack, as the table says. A function
-    that ``nnx.remat`` wraps while the model runs is seen into; one wrapped before (at
-    import) is not, nor an ``nnx.vmap`` call: their layers keep ``base``, as the table
-    says.
+    ``nnx.jit``). A layer stack (made by ``nnx.vmap``, run under ``nnx.scan`` or
+    ``nnx.vmap``) is one path of the map, so it is scored and chosen per stack, as the
+    table says. A function that ``nnx.remat`` or ``nnx.vmap`` wraps while the model runs
+    is seen into; one wrapped before (at import) is not: its layers keep ``base``, as the
+    table says.
 
     Args:
         model: an ``nnx.Module`` with float parameters.

@@ -208,18 +208,142 @@ def test_a_kernel_shared_by_scan_iterations_is_calibrated_on_all_their_inputs():
     np.testing.assert_allclose(np.asarray(kernel.scale), np.asarray(want.scale), rtol=1e-5)
 
 
-class VmapStack(nn.Module):
+class VmapMLP(nn.Module):
+    """int8 ``up`` and ``head`` around an ``nn.vmap`` stack of two Dense layers run in
+    parallel (an ensemble): lane ``i`` sees ``up``'s output rolled by ``i`` features
+    (``in_axes=0``), or (``broadcast=True``) the same output in every lane."""
+
+    broadcast: bool = False
+
     @nn.compact
     def __call__(self, x):
+        h = nn.relu(nn.Dense(32, name="up")(x))
         stack = nn.vmap(
             nn.Dense,
             variable_axes={"params": 0},
             split_rngs={"params": True},
-            in_axes=None,
+            in_axes=None if self.broadcast else 0,
             out_axes=0,
             axis_size=2,
         )
-        return stack(32, name="layers")(x)
+        lanes = h if self.broadcast else _rolled_lanes(h)
+        return nn.Dense(8, name="head")(nn.relu(stack(32, name="layers")(lanes)).mean(0))
+
+
+def _rolled_lanes(h):
+    return jnp.stack([jnp.roll(h, i, axis=-1) for i in range(2)])
+
+
+def _vmap_layer_inputs(params, x, broadcast=False):
+    """The inputs each layer of the vmap stack sees, with the float parameters."""
+    h = jax.nn.relu(x @ params["up"]["kernel"] + params["up"]["bias"])
+    return [h, h] if broadcast else list(_rolled_lanes(h))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_vmap_stack_layers_are_each_calibrated_on_their_own_lane_inputs(method, maybe_jit):
+    model, x = VmapMLP(), _inputs(256)
+    variables = model.init(jax.random.key(0), x)
+    policy = jp.DTypePolicyMap(
+        "float32", {"layers": f"{method}/4/16_from_float32", "up|head": "int8_from_float32"}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer of the stack falls back to round-to-nearest
+        q, report = jp.linen.calibrate(model, policy, variables, [x], return_report=True)
+    kernel = q["params"]["layers"]["kernel"]
+    rtn_policy = jp.DTypePolicyMap(
+        "float32", {"layers": "int4/16_from_float32", "up|head": "int8_from_float32"}
+    )
+    rtn = jp.linen.quantize(model, rtn_policy, variables, x)
+    rtn_kernel = rtn["params"]["layers"]["kernel"]
+    # the layout quantize gives a vmap stack: stacked=1, scales [depth, blocks, out]
+    assert (kernel.shape, kernel.stacked, kernel.block_size) == ((2, 32, 32), 1, 16)
+    assert kernel.scale.shape == rtn_kernel.scale.shape == (2, 2, 32)
+    assert kernel.values.dtype == jnp.int4 and q["params"]["up"]["kernel"].mode == "int8"
+    assert [(r.path, r.method) for r in report] == [
+        (f"layers/kernel[{i}]", method) for i in range(2)
+    ]
+    ref.assert_each_layer_solved_alone(
+        method,
+        kernel,
+        rtn_kernel,
+        variables["params"]["layers"]["kernel"],
+        _vmap_layer_inputs(variables["params"], x),
+        _vmap_layer_inputs(variables["params"], _inputs(128, seed=1)),  # held out
+    )
+    # served: as its dequantized kernels would be, and closer to float than RTN
+    held = _inputs(128, seed=1)
+    got = maybe_jit(jp.linen.apply(model, policy))(q, held)
+    floats = {**q["params"], "layers": _dequantized(q["params"]["layers"])}
+    int8_only = jp.DTypePolicyMap("float32", {"up|head": "int8_from_float32"})
+    want = maybe_jit(jp.linen.apply(model, int8_only))({**q, "params": floats}, held)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
+    float_out = model.apply(variables, held)
+    rel = lambda y: float(jnp.linalg.norm(y - float_out) / jnp.linalg.norm(float_out))  # noqa: E731
+    assert rel(got) < rel(maybe_jit(jp.linen.apply(model, rtn_policy))(rtn, held))
+
+
+def test_a_vmap_stack_with_broadcast_inputs_gives_each_layer_the_same_inputs():
+    model, x = VmapMLP(broadcast=True), _inputs(128)
+    variables = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = jp.linen.calibrate(model, {"layers": "gptq/4/16_from_float32"}, variables, [x])
+    kernel = q["params"]["layers"]["kernel"]
+    (h, _) = _vmap_layer_inputs(variables["params"], x, broadcast=True)
+    for i in range(2):  # the same inputs, each layer's own kernel
+        want = ref.solve_alone("gptq", variables["params"]["layers"]["kernel"][i], h, 16)
+        np.testing.assert_allclose(np.asarray(kernel.scale[i]), np.asarray(want.scale), rtol=1e-5)
+
+
+class ScanOfEnsembles(nn.Module):
+    """An ``nn.scan`` of three ``nn.remat`` blocks, each an ``nn.vmap`` ensemble of two
+    Dense layers on the same input (kernels ``[3, 2, in, out]``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        class Block(nn.Module):
+            @nn.compact
+            def __call__(self, x, _):
+                ensemble = nn.vmap(
+                    nn.Dense,
+                    variable_axes={"params": 0},
+                    split_rngs={"params": True},
+                    in_axes=None,
+                    axis_size=2,
+                )
+                return nn.relu(ensemble(32, name="ens")(x)).mean(0), None
+
+        scan = nn.scan(
+            nn.remat(Block), variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+        )
+        return scan(name="layers")(x, None)[0]
+
+
+def test_vmap_ensembles_in_a_scan_stack_are_each_calibrated_on_their_own_inputs():
+    model, x = ScanOfEnsembles(), _inputs(128)
+    variables = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q, report = jp.linen.calibrate(
+            model, "gptq/4/16_from_float32", variables, [x], return_report=True
+        )
+    kernel = q["params"]["layers"]["ens"]["kernel"]
+    assert (kernel.shape, kernel.stacked, kernel.scale.shape) == ((3, 2, 32, 32), 2, (3, 2, 2, 32))
+    assert [r.path for r in report] == [
+        f"layers/ens/kernel[{d},{i}]" for d in range(3) for i in range(2)
+    ]
+    dense, h = variables["params"]["layers"]["ens"], x
+    for d in range(3):  # the block's input: the mean of the ensemble before it
+        for i in range(2):
+            want = ref.solve_alone("gptq", dense["kernel"][d, i], h, 16)
+            np.testing.assert_allclose(
+                np.asarray(kernel.scale[d, i]), np.asarray(want.scale), rtol=1e-5
+            )
+        h = jax.nn.relu(
+            jnp.einsum("bi,nio->nbo", h, dense["kernel"][d]) + dense["bias"][d][:, None]
+        )
+        h = h.mean(0)
 
 
 class Remat(nn.Module):
@@ -253,15 +377,6 @@ def test_nn_remat_layers_are_calibrated_alone_and_in_a_scan_stack():
         got[remat] = q["params"]["layers"]["Dense_0"]["kernel"]
     np.testing.assert_array_equal(np.asarray(got[True].values), np.asarray(got[False].values))
     np.testing.assert_allclose(np.asarray(got[True].scale), np.asarray(got[False].scale))
-
-
-def test_an_nn_vmap_stack_is_rounded_to_nearest_per_layer_with_a_warning():
-    model, x = VmapStack(), _inputs(64)
-    variables = model.init(jax.random.key(0), x)
-    with pytest.warns(UserWarning, match=r"'layers/kernel'.*rounded to nearest.*nn.vmap"):
-        q = jp.linen.calibrate(model, "gptq/4/16_from_float32", variables, [x])
-    kernel = q["params"]["layers"]["kernel"]
-    assert kernel.stacked == 1 and kernel.scale.shape == (2, 2, 32)
 
 
 def test_bad_arguments_are_clear_errors():

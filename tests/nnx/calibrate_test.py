@@ -111,10 +111,11 @@ def test_a_layer_whose_matmul_is_not_seen_is_rounded_to_nearest_with_a_warning()
 
 class ScanMLP(nnx.Module):
     """int8 ``up`` and ``head`` around three layers created stacked (``nnx.vmap``) and run
-    with ``nnx.scan`` over layers (``scan=False``: run by ``nnx.vmap`` on one input;
-    ``remat=True``: each layer called through ``nnx.remat``)."""
+    with ``nnx.scan`` over layers (``scan=False``: run by ``nnx.vmap`` on one input, or
+    ``vmap=`` a function of ``(layers, x)`` made beforehand; ``remat=True``: each layer
+    called through ``nnx.remat``)."""
 
-    def __init__(self, rngs, scan=True, remat=False):
+    def __init__(self, rngs, scan=True, remat=False, vmap=None):
         @nnx.split_rngs(splits=3)
         @nnx.vmap
         def make(rngs):
@@ -123,7 +124,7 @@ class ScanMLP(nnx.Module):
         self.up = nnx.Linear(32, 32, rngs=rngs)
         self.layers = make(rngs)
         self.head = nnx.Linear(32, 8, rngs=rngs)
-        self.scan, self.remat = scan, remat
+        self.scan, self.remat, self.vmap = scan, remat, vmap
 
     def __call__(self, x):
         x = nnx.relu(self.up(x))
@@ -136,7 +137,8 @@ class ScanMLP(nnx.Module):
 
             x = body(x, self.layers)
         else:
-            x = nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None))(self.layers, x).mean(0)
+            run = self.vmap or nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None))
+            x = nnx.relu(run(self.layers, x)).mean(0)
         return self.head(x)
 
 
@@ -217,9 +219,85 @@ def test_a_scan_stack_under_nnx_remat_gets_the_same_per_layer_kernels():
     np.testing.assert_allclose(np.asarray(got[True].scale), np.asarray(got[False].scale))
 
 
-def test_a_stack_run_by_nnx_vmap_is_rounded_to_nearest_per_layer_with_a_warning():
-    model, x = ScanMLP(nnx.Rngs(0), scan=False), _inputs(64)
-    with pytest.warns(UserWarning, match=r"'layers/kernel'.*rounded to nearest.*nnx.vmap"):
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
+def test_a_stack_run_by_nnx_vmap_is_calibrated_per_layer(method, jit):
+    model, x = ScanMLP(nnx.Rngs(0), scan=False), _inputs(256)
+    policy = _stack_map(method)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer of the stack falls back to round-to-nearest
+        q, report = jp.nnx.calibrate(model, policy, [x], return_report=True)
+    kernel = q.layers.kernel.get_value()
+    rtn_policy = jp.DTypePolicyMap(
+        "float32", {"layers": "int4/16_from_float32", "up|head": "int8_from_float32"}
+    )
+    rtn = jp.nnx.quantize(model, rtn_policy)
+    rtn_kernel = rtn.layers.kernel.get_value()
+    assert (kernel.shape, kernel.stacked, kernel.block_size) == ((3, 32, 32), 1, 16)
+    assert kernel.scale.shape == rtn_kernel.scale.shape == (3, 2, 32)
+    assert kernel.values.dtype == jnp.int4 and q.layers.bias.get_value().dtype == jnp.float32
+    paths = [f"layers/kernel[{i}]" for i in range(3)]
+    assert [(r.path, r.method) for r in report] == [(p, method) for p in paths]
+
+    def lane_inputs(x):  # broadcast (in_axes None): every layer sees up's output
+        h = jax.nn.relu(x @ model.up.kernel.get_value() + model.up.bias.get_value())
+        return [h] * 3
+
+    ref.assert_each_layer_solved_alone(
+        method,
+        kernel,
+        rtn_kernel,
+        model.layers.kernel.get_value(),
+        lane_inputs(x),
+        lane_inputs(_inputs(128, seed=1)),  # held out
+    )
+    held = _inputs(128, seed=1)
+
+    def run(m, policy, x):
+        serve = lambda m, x: jp.nnx.apply(m, policy)(x)  # noqa: E731
+        return (nnx.jit(serve) if jit else serve)(m, x)
+
+    got = run(q, policy, held)
+    floats = nnx.clone(q)
+    floats.layers.kernel.set_value(kernel.dequantize())
+    int8_only = jp.DTypePolicyMap("float32", {"up|head": "int8_from_float32"})
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(run(floats, int8_only, held)), rtol=2e-4, atol=2e-4
+    )
+    rel = lambda y: float(jnp.linalg.norm(y - model(held)) / jnp.linalg.norm(model(held)))  # noqa: E731
+    assert rel(got) < rel(run(rtn, rtn_policy, held))
+
+
+class RolledMLP(ScanMLP):
+    """``ScanMLP`` whose ``nnx.vmap`` lanes each see their own inputs (``in_axes=0``)."""
+
+    def __call__(self, x):
+        h = nnx.relu(self.up(x))
+        lanes = jnp.stack([jnp.roll(h, i, axis=-1) for i in range(3)])
+        run = nnx.vmap(lambda layer, x: layer(x), in_axes=(0, 0))
+        return self.head(nnx.relu(run(self.layers, lanes)).mean(0))
+
+
+def test_nnx_vmap_lanes_with_their_own_inputs_are_each_calibrated_on_them():
+    model, x = RolledMLP(nnx.Rngs(0)), _inputs(128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = jp.nnx.calibrate(model, {"layers": "gptq/4/16_from_float32"}, [x])
+    kernel = q.layers.kernel.get_value()
+    h = jax.nn.relu(x @ model.up.kernel.get_value() + model.up.bias.get_value())
+    for i in range(3):
+        want = ref.solve_alone("gptq", model.layers.kernel.get_value()[i], jnp.roll(h, i, -1), 16)
+        np.testing.assert_allclose(np.asarray(kernel.scale[i]), np.asarray(want.scale), rtol=1e-5)
+
+
+def test_a_stack_run_by_an_nnx_vmap_made_at_import_is_rounded_to_nearest_with_a_warning():
+    run = nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None))  # made before calibrate
+    model, x = ScanMLP(nnx.Rngs(0), scan=False, vmap=run), _inputs(64)
+    with pytest.warns(
+        UserWarning,
+        match=r"'layers/kernel'.*rounded to nearest.*a jax.vmap/nnx.vmap function made "
+        r"before calibrate ran",
+    ):
         q = jp.nnx.calibrate(model, _stack_map("gptq"), [x])
     kernel = q.layers.kernel.get_value()
     assert kernel.stacked == 1 and kernel.scale.shape == (3, 2, 32)

@@ -223,7 +223,10 @@ def _calibrated_leaf(
     lead = tuple(x.shape[:k])
     why = unseen_reason.get(module or "", "no calibration batch reached its matmul")
     if layer is not None and tuple(layer.gram.shape[:-2]) != lead:
-        why = f"its {lead} stacked layers were not seen one per iteration of an nn.scan/nnx.scan"
+        why = (
+            f"its {lead} stacked layers were not seen one per iteration of a scan or lane "
+            "of a vmap (nn.scan/nnx.scan, nn.vmap/nnx.vmap)"
+        )
         layer = None
     if layer is None or bool(jnp.any(layer.count == 0)):
         block = scheme.block_size
