@@ -462,6 +462,7 @@ class OwnDtype(nn.Module):
         return y
 
 
+@pytest.mark.filterwarnings("ignore:.*set their own `dtype`:UserWarning")  # its subject
 def test_a_module_with_its_own_dtype_is_respected():
     class Net(nn.Module):
         @nn.compact

@@ -80,6 +80,7 @@ def test_init_creates_float32_state_for_the_float8_layers_only():
     assert {leaf.dtype for leaf in jax.tree.leaves(variables["params"])} == {np.dtype("float32")}
 
 
+@pytest.mark.filterwarnings("ignore:Keys of the DTypePolicyMap resolve no module:UserWarning")
 def test_plain_module_init_then_float8_apply_raises_naming_linen_init():
     x, _ = data()
     variables = MLP().init(jax.random.key(0), x)

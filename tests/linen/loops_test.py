@@ -284,6 +284,7 @@ def test_nnx_fori_and_while_loop_keep_float32_carry(kind):
     assert rel_err(y, y32) < RTOL[BF16]
 
 
+@pytest.mark.filterwarnings("ignore:.*set their own `dtype`:UserWarning")  # the cells' own
 @pytest.mark.parametrize(
     "cell",
     [
