@@ -259,7 +259,7 @@ def _quantize_layer(x32: jax.Array, mode: str, block: int | None) -> tuple[jax.A
         scale = abs_max_scale(x32, tuple(range(x32.ndim - 1)), INT8_MAX)
         return round_to_grid(x32, scale, INT8_MAX).astype(jnp.int8), scale.reshape(-1)
     rows = x32.shape[0]
-    size = rows if block == -1 else int(block)  # type: ignore[arg-type]
+    size = rows if block == -1 else min(int(block), rows)  # type: ignore[arg-type]
     blocks = -(-rows // size)
     xb = blocked(x32, size, blocks)  # (blocks, size, ..., n)
     scale = abs_max_scale(xb, tuple(range(1, xb.ndim - 1)), INT4_MAX)
