@@ -108,10 +108,16 @@ def on_h100(tree: Any) -> Any:
 def compile_for_h100(fn: Any, args: tuple[Any, ...], mode: str = "default") -> str:
     """XLA's optimized HLO of ``jax.jit(fn)(*args)`` for an H100 (``args`` from
     :func:`on_h100`), compiled in ``mode`` (a key of :data:`MODES`)."""
-    if mode not in MODES:
-        raise ValueError(f"`mode` must be one of {sorted(MODES)}, got {mode!r}.")
+    return compile_in_modes(fn, args, (mode,))[mode]
+
+
+def compile_in_modes(fn: Any, args: tuple[Any, ...], modes: Any) -> dict[str, str]:
+    """:func:`compile_for_h100` in each of ``modes``, traced and lowered once."""
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"`mode` must be one of {sorted(MODES)}, got {mode!r}.")
     lowered = jax.jit(fn).lower(*args)
-    return lowered.compile(compiler_options=MODES[mode] or None).as_text()  # type: ignore[no-any-return]
+    return {m: lowered.compile(compiler_options=MODES[m] or None).as_text() for m in modes}
 
 
 # -- reading the optimized HLO ---------------------------------------------------------------

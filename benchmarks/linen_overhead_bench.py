@@ -155,12 +155,17 @@ def make_variants(
     return {k: jax.value_and_grad(f) for k, f in variants.items()}, params, x
 
 
-def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(args: argparse.Namespace, traced_only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """A row per variant; those named in ``traced_only`` are only traced (their trace times
+    alone: no compile, memory, convert count or step time)."""
     variants, params, x = make_variants(args)
     losses = make_variants(args, grad=False)[0]
     rows = []
     compiled = {}
     for name, fn in variants.items():
+        if name in traced_only:
+            rows.append({"name": name, "times": []})
+            continue
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             c = jax.jit(fn).lower(params, x).compile()
@@ -181,8 +186,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
     for c in compiled.values():  # warm up
         jax.block_until_ready(c(params, x))
+    timed = [row for row in rows if row["name"] in compiled]
     for _ in range(args.repeats):  # interleaved, so load changes hit every variant alike
-        for row, c in zip(rows, compiled.values(), strict=True):
+        for row, c in zip(timed, compiled.values(), strict=True):
             start = time.perf_counter()
             jax.block_until_ready(c(params, x))
             row["times"].append(time.perf_counter() - start)

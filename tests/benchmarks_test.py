@@ -44,7 +44,7 @@ def _number(cell, unit):
     return float(value.replace(",", ""))
 
 
-@pytest.mark.heavy(50)
+@pytest.mark.heavy(30)
 def test_run_all_quick_prints_values_beside_ratios_in_plain_words():
     result = _run("run_all.py", "--quick")
     lines = result.stdout.splitlines()
@@ -209,7 +209,7 @@ def test_policy_map_bench_quick_prints_the_regex_key_rows():
     assert [row[0] for row in rows] == ["without", "with |"], result.stdout
 
 
-@pytest.mark.heavy(40)
+@pytest.mark.heavy(25)
 def test_quantization_bench_quick_prints_the_calibrated_int4_rows():
     result = _run("quantization_bench.py", "--quick", "--calibrated-only")
     assert "Warning" not in result.stderr, result.stderr[-2000:]
@@ -245,7 +245,7 @@ def test_quantization_bench_quick_prints_the_calibrated_int4_rows():
     assert int(gptq[1]) >= 30 and gptq[2] == gptq[3] == "24"  # every block kernel, 30%+
 
 
-@pytest.mark.heavy(45)
+@pytest.mark.heavy(35)
 def test_search_bench_quick_prints_every_map_and_the_rank_correlation():
     result = _run("search_bench.py", "--quick")
     out = result.stdout

@@ -104,8 +104,8 @@ def compile_everything(path):
         out["device"] = [device.device_kind, device.client.runtime_type, jax.default_backend()]
         for name, program in {**PROGRAMS, **MUST_FAIL}.items():
             try:
-                found = {m: h100_forms.forms(program, m).to_json() for m in _modes(program)}
-                out["forms"][name] = found
+                found = h100_forms.forms(program, _modes(program))
+                out["forms"][name] = {m: f.to_json() for m, f in found.items()}
             except Exception:  # that program's tests fail with it; the others still run
                 out["errors"][name] = traceback.format_exc()
     path.write_text(json.dumps(out))
@@ -165,7 +165,7 @@ def _forms(compiled, name):
 # -- the plugin --------------------------------------------------------------------------------
 
 
-@pytest.mark.heavy(80)
+@pytest.mark.heavy(50)
 def test_the_cuda_plugin_compiles_for_an_h100_at_jaxlibs_version(compiled):
     _usable(compiled)
     assert compiled["device"] == ["NVIDIA H100 80GB HBM3", "compile_only_runtime", "cpu"]

@@ -95,6 +95,21 @@ def test_quantize_groups_clips_each_group_on_its_own(with_gram, maybe_jit):
     assert np.all(np.abs(np.asarray(values)) <= 7)
 
 
+@pytest.mark.parametrize("with_gram", [False, True])
+def test_a_group_longer_than_the_kernel_is_one_group_of_its_rows(with_gram):
+    w = _weights(40, 6, seed=5)
+    gram = None
+    if with_gram:
+        x = np.random.default_rng(6).normal(size=(200, 40))
+        gram = jnp.asarray(x.T @ x, jnp.float32)
+    values, scales = clipping.quantize_groups(jnp.asarray(w), (6,), 7.0, 128, gram)
+    assert values.shape == (40, 6) and scales.shape == (1, 6)
+    want = clipping.search_scale(jnp.asarray(w), (6,), 7.0, gram)
+    np.testing.assert_allclose(np.asarray(scales[0]), np.asarray(want), rtol=1e-6)
+    q = np.clip(np.round(w / np.asarray(want)), -7, 7)
+    assert np.mean(np.asarray(values) != q) < 0.02  # a rare tie may round apart
+
+
 def test_clip_ratios_are_the_reference_grid():
     r = np.asarray(clipping.clip_ratios())
     assert r.shape == (80,) and r[0] == 1.0 and np.isclose(r[-1], 0.21)

@@ -70,9 +70,10 @@ def _reference(w, h, bits, group, damping=0.01, block=128, clip=False):
     return q, (np.stack(scales) if group > 0 else per_channel)
 
 
-@pytest.mark.parametrize(("bits", "group"), [(4, 16), (4, -1), (8, -1), (4, 20)])
+@pytest.mark.parametrize(("bits", "group"), [(4, 16), (4, -1), (8, -1), (4, 20), (4, 128)])
 def test_gptq_matches_the_numpy_reference(bits, group, maybe_jit):
-    x = _correlated(512, 72, seed=0)  # 72 rows: group 20 leaves a short last group
+    # 72 rows: group 20 leaves a short last group, group 128 is one group of all 72 rows
+    x = _correlated(512, 72, seed=0)
     w = _kernel(72, 12)
     h = calibration_stats.gram(x)
     q = maybe_jit(lambda w, h: gptq.gptq_quantize(w, h, weight_bits=bits, group_size=group))(

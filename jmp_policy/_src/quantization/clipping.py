@@ -100,6 +100,7 @@ def quantize_groups(
     scales ``[groups, n]``. With ``gram`` (``[rows, rows]``) each group's clip minimises its
     block's output error, else its weight error."""
     rows, m = w.shape
+    size = min(size, rows)  # a group longer than the kernel: one group of its rows
     groups = -(-rows // size)
     padded = groups * size
     wb = jnp.pad(w, ((0, padded - rows), (0, 0))).reshape(groups, size, m)

@@ -153,7 +153,9 @@ def _solve(
     scales (``[groups, n]``; ``[n]`` per channel) and whether the factorisation was finite."""
     qmax = INT4_MAX if bits == 4 else INT8_MAX
     rows, m = w2.shape
-    size = group if group > 0 else block
+    # A group (or block) longer than the kernel is one block of its rows: padding it out
+    # would change nothing but the size of the Cholesky factor and of the row loop.
+    size = min(group if group > 0 else block, rows)
     blocks = -(-rows // size)
     padded = blocks * size
     # Padded rows: zero weights and a unit, uncoupled diagonal, so they change nothing.

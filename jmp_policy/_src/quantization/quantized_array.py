@@ -253,13 +253,15 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
     return QuantizedArray(values, scale, mode, block, shape, dtype, stacked)
 
 
+@functools.partial(jax.jit, static_argnames=("mode", "block"))
 def _quantize_layer(x32: jax.Array, mode: str, block: int | None) -> tuple[jax.Array, jax.Array]:
-    """The values and scale of one (unstacked) float32 kernel."""
+    """The values and scale of one (unstacked) float32 kernel (one compiled program per
+    shape and format, not a dispatch and compile per operation when called eagerly)."""
     if mode == "int8":
         scale = abs_max_scale(x32, tuple(range(x32.ndim - 1)), INT8_MAX)
         return round_to_grid(x32, scale, INT8_MAX).astype(jnp.int8), scale.reshape(-1)
     rows = x32.shape[0]
-    size = rows if block == -1 else int(block)  # type: ignore[arg-type]
+    size = rows if block == -1 else min(int(block), rows)  # type: ignore[arg-type]
     blocks = -(-rows // size)
     xb = blocked(x32, size, blocks)  # (blocks, size, ..., n)
     scale = abs_max_scale(xb, tuple(range(1, xb.ndim - 1)), INT4_MAX)
