@@ -442,9 +442,10 @@ def _assert_no_activation_rounding(jaxpr):
 
 @pytest.mark.parametrize("policy", [INT8, jp.DTypePolicyMap("float32", {"layers.*": INT8})])
 def test_linen_int8_weights_in_a_scanned_stack_are_served_not_trained(policy):
-    """int8 weights in an nn.scan stack reach the body dequantized (a slice each): under an
-    int8 policy they run as written in the compute dtype, never the int8 rule of float
-    kernels, so the error is the weights' rounding alone."""
+    """int8 weights in an nn.scan stack: each layer reads its own slice of the int8 values
+    and scales inside the loop, in the weight-only form at these rows (as an unstacked
+    layer), never the int8 rule of float kernels, so the error is the weights' rounding
+    alone."""
     model, variables = _linen_stack()
     q = jp.linen.quantize(model, INT8, variables, XS)
     assert q["params"]["layers"]["Dense_0"]["kernel"].stacked == 1
@@ -455,7 +456,10 @@ def test_linen_int8_weights_in_a_scanned_stack_are_served_not_trained(policy):
     for run in (fn, jax.jit(fn)):
         np.testing.assert_allclose(run(q, XS), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     table = jp.linen.explain(model, policy, q, XS)
-    assert "layers/Dense_0  int8 weights: dequantized ahead (a stack), compute-dtype" in table
+    assert (
+        "layers/Dense_0  int8 weights: weight-only, scale after; per layer, in the stack's loop"
+        in table
+    )
     # Float weights in the same stack still train under the int8 rule (QAT).
     assert list(equations_of(jax.make_jaxpr(fn)(variables, XS).jaxpr, "round"))
 
