@@ -182,9 +182,14 @@ def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
 
     def for_call(call: Any) -> Callable[..., Any] | None:
         module, policy = call.module, call.resolution.policy
-        if module is None or not _routable(module):
+        if module is None:
             return None
         run = _KERNEL_RUN.get()
+        if not _routable(module):
+            stacked = None if run is None else run.ahead.get(call.path)
+            if getattr(stacked, "stacked", 0):  # a stack's layer with a matmul of its own
+                matmuls.dequantized_ahead(call.path, stacked, policy.scheme)
+            return None
         if run is not None:
             _learn_route(module, call.path, run)
         kernel = None if run is None else run.kernels.get(call.path)
