@@ -46,7 +46,7 @@ def _without_layer_leaves(tree: Any) -> Any:
     (:mod:`jmp_policy._src.quantization.stack_layers`)."""
     if not isinstance(tree, Mapping):
         return tree
-    return type(tree)(
+    return type(tree)(  # type: ignore[call-arg]
         {
             name: _without_layer_leaves(value)
             for name, value in tree.items()
