@@ -96,9 +96,11 @@ def dequantized_ahead(path: str, kernel: Any, scheme: Any) -> bool:
             "layer reads its own slice"
             if not getattr(kernel, "stacked", 0)
             else "a stacked layer reads its own slice of the quantized values only when it "
-            "is a Flax Dense, DenseGeneral or Einsum with Flax's own matmul, in an "
-            "`nn.scan` or `nn.vmap` that slices 'params' along their leading axes; "
-            "otherwise unroll the stack, or give this layer a float policy"
+            "is a Dense, DenseGeneral or Einsum (NNX: Linear, LinearGeneral, Einsum) with "
+            "Flax's own matmul, in a stack that slices its parameters along their leading "
+            "axes (`nn.scan`/`nn.vmap` with `variable_axes={'params': 0}`, `nnx.scan`/"
+            "`nnx.vmap` over `nnx.vmap`-made layers); otherwise unroll the stack, or give "
+            "this layer a float policy"
         )
         user_warnings.warn(
             f"The {label} kernel {tuple(kernel.shape)} of the stacked layer "
