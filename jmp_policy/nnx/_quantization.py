@@ -40,7 +40,8 @@ _CALLED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
 _WHOLE: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
     "jmp_policy_nnx_whole_kernels", default=None
 )
-# module path -> the QuantizedArray kernel dequantized ahead of it (a stacked layer's).
+# module path -> the QuantizedArray kernel dequantized ahead of it (a stack's that cannot
+# be read a slice at a time).
 _AHEAD: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
     "jmp_policy_nnx_kernels_ahead", default=None
 )
