@@ -12,6 +12,7 @@ import pytest
 from quantization.loop_reads import assert_read_in_loop
 
 import jmp_policy as jp
+from jmp_policy._src.quantization import matmuls
 
 DEPTH, WIDTH = 3, 64
 X = jax.random.normal(jax.random.key(1), (8, WIDTH))
@@ -204,6 +205,7 @@ class OwnMatmulStack(nn.Module):
 
 
 def test_a_stack_dequantized_ahead_warns_once_naming_the_layer_and_the_way_out():
+    matmuls._WARNED_AHEAD.clear()  # given once per process: as if this were the first
     # A layer with its own matmul cannot read a slice: dequantized ahead, with a warning.
     model = OwnMatmulStack()
     variables = model.init(jax.random.key(0), X)

@@ -12,6 +12,7 @@ from quantization.calibrate_reference import correlated_inputs
 from quantization.loop_reads import assert_read_in_loop, integer_dots
 
 import jmp_policy as jp
+from jmp_policy._src.quantization import matmuls
 
 DEPTH, WIDTH = 3, 32
 
@@ -136,6 +137,7 @@ def test_a_stack_run_by_vmap_reads_the_quantized_values_of_all_its_layers_at_onc
 
 
 def test_a_stack_quantized_as_one_kernel_is_dequantized_ahead_and_warns_once():
+    matmuls._WARNED_AHEAD.clear()  # given once per process: as if this were the first
     model = Stack(nnx.Rngs(1))
     policy = "int8_from_float32"
     with pytest.warns(UserWarning, match="quantize: the kernel"):
