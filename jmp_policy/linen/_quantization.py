@@ -30,7 +30,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jmp_policy._src import interception, state_collections
-from jmp_policy._src.quantization import matmuls
+from jmp_policy._src.quantization import matmuls, stack_layers
+from jmp_policy.linen._reads import unfixed_reads
 
 COLLECTION = state_collections.OVERWRITE_WITH_GRADIENT
 
@@ -93,16 +94,21 @@ class KernelRun(NamedTuple):
     ``kernels``: module path -> the ``QuantizedArray`` kernel it receives whole (passed to
     Flax as its integer values, which the layer's matmul reads with the scales).
     ``routes``: when not None, a learning run records into it, for every module path in
-    ``learn``, whether the module's matmul is one jmp_policy routes and sees the stored
-    kernel's shape (not a slice, as inside ``nn.scan``).
+    ``learn``, the shape of the kernel the module sees when its matmul is one jmp_policy
+    routes (the stored kernel's, or a layer's slice of it inside ``nn.scan``), else None.
+    ``sliced``: module path -> a stacked ``QuantizedArray`` kernel its layer reads a slice
+    of inside the stack's loop (passed as its data arrays, which the loop slices:
+    :mod:`jmp_policy._src.quantization.stack_layers`).
     ``ahead``: module path -> a ``QuantizedArray`` kernel dequantized ahead of the model
-    (an ``nn.scan`` stack's): its layer runs as written, in the compute dtype.
+    (a stack's that cannot be read a slice at a time): its layer runs as written, in the
+    compute dtype.
     """
 
     kernels: Mapping[str, Any]
     learn: Mapping[str, Any] = {}
-    routes: dict[str, bool] | None = None
+    routes: dict[str, tuple[int, ...] | None] | None = None
     ahead: Mapping[str, Any] = {}
+    sliced: Mapping[str, Any] = {}
 
 
 _KERNEL_RUN: contextvars.ContextVar[KernelRun | None] = contextvars.ContextVar(
@@ -125,9 +131,20 @@ def _learn_route(module: Any, path: str, run: KernelRun) -> None:
     seen = (
         module.get_variable("params", "kernel") if module.has_variable("params", "kernel") else None
     )
-    run.routes[path] = _routable(module) and tuple(getattr(seen, "shape", ())) == tuple(
-        run.learn[path].shape
-    )
+    shape = getattr(seen, "shape", None)
+    run.routes[path] = tuple(shape) if _routable(module) and shape is not None else None
+
+
+def _layer_kernel(module: Any, stored: Any) -> Any:
+    """The layer's own ``QuantizedArray`` kernel, rebuilt from the slices of the stacked
+    kernel ``stored`` that the loop body sees (read as stored, not cast)."""
+    with unfixed_reads():
+        values = module.get_variable("params", "kernel")
+        leaves = {
+            field: module.get_variable("params", stack_layers.leaf_name("kernel", field))
+            for field in stack_layers.extra_leaves(stored)
+        }
+    return stack_layers.layer_of(stored, values, leaves)
 
 
 def float8_state(module: nn.Module, policy: Any, index: int) -> Any:
@@ -165,12 +182,19 @@ def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
 
     def for_call(call: Any) -> Callable[..., Any] | None:
         module, policy = call.module, call.resolution.policy
-        if module is None or not _routable(module):
+        if module is None:
             return None
         run = _KERNEL_RUN.get()
+        if not _routable(module):
+            stacked = None if run is None else run.ahead.get(call.path)
+            if getattr(stacked, "stacked", 0):  # a stack's layer with a matmul of its own
+                matmuls.dequantized_ahead(call.path, stacked, policy.scheme)
+            return None
         if run is not None:
             _learn_route(module, call.path, run)
         kernel = None if run is None else run.kernels.get(call.path)
+        if run is not None and kernel is None and call.path in run.sliced:
+            kernel = _layer_kernel(module, run.sliced[call.path])
         ahead = None if run is None or kernel is not None else run.ahead.get(call.path)
         if matmuls.dequantized_ahead(call.path, ahead, policy.scheme):
             return None
@@ -183,6 +207,8 @@ def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
         matmul = matmuls.pick(policy, kind, call.path, state, kernel)
         if matmul is None:
             return None
+        if run is not None and call.path in run.sliced and run.kernels.get(call.path) is None:
+            matmul = matmuls.in_stack(matmul, call.path)
 
         def extension(
             call: Any, next_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -75,7 +75,7 @@ def quantize(
     seen ``[in, out]``) is quantized per layer: each layer its own scales, int4 blocks
     along its own input axis, its stacked bias left float. Other collections are
     returned as they are. :func:`jmp_policy.linen.apply` runs the result; a stacked
-    kernel is dequantized ahead of the model (its layer sees a slice of it).
+    layer reads its own slice of the quantized values and scales inside the stack's loop.
 
     Args:
         module: a ``flax.linen`` Module instance.

@@ -14,11 +14,15 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax.core.scope import Scope
 from flax.core.tracers import current_trace
 
 from jmp_policy._src import casting, interception, quantization
+from jmp_policy._src import dtypes as dt
 from jmp_policy._src.policy_map import leaf_path, parent_path
+from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import Resolver
 
 
@@ -36,7 +40,7 @@ def _get_variable(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_variable(scope: Any, col: str, name: str, default: Any = None) -> Any:
         value = original(scope, col, name, default)
-        fix = _READS.get() if _PARAM_READS.inside() else None
+        fix = _READS.get() if _PARAM_READS.inside() and not _UNFIXED.get() else None
         if fix is None or col != "params" or value is default:
             return value
         return fix("/".join(str(p) for p in (*scope.path, name)), value)
@@ -71,6 +75,21 @@ _PARAM_READS = interception.ThreadPatch(Scope, {"get_variable": _get_variable})
 _MODULE_READS = interception.ThreadPatch(nn.Module, {"variables": _variables})
 
 
+_UNFIXED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jmp_policy_linen_unfixed", default=False
+)
+
+
+@contextlib.contextmanager
+def unfixed_reads() -> Iterator[None]:
+    """Parameter reads in the block return the values as passed to Flax, not cast."""
+    token = _UNFIXED.set(True)
+    try:
+        yield
+    finally:
+        _UNFIXED.reset(token)
+
+
 def read_fix(
     chosen: Resolver, resolver: Resolver, stored: dict[str, Any], early: set[str]
 ) -> Callable[[str, Any], Any]:
@@ -88,6 +107,8 @@ def read_fix(
     done: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
 
     def fix(path: str, value: Any) -> Any:
+        if stack_layers.is_extra_leaf(path.rpartition("/")[2]):
+            return value  # a stacked kernel's scales, read by its layer's matmul as stored
         module = parent_path(path) or ""
         if module in resolver.infos:
             want = resolver.variable(path)[0].compute_dtype
@@ -95,6 +116,13 @@ def read_fix(
             early.add(path)  # not met yet: read as chosen, checked after the run
             want = chosen.variable(path)[0].compute_dtype
         original = stored.get(path)
+        if quantization.is_quantized(original) and not dt.is_floating(
+            np.dtype(getattr(value, "dtype", np.float32))
+        ):
+            # Quantized values (a whole kernel's, or a stack's layer's slice), which the
+            # layer's matmul reads with the scales; Flax promotes this copy (int4 has no
+            # implicit promotion: int8), unused by the matmul, so it is dead code.
+            return value.astype(jnp.int8) if value.dtype == jnp.int4 else value
         if quantization.is_quantized(original):
             if chosen.variable(path)[0].compute_dtype == want:
                 return value

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jmp_policy._src import casting, interception, quantization
 from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path, parent_path
+from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import ModuleInfo, Resolver
 from jmp_policy.linen._modules import own_dtype, path_of
 from jmp_policy.linen._quantization import KernelRun, kernel_run, quantized_matmuls
@@ -88,12 +89,17 @@ def flat_params(params: Any) -> tuple[list[tuple[Any, Any]], Any]:
 
 
 def _cast_params(
-    params: Any, resolver: Resolver, whole: Mapping[str, Any] = {}, floats: bool = True
+    params: Any,
+    resolver: Resolver,
+    whole: Mapping[str, Any] = {},
+    floats: bool = True,
+    sliced: Mapping[str, Any] = {},
 ) -> Any:
     """Parameters in their compute dtypes; the kernels of the module paths in ``whole``
-    as their quantized integer values (the layer's matmul reads them with the scales).
-    With ``floats=False`` only QuantizedArrays are cast: plain arrays are cast as they
-    are read (:func:`~jmp_policy.linen._reads.read_fix`)."""
+    as their quantized integer values (the layer's matmul reads them with the scales);
+    those in ``sliced`` (stacks') as their values, their scales beside them
+    (:func:`_with_layer_leaves`). With ``floats=False`` only QuantizedArrays are cast:
+    plain arrays are cast as they are read (:func:`~jmp_policy.linen._reads.read_fix`)."""
     flat, treedef = flat_params(params)
     leaves = []
     for kp, leaf in flat:
@@ -101,7 +107,9 @@ def _cast_params(
             leaves.append(leaf)
             continue
         path = leaf_path(kp)
-        if isinstance(leaf, quantization.QuantizedArray) and (
+        if sliced.get(parent_path(path) or "") is leaf:
+            leaves.append(getattr(leaf, "values"))  # noqa: B009 (int4 stays int4: sliced)
+        elif isinstance(leaf, quantization.QuantizedArray) and (
             whole.get(parent_path(path) or "") is leaf
         ):
             # int4 has no implicit promotion in JAX: Flax's promote_dtype gets int8. The
@@ -110,7 +118,27 @@ def _cast_params(
             leaves.append(values.astype(jnp.int8) if values.dtype == jnp.int4 else values)
         else:
             leaves.append(casting.compute_leaf(leaf, resolver.variable(path)[0].compute_dtype))
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    return _with_layer_leaves(jax.tree_util.tree_unflatten(treedef, leaves), sliced)
+
+
+def _with_layer_leaves(params: Any, sliced: Mapping[str, Any]) -> Any:
+    """``params`` (rebuilt dicts, the caller's never changed) with the scales of each
+    stacked kernel in ``sliced`` beside it, which the stack's loop slices with the values
+    (:mod:`jmp_policy._src.quantization.stack_layers`)."""
+    for module_path, q in sliced.items():
+        names = module_path.split("/") if module_path else []
+        params = _set_leaves(params, names, stack_layers.extra_leaves(q))
+    return params
+
+
+def _set_leaves(tree: Any, names: list[str], leaves: Mapping[str, Any]) -> Any:
+    node = dict(tree)
+    if names:
+        node[names[0]] = _set_leaves(tree[names[0]], names[1:], leaves)
+        return node
+    for field, leaf in leaves.items():
+        node[stack_layers.leaf_name("kernel", field)] = leaf
+    return node
 
 
 def _quantized_kernels(params: Any) -> dict[str, Any]:
@@ -130,14 +158,16 @@ def _whole_kernels(
     known: dict[str, Any],
     call: Callable[[Any, Resolver], Any],
     method: Any,
-) -> dict[str, Any]:
-    """The quantized kernels that reach their layers whole: those of modules whose matmul
-    jmp_policy routes, seen at their stored shape (learnt by a shape-only run), under a
-    policy whose scheme reads stored kernels (float8 quantizes float kernels itself)."""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The quantized kernels that reach their layers whole, and the stacked ones whose
+    layers read a slice each: those of modules whose matmul jmp_policy routes, seen at
+    their stored shape or, inside a stack's loop, at one layer's (learnt by a shape-only
+    run), under a policy whose scheme reads stored kernels (float8 quantizes float
+    kernels itself). Module path -> kernel, for each."""
     quantized = _quantized_kernels(variables.get("params", {}))
     if not quantized:
-        return {}
-    routes: dict[str, bool] = {}
+        return {}, {}
+    routes: dict[str, tuple[int, ...] | None] = {}
     chosen = Resolver(resolved, options, dict(known))
     with kernel_run(KernelRun({}, quantized, routes)):
         # The casts happen inside the shape-only run: nothing is added to the caller's trace.
@@ -150,12 +180,20 @@ def _whole_kernels(
             method,
         )
     chosen = Resolver(resolved, options, dict(known))
-    return {
+    served = {
         path: q
         for path, q in quantized.items()
-        if routes.get(path)
-        and _reads_stored(chosen.variable(f"{path}/kernel" if path else "kernel")[0])
+        if _reads_stored(chosen.variable(f"{path}/kernel" if path else "kernel")[0])
     }
+    whole = {path: q for path, q in served.items() if routes.get(path) == tuple(q.shape)}
+    sliced = {
+        path: q
+        for path, q in served.items()
+        if path not in whole
+        and stack_layers.servable(q)
+        and routes.get(path) == stack_layers.layer_shape(q)
+    }
+    return whole, sliced
 
 
 def _reads_stored(policy: Any) -> bool:
@@ -226,14 +264,14 @@ def run_traced(
     """
     params = variables.get("params", {})
     stored = {leaf_path(kp): leaf for kp, leaf in flat_params(params)[0]}
-    whole = _whole_kernels(variables, resolved, options, known, call, method)
+    whole, sliced = _whole_kernels(variables, resolved, options, known, call, method)
     quantized = _quantized_kernels(params)
-    ahead = {path: q for path, q in quantized.items() if path not in whole}
+    ahead = {path: q for path, q in quantized.items() if path not in whole and path not in sliced}
     for _ in range(_MAX_RETRACES):
         chosen = Resolver(resolved, options, dict(known))
         cast_variables = _with_params(
             variables,
-            lambda p: _cast_params(p, chosen, whole, floats=False),  # noqa: B023
+            lambda p: _cast_params(p, chosen, whole, floats=False, sliced=sliced),  # noqa: B023
         )
         resolver = Resolver(resolved, options, dict(known))
         error: Exception | None = None
@@ -242,7 +280,7 @@ def run_traced(
             with (
                 nn.intercept_methods(interceptor(resolver, root_method(method))),
                 interception.model_run(options),
-                kernel_run(KernelRun(whole, ahead=ahead)),
+                kernel_run(KernelRun(whole, ahead=ahead, sliced=sliced)),
                 reading(read_fix(chosen, resolver, stored, early)),
             ):
                 result = call(cast_variables, resolver)

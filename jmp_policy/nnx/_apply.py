@@ -110,7 +110,7 @@ def apply_with(
         if casts.plain and "plain" not in warned:
             warned.add("plain")
             warn_plain_arrays(type(model).__name__, casts.plain)
-        with interception.model_run(opts), quantized_run(casts.whole, casts.ahead):
+        with interception.model_run(opts), quantized_run(casts.whole, casts.ahead, casts.sliced):
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
             else:

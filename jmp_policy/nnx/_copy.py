@@ -13,6 +13,7 @@ from flax import nnx
 
 from jmp_policy._src import casting, quantization
 from jmp_policy._src.policy_map import leaf_path, parent_path
+from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import Resolver
 from jmp_policy.nnx._modules import path_of
 from jmp_policy.nnx._quantization import routable, stacked
@@ -21,12 +22,15 @@ from jmp_policy.nnx._quantization import routable, stacked
 class Casts(NamedTuple):
     """What :func:`cast_copy` did: the stored dtypes of the non-parameter state (to write
     it back in), the QuantizedArray kernels passed whole, the plain floating arrays the
-    policy would have cast, the QuantizedArray kernels dequantized ahead (a stack's)."""
+    policy would have cast, the QuantizedArray kernels dequantized ahead (a stack's that
+    cannot be read a slice at a time), the stacked ones passed as their values with their
+    scales beside them, which a stack's loop slices (module path -> kernel, for each)."""
 
     stored: dict[str, np.dtype]
     whole: dict[str, Any]
     plain: list[str]
     ahead: dict[str, Any]
+    sliced: dict[str, Any]
 
 
 def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]:
@@ -34,13 +38,20 @@ def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]
     quantized kernel of a routed layer as its integer values, read whole by the layer's
     matmul), every other variable a fresh one in its stored dtype."""
     graphdef, state = nnx.split(model)
-    casts = Casts({}, {}, [], {})
-    # A stacked layer (nnx.vmap'd, run under nnx.scan) sees a slice of its kernel:
-    # its QuantizedArray is dequantized ahead of the model, not passed whole.
+    casts = Casts({}, {}, [], {}, {})
+    # A stacked layer (nnx.vmap'd, run under nnx.scan or nnx.vmap) sees a slice of its
+    # kernel: its QuantizedArray is passed as its data arrays, which the loop slices
+    # (jmp_policy._src.quantization.stack_layers), not whole.
+    lead = {path_of(parts): len(stacked(module)) for parts, module in nnx.iter_modules(model)}
     whole_paths = {
         path_of(parts)
         for parts, module in nnx.iter_modules(model)
         if routable(module) and not stacked(module)
+    }
+    sliced_paths = {
+        path_of(parts)
+        for parts, module in nnx.iter_modules(model)
+        if routable(module) and stacked(module)
     }
 
     def cast_variable(key_path: Any, variable: Any) -> Any:
@@ -70,6 +81,16 @@ def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]
                 casts.whole[module_path] = value
                 ints = value.values
                 return variable.replace(ints.astype(jnp.int8) if ints.dtype == jnp.int4 else ints)
+            if (
+                stack_layers.servable(value)
+                and name == "kernel"
+                and module_path in sliced_paths
+                and lead[module_path] == value.stacked
+                and (policy.scheme is None or policy.scheme.reads_stored_kernels)
+            ):
+                # Each layer's matmul reads its slice (jmp_policy.nnx._quantization).
+                casts.sliced[module_path] = value
+                return variable.replace(value.values)
             if quantization.is_quantized(value) and name == "kernel":
                 casts.ahead[module_path] = value
             return variable.replace(policy.cast_to_compute(value))
@@ -80,7 +101,13 @@ def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]
     copy_state = jax.tree_util.tree_map_with_path(
         cast_variable, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
-    return nnx.merge(graphdef, copy_state), casts
+    copy = nnx.merge(graphdef, copy_state)
+    for parts, module in nnx.iter_modules(copy):
+        q = casts.sliced.get(path_of(parts))
+        for field, leaf in ({} if q is None else stack_layers.extra_leaves(q)).items():
+            # Params (never written back), sliced by the loop with the kernel's values.
+            setattr(module, stack_layers.leaf_name("kernel", field), nnx.Param(leaf))
+    return copy, casts
 
 
 def write_back(model: nnx.Module, copy: nnx.Module, stored: dict[str, np.dtype]) -> None:

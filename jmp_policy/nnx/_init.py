@@ -129,8 +129,8 @@ def quantize(model: M, policy_or_map: Any) -> M:
     the layer's own) is quantized per layer: each layer its own scales, int4 blocks along
     its own input axis, its stacked bias left float. Policies are resolved by path, as
     ``map.quantize`` does (no ``type_policies``). :func:`jmp_policy.nnx.apply` runs the
-    copy; a stacked layer's kernel is dequantized ahead of the model (the layer sees a
-    slice of it).
+    copy; a stacked layer reads its own slice of the quantized values and scales inside
+    the stack's loop.
 
     Args:
         model: an ``nnx.Module``; never modified (the copy is made with ``nnx.clone``).

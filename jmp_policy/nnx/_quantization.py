@@ -24,10 +24,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jmp_policy._src import interception
-from jmp_policy._src.quantization import matmuls, quantized_matmul
+from jmp_policy._src.quantization import matmuls, quantized_matmul, stack_layers
 
 ATTR = "float8"  # the attribute of a float8 layer that holds its Float8State
 
@@ -39,9 +40,16 @@ _CALLED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
 _WHOLE: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
     "jmp_policy_nnx_whole_kernels", default=None
 )
-# module path -> the QuantizedArray kernel dequantized ahead of it (a stacked layer's).
+# module path -> the QuantizedArray kernel dequantized ahead of it (a stack's that cannot
+# be read a slice at a time).
 _AHEAD: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
     "jmp_policy_nnx_kernels_ahead", default=None
+)
+
+
+# module path -> the stacked QuantizedArray kernel its layer reads a slice of in the loop.
+_SLICED: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "jmp_policy_nnx_sliced_kernels", default=None
 )
 
 
@@ -114,17 +122,22 @@ def routable(module: Any) -> bool:
 
 @contextlib.contextmanager
 def quantized_run(
-    whole: Mapping[str, Any] | None = None, ahead: Mapping[str, Any] | None = None
+    whole: Mapping[str, Any] | None = None,
+    ahead: Mapping[str, Any] | None = None,
+    sliced: Mapping[str, Any] | None = None,
 ) -> Iterator[None]:
     """One model run: each float8 layer may be called once inside; ``whole`` maps module
     paths to the ``QuantizedArray`` kernels they receive whole, ``ahead`` to those
-    dequantized ahead of them (a stacked layer's, run as written in the compute dtype)."""
+    dequantized ahead of them (a stacked layer's, run as written in the compute dtype),
+    ``sliced`` to the stacked ones whose layers read a slice each in the loop."""
     token = _CALLED.set({})
     whole_token = _WHOLE.set(whole or {})
     ahead_token = _AHEAD.set(ahead or {})
+    sliced_token = _SLICED.set(sliced or {})
     try:
         yield
     finally:
+        _SLICED.reset(sliced_token)
         _AHEAD.reset(ahead_token)
         _WHOLE.reset(whole_token)
         _CALLED.reset(token)
@@ -180,6 +193,9 @@ def quantized_matmuls(
     module, policy = call.module, call.resolution.policy
     name = None if module is None else _replacement(module)
     if name is None:
+        ahead = (_AHEAD.get() or {}).get(call.path)
+        if getattr(ahead, "stacked", 0):  # a stack's layer with a matmul of its own
+            matmuls.dequantized_ahead(call.path, ahead, policy.scheme)
         return next_fn(*args, **kwargs)
     if policy.scheme is not None and policy.scheme.stateful:
         state = _float8_state(call)
@@ -191,11 +207,44 @@ def quantized_matmuls(
     kind = "einsum" if name == "einsum_op" else "dot_general"
     whole = _WHOLE.get()
     kernel = None if whole is None else whole.get(call.path)
+    stack = None if state is not None else (_SLICED.get() or {}).get(call.path)
+    if stack is not None:
+        kernel = _layer_kernel(module, stack)
     value = matmuls.pick(policy, kind, call.path, state, kernel)
     if value is None:
         return next_fn(*args, **kwargs)
-    with interception.attribute_set(module, name, value):
+    if stack is None:
+        with interception.attribute_set(module, name, value):
+            return next_fn(*args, **kwargs)
+    with (
+        interception.attribute_set(module, name, matmuls.in_stack(value, call.path)),
+        interception.attribute_set(module, "promote_dtype", _int4_as_int8(module.promote_dtype)),
+    ):
         return next_fn(*args, **kwargs)
+
+
+def _layer_kernel(module: Any, stack: Any) -> Any:
+    """The layer's own ``QuantizedArray`` kernel, from the slices of the stacked kernel
+    ``stack`` that the loop body's module holds (:func:`jmp_policy.nnx._copy.cast_copy`)."""
+    leaves = {
+        field: getattr(module, stack_layers.leaf_name("kernel", field)).get_value()
+        for field in stack_layers.extra_leaves(stack)
+    }
+    return stack_layers.layer_of(stack, module.kernel.get_value(), leaves)
+
+
+def _int4_as_int8(promote: Callable[..., Any]) -> Callable[..., Any]:
+    """The layer's ``promote_dtype``, given int4 values as int8 (int4 has no implicit
+    promotion): the layer's matmul reads the values with their scales, so this copy is
+    dead code."""
+
+    def promote_dtype(arrays: Any, *args: Any, **kwargs: Any) -> Any:
+        arrays = tuple(
+            a.astype(jnp.int8) if getattr(a, "dtype", None) == jnp.int4 else a for a in arrays
+        )
+        return promote(arrays, *args, **kwargs)
+
+    return promote_dtype
 
 
 def split_gradients(grads: nnx.State) -> tuple[nnx.State, nnx.State]:

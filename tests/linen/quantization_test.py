@@ -14,6 +14,7 @@ from flax_examples.measure import dot_kinds as _dots
 from flax_examples.measure import equations as equations_of
 
 import jmp_policy as jp
+from jmp_policy._src.quantization import matmuls
 
 X = jax.random.normal(jax.random.key(1), (16, 32))
 INT8 = "int8_from_float32"
@@ -388,7 +389,9 @@ def test_linen_scan_stack_is_quantized_per_layer_and_runs(mode, block):
     # One scale across the layers, with a warning that names the way out.
     with pytest.warns(UserWarning, match=r"quantize: the kernel 'head/kernel' .*\(and 1 more"):
         shared = jp.get(policy).quantize(variables["params"])
-    out_shared = jax.jit(jp.linen.apply(model, policy))({"params": shared}, XS)
+    matmuls._WARNED_AHEAD.clear()  # given once per process: as if this were the first
+    with pytest.warns(UserWarning, match=r"'layers/Dense_0' is dequantized ahead .*stacked=0"):
+        out_shared = jax.jit(jp.linen.apply(model, policy))({"params": shared}, XS)
     err, err_shared = _rel(out, ref), _rel(out_shared, ref)
     assert 0 < err * 5 < err_shared, (err, err_shared)
     # The same with a map, and with stacked_axes given by hand.
@@ -419,7 +422,9 @@ def test_nnx_scan_and_vmap_stacks_are_quantized_per_layer_and_run(mode, block, v
     shared = nnx.clone(model)
     with pytest.warns(UserWarning, match=r"quantize: the kernel 'head/kernel' .*\(and 1 more"):
         nnx.update(shared, jp.get(policy).quantize(nnx.state(shared, nnx.Param)))
-    out_shared = jp.nnx.apply(shared, policy)(XS)
+    matmuls._WARNED_AHEAD.clear()  # given once per process: as if this were the first
+    with pytest.warns(UserWarning, match=r"'layers' is dequantized ahead .*stacked=0"):
+        out_shared = jp.nnx.apply(shared, policy)(XS)
     err, err_shared = _rel(out, ref), _rel(out_shared, ref)
     assert 0 < err * 5 < err_shared, (err, err_shared)
 
@@ -442,9 +447,10 @@ def _assert_no_activation_rounding(jaxpr):
 
 @pytest.mark.parametrize("policy", [INT8, jp.DTypePolicyMap("float32", {"layers.*": INT8})])
 def test_linen_int8_weights_in_a_scanned_stack_are_served_not_trained(policy):
-    """int8 weights in an nn.scan stack reach the body dequantized (a slice each): under an
-    int8 policy they run as written in the compute dtype, never the int8 rule of float
-    kernels, so the error is the weights' rounding alone."""
+    """int8 weights in an nn.scan stack: each layer reads its own slice of the int8 values
+    and scales inside the loop, in the weight-only form at these rows (as an unstacked
+    layer), never the int8 rule of float kernels, so the error is the weights' rounding
+    alone."""
     model, variables = _linen_stack()
     q = jp.linen.quantize(model, INT8, variables, XS)
     assert q["params"]["layers"]["Dense_0"]["kernel"].stacked == 1
@@ -455,7 +461,10 @@ def test_linen_int8_weights_in_a_scanned_stack_are_served_not_trained(policy):
     for run in (fn, jax.jit(fn)):
         np.testing.assert_allclose(run(q, XS), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     table = jp.linen.explain(model, policy, q, XS)
-    assert "layers/Dense_0  int8 weights: dequantized ahead (a stack), compute-dtype" in table
+    assert (
+        "layers/Dense_0  int8 weights: weight-only, scale after; per layer, in the stack's loop"
+        in table
+    )
     # Float weights in the same stack still train under the int8 rule (QAT).
     assert list(equations_of(jax.make_jaxpr(fn)(variables, XS).jaxpr, "round"))
 
@@ -473,7 +482,7 @@ def test_nnx_int8_weights_in_a_scanned_stack_are_served_not_trained(policy):
     for run in (fn, nnx.jit(fn)):
         np.testing.assert_allclose(run(q, XS), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     table = jp.nnx.explain(q, policy, XS)
-    assert "layers  int8 weights: dequantized ahead (a stack), compute-dtype matmul" in table
+    assert "layers  int8 weights: weight-only, scale after; per layer, in the stack's loop" in table
     assert list(equations_of(jax.make_jaxpr(lambda x: fn(model, x))(XS).jaxpr, "round"))
 
 

@@ -7,7 +7,8 @@ which the name grammar reads, is :mod:`jmp_policy._src.schemes`, below this pack
 * ``quantized_array``: :class:`QuantizedArray` (int8/int4 weight storage) and ``quantize``;
   ``quantized_array_checks``: its field checks;
 * ``int4_layout``: int4 blocks and the packed checkpoints of earlier versions;
-* ``stacked_axes``: the leading axes of stacked (scanned) layers;
+* ``stacked_axes``: the leading axes of stacked (scanned) layers; ``stack_layers``: a
+  stacked kernel read one layer at a time inside its stack's loop;
 * ``matmuls``: the one place that picks a layer's matmul, for both glues;
   ``einsum_plan``: an einsum as one ``dot_general``;
 * ``quantized_matmul``: int8 matmuls (QAT, int8 x int8);

@@ -41,6 +41,7 @@ _FORMS: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
     "jmp_policy_matmul_forms", default=None
 )
 _WARNED: set[tuple[int, int, int]] = set()
+_WARNED_AHEAD: set[tuple[str, tuple[int, ...], str]] = set()
 
 
 @contextlib.contextmanager
@@ -86,7 +87,45 @@ def dequantized_ahead(path: str, kernel: Any, scheme: Any) -> bool:
         return False
     label = _label(scheme, kernel)
     record(path, f"{label} weights: dequantized ahead (a stack), compute-dtype matmul")
+    key = (path, tuple(kernel.shape), label)
+    if key not in _WARNED_AHEAD:  # once per layer and kernel: `explain` lists every one
+        _WARNED_AHEAD.add(key)
+        why = (
+            "it was quantized as one kernel (`stacked=0`): quantize the stack per layer "
+            "(`jp.linen.quantize` / `jp.nnx.quantize`, or `stacked_axes=`) so that each "
+            "layer reads its own slice"
+            if not getattr(kernel, "stacked", 0)
+            else "a stacked layer reads its own slice of the quantized values only when it "
+            "is a Dense, DenseGeneral or Einsum (NNX: Linear, LinearGeneral, Einsum) with "
+            "Flax's own matmul, in a stack that slices its parameters along their leading "
+            "axes (`nn.scan`/`nn.vmap` with `variable_axes={'params': 0}`, `nnx.scan`/"
+            "`nnx.vmap` over `nnx.vmap`-made layers); otherwise unroll the stack, or give "
+            "this layer a float policy"
+        )
+        user_warnings.warn(
+            f"The {label} kernel {tuple(kernel.shape)} of the stacked layer "
+            f"{path or '<root>'!r} is dequantized ahead of its stack: the layer runs from "
+            "a compute-dtype copy of the whole stack's weights, not on its quantized "
+            f"values ({why}). `explain` lists every such layer (this warning is given once)."
+        )
     return True
+
+
+_IN_STACK = "; per layer, in the stack's loop"
+
+
+def in_stack(matmul: Callable[..., Any], path: str) -> Callable[..., Any]:
+    """``matmul`` of a stacked layer reading its own slice of a stacked ``QuantizedArray``
+    kernel (:mod:`jmp_policy._src.quantization.stack_layers`), its form recorded as such."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        result = matmul(*args, **kwargs)
+        forms = _FORMS.get()
+        if forms is not None and path in forms and not forms[path].endswith(_IN_STACK):
+            forms[path] += _IN_STACK
+        return result
+
+    return run
 
 
 def record_float8(path: str, m: int, k: int, n: int, scaling: str) -> None:
