@@ -535,7 +535,8 @@ def test_every_float8_matmul_is_a_dot_general_of_two_float8_operands(scaling):
 def test_several_contracting_axes_become_one_and_the_result_keeps_its_layout():
     """DenseGeneral over two input axes and an Einsum whose kernel einsum puts first:
     the same values as the float matmul within float8's error, in the layer's layout."""
-    x = jax.random.normal(jax.random.key(0), (4, 6, 2, 16))
+    # NumPy's draw: jax.random.normal compiles once per shape, seconds for a rank-4 one on CPU
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 6, 2, 16), np.float32))
     for module in (
         nn.DenseGeneral((3, 8), axis=(-2, -1)),
         nn.Einsum((2, 16, 24), "bthi,hio->bto"),

@@ -12,8 +12,15 @@ from flax_examples.measure import equations
 import jmp_policy as jp
 from jmp_policy._src.quantization import quantized_array as quantization
 
-X_SMALL = jax.random.normal(jax.random.key(1), (4, 64))  # 4 rows: weight-only
-X_LARGE = jax.random.normal(jax.random.key(2), (256, 64))  # 256 rows: int8 x int8
+
+def _normal(shape, seed):
+    """Standard normal float32 values, drawn by NumPy: `jax.random.normal` compiles once per
+    shape, seconds each on CPU, for values that nothing here depends on."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32))
+
+
+X_SMALL = _normal((4, 64), 1)  # 4 rows: weight-only
+X_LARGE = _normal((256, 64), 2)  # 256 rows: int8 x int8
 
 
 class LinenMLP(nn.Module):
@@ -159,7 +166,7 @@ def test_int4_blocks_multiply_a_single_row_as_two(lead, maybe_jit):
     writes a float32 array of the kernel's size (issue #28, seen by compiling for an H100);
     a zero row added keeps the GEMM. The result is the single row's."""
     model = nn.Dense(128, use_bias=False)
-    x = jax.random.normal(jax.random.key(4), (*lead, 64))
+    x = _normal((*lead, 64), 4)
     params = model.init(jax.random.key(0), x)["params"]
     quantized = {"params": jp.get("int4/32_from_float32").quantize(params)}
     fn = jp.linen.apply(model, "mixed_bfloat16")
@@ -170,7 +177,7 @@ def test_int4_blocks_multiply_a_single_row_as_two(lead, maybe_jit):
     out = maybe_jit(fn)(quantized, x)
     assert out.shape == (*lead, 128) and out.dtype == jnp.bfloat16
     # The same row among others: the same values (rows of a GEMM are independent).
-    others = jax.random.normal(jax.random.key(5), (3, 64))
+    others = _normal((3, 64), 5)
     stacked = fn(quantized, jnp.concatenate([x.reshape(1, 64), others]))
     np.testing.assert_allclose(
         np.asarray(out, np.float32).reshape(128), np.asarray(stacked[0], np.float32), rtol=1e-2
@@ -205,7 +212,7 @@ def test_gradients_flow_past_frozen_quantized_kernels(mode, policy, bound):
     model, quantized, fn = _linen(mode, policy)
     dequantized = {"params": _dequantized(quantized["params"])}
     reference = jp.linen.apply(model, "float32")
-    c = jax.random.normal(jax.random.key(3), (16,))
+    c = _normal((16,), 3)
 
     def loss(apply, variables, x):
         return jnp.sum(apply(variables, x).astype(jnp.float32) * c)
