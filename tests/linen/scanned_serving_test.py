@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from quantization.loop_reads import assert_read_in_loop
+from quantization.loop_reads import assert_read_in_loop, integer_dots
 
 import jmp_policy as jp
 from jmp_policy._src.quantization import matmuls
@@ -231,3 +231,37 @@ def test_a_stack_dequantized_ahead_warns_once_naming_the_layer_and_the_way_out()
         shared = jp.get("int4/32_from_float32").quantize(variables["params"])
     with pytest.warns(UserWarning, match=r"quantized as one kernel \(`stacked=0`\).*jp.linen"):
         jp.linen.apply(model, "int4/32_from_float32")({"params": shared}, X)
+
+
+@pytest.mark.parametrize(("mode", "dtype"), [("int8", "int8"), ("int4/32", "int4")])
+def test_big_vision_vit_scanned_encoder_serves_on_its_quantized_values(mode, dtype, maybe_jit):
+    """Model code nobody here wrote: big_vision's ViT with `scan=True` (its encoder blocks
+    under `nn.remat` in an `nn.scan`, attention and MLP `Dense` layers) quantized by the
+    map. Every block's matmul reads its own slice of the int8/int4 values in the loop, no
+    warning, and the output is the dequantized model's up to bfloat16 rounding."""
+    from flax_examples import big_vision_vit as vit
+
+    model = vit.Model(10, variant="mu/8", depth=3, scan=True)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 16, 3))
+    variables = model.init(jax.random.key(0), x)
+    policy_map = jp.DTypePolicyMap(
+        "mixed_bfloat16", {r"Transformer/encoderblock/.*": f"{mode}_from_mixed_bfloat16"}
+    )
+    q = jp.linen.quantize(model, policy_map, variables, x)
+    kernel = q["params"]["Transformer"]["encoderblock"]["MlpBlock_0"]["Dense_0"]["kernel"]
+    assert kernel.stacked == 1 and kernel.shape == (3, 32, 128)  # mu/8's width, 3 blocks
+    fn = jp.linen.apply(model, policy_map, module_dtype="override")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dots = integer_dots(jax.make_jaxpr(maybe_jit(fn))(q, x).jaxpr)
+        encoded = maybe_jit(fn)(q, x)[1]["encoded"]
+    assert len(dots) == 6 and set(dots) == {(dtype, True)}, dots  # q, k, v, out, 2 MLP
+    dequantized = jax.tree.map(
+        lambda a: a.dequantize() if isinstance(a, jp.QuantizedArray) else a,
+        q,
+        is_leaf=lambda a: isinstance(a, jp.QuantizedArray),
+    )
+    ref = jp.linen.apply(model, "mixed_bfloat16", module_dtype="override")(dequantized, x)
+    ref = np.asarray(ref[1]["encoded"], np.float32)
+    err = np.linalg.norm(np.asarray(encoded, np.float32) - ref) / np.linalg.norm(ref)
+    assert err < 2e-2, err
