@@ -233,7 +233,11 @@ def test_a_stack_dequantized_ahead_warns_once_naming_the_layer_and_the_way_out()
         jp.linen.apply(model, "int4/32_from_float32")({"params": shared}, X)
 
 
-@pytest.mark.parametrize(("mode", "dtype"), [("int8", "int8"), ("int4/32", "int4")])
+@pytest.mark.parametrize(
+    ("mode", "dtype", "maybe_jit"),
+    [("int8", "int8", lambda f: f), ("int4/32", "int4", jax.jit)],  # one eager, one jitted
+    ids=["int8-eager", "int4/32-jit"],
+)
 def test_big_vision_vit_scanned_encoder_serves_on_its_quantized_values(mode, dtype, maybe_jit):
     """Model code nobody here wrote: big_vision's ViT with `scan=True` (its encoder blocks
     under `nn.remat` in an `nn.scan`, attention and MLP `Dense` layers) quantized by the
