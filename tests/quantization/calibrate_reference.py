@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src.quantization import awq, calibration_stats, gptq
+from quantization import loop_reads
 
 
 def correlated_inputs(rows, seed=0):
@@ -22,25 +23,8 @@ def correlated_inputs(rows, seed=0):
 
 
 def int4_converts_into_dots(jaxpr):
-    """How many dot_generals read an operand converted from int4."""
-    produced, count = {}, 0
-    for eqn in jaxpr.eqns:
-        for v in eqn.outvars:
-            produced[v] = eqn
-        if eqn.primitive.name == "dot_general":
-            for v in eqn.invars:
-                src = produced.get(v)
-                if (
-                    src is not None
-                    and src.primitive.name == "convert_element_type"
-                    and str(src.invars[0].aval.dtype) == "int4"
-                ):
-                    count += 1
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", None)
-            if inner is not None and hasattr(inner, "eqns"):
-                count += int4_converts_into_dots(inner)
-    return count
+    """How many dot_generals read an operand converted from int4 (anywhere in ``jaxpr``)."""
+    return sum(1 for dtype, _ in loop_reads.integer_dots(jaxpr) if dtype == "int4")
 
 
 def stack_inputs(x, up, stack):
