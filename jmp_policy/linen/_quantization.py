@@ -193,7 +193,8 @@ def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
         if run is not None:
             _learn_route(module, call.path, run)
         kernel = None if run is None else run.kernels.get(call.path)
-        if run is not None and kernel is None and call.path in run.sliced:
+        from_slice = run is not None and kernel is None and call.path in run.sliced
+        if from_slice and run is not None:
             kernel = _layer_kernel(module, run.sliced[call.path])
         ahead = None if run is None or kernel is not None else run.ahead.get(call.path)
         if matmuls.dequantized_ahead(call.path, ahead, policy.scheme):
@@ -207,7 +208,7 @@ def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
         matmul = matmuls.pick(policy, kind, call.path, state, kernel)
         if matmul is None:
             return None
-        if run is not None and call.path in run.sliced and run.kernels.get(call.path) is None:
+        if from_slice:
             matmul = matmuls.in_stack(matmul, call.path)
 
         def extension(
