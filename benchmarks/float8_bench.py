@@ -38,6 +38,7 @@ Run: ``python benchmarks/float8_bench.py [--quick]``.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import time
@@ -246,6 +247,10 @@ def measure(
         lowered = step.lower(variables, opt_state, x, y)
         compiled = lowered.compile()
         hlo = compiled.as_text()
+        if os.environ.get("BENCH_HLO_DIR"):  # the optimized step, to read its GEMMs later
+            path = os.path.join(os.environ["BENCH_HLO_DIR"], f"step_{args.width}_{name}.hlo")
+            with open(path, "w") as f:
+                f.write(hlo)
         steps[name], states[name] = compiled, (variables, opt_state)
         fp8, gemms = fp8_gemms(hlo)
         results[name] = {
@@ -283,13 +288,28 @@ def measure(
     for name in variants:
         compiled, (variables, opt_state) = steps[name], states[name]
         losses = []
-        for _ in range(args.steps):
+        for i in range(args.steps):
             variables, opt_state, loss = compiled(variables, opt_state, x, y)
             losses.append(loss)
+            if i < args.log_steps:  # where a run diverges: the loss and each tensor's scale
+                print(f"  {name} step {i}: loss {float(loss):.4f}{_scales(variables)}")
         results[name]["losses"] = [float(v) for v in losses]
         state = jax.tree.leaves(variables.get("_overwrite_with_gradient", {}))
         results[name]["state_finite"] = all(bool(jnp.all(jnp.isfinite(v))) for v in state)
     return results
+
+
+def _scales(variables: Any) -> str:
+    """The float8 state's scales of the first block's layers, ``"" `` when there is none."""
+    state = variables.get("_overwrite_with_gradient", {})
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    cells = [
+        f"{jax.tree_util.keystr(path[-3:-1], simple=True, separator='/')}.{path[-1].key[:-6]}"
+        f"={float(np.max(v)):.3g}"
+        for path, v in flat
+        if str(path[-1].key).endswith("_scale") and "block_0" in jax.tree_util.keystr(path)
+    ]
+    return ("; " + " ".join(cells)) if cells else ""
 
 
 def format_table(results: dict[str, dict[str, Any]], steps: int) -> str:
@@ -346,6 +366,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="training steps for the loss")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--log-steps",
+        type=int,
+        default=0,
+        help="print the loss and the first block's float8 scales at each of the first N steps",
+    )
     parser.add_argument(
         "--sweep",
         type=str,

@@ -1,7 +1,7 @@
 """Serving with quantized weights: 8 Dense layers, bf16 weights against int8 and int4.
 
 A stack of ``--layers`` Dense layers of ``--dim`` x ``--dim`` (no bias), run forward under
-``jp.linen.apply`` at batch 1, 16 and 256, jitted, four ways, side by side in one run:
+``jp.linen.apply`` at batch 1, 16 and 256, jitted, six ways, side by side in one run:
 
 * ``bf16``: the weights stored in bfloat16, ``"mixed_bfloat16"`` (the reference);
 * ``int8 w``: ``map.quantize`` int8 weights (per output channel) under
@@ -10,7 +10,12 @@ A stack of ``--layers`` Dense layers of ``--dim`` x ``--dim`` (no bias), run for
 * ``int4 w``: int4 weights per channel, stored as ``jnp.int4``, the same form;
 * ``int8 x int8``: int8 weights under ``"int8_from_mixed_bfloat16"``: activations
   quantized per row, ``int8 x int8 -> int32`` GEMMs from 128 rows on (below, the
-  weight-only form).
+  weight-only form);
+* ``int4/128``: int4 weights with one scale per 128 input rows (the storage GPTQ's
+  ``"gptq/4/128"`` calibration writes too: a GPTQ kernel serves exactly as this row);
+* ``awq/4/128``: the same int4/128 storage with AWQ's per-input-channel scale, which the
+  matmul divides the activations by (the scale here is random and positive: how
+  calibration chose it does not change the serving cost).
 
 For each: the median time over ``--repeats`` interleaved runs and its ratio to bf16, the
 weight bytes read per token (all layers' stored weight bytes over the batch), the form
@@ -25,6 +30,7 @@ Run: ``python benchmarks/serving_bench.py [--quick]``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from typing import Any
@@ -36,6 +42,7 @@ import numpy as np
 
 import jmp_policy as jp
 from jmp_policy._src.quantization import matmuls
+from jmp_policy._src.quantization.awq import InputScaledArray
 
 
 class Stack(nn.Module):
@@ -49,6 +56,20 @@ class Stack(nn.Module):
         return x
 
 
+def awq_storage(params: Any) -> Any:
+    """AWQ's storage: int4/128 values of ``diag(s) W`` and ``s``, a random positive input
+    scale (one per input row)."""
+
+    def awq(w: jax.Array) -> InputScaledArray:
+        s = jax.random.uniform(jax.random.key(w.shape[0]), w.shape[:1], jnp.float32, 0.5, 2.0)
+        q = jp.get("int4/128_from_float32").quantize(w * s[:, None])
+        return InputScaledArray(
+            q.values, q.scale, q.mode, q.block_size, q.shape, q.original_dtype, q.stacked, s
+        )
+
+    return jax.tree.map(awq, params)
+
+
 def variants(params: Any) -> dict[str, tuple[Any, str]]:
     """name -> (params, policy)."""
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
@@ -60,6 +81,8 @@ def variants(params: Any) -> dict[str, tuple[Any, str]]:
             jp.get("int8_from_float32").quantize(params),
             "int8_from_mixed_bfloat16",
         ),
+        "int4/128": (jp.get("int4/128_from_float32").quantize(params), "mixed_bfloat16"),
+        "awq/4/128": (awq_storage(params), "awq/4/128_from_mixed_bfloat16"),
     }
 
 
@@ -81,6 +104,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             with matmuls.recording() as forms:
                 fn.lower({"params": p}, x)
             compiled = fn.lower({"params": p}, x).compile()
+            if os.environ.get("BENCH_HLO_DIR"):  # the optimized program, to read its GEMMs
+                slug = name.replace(" ", "_").replace("/", "_")
+                path = os.path.join(os.environ["BENCH_HLO_DIR"], f"serve_{batch}_{slug}.hlo")
+                with open(path, "w") as f:
+                    f.write(compiled.as_text())
             runs[name] = (compiled, {"params": p})
             info[name] = (forms.get("layer_0", "as written"), weight_bytes(p))
         outs = {n: np.asarray(c(v, x), np.float32) for n, (c, v) in runs.items()}
@@ -141,7 +169,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     if args.quick:
-        args.dim, args.layers, args.repeats = 128, 2, 3
+        args.dim, args.layers, args.repeats = 256, 2, 3  # 256: two int4 blocks of 128
     return args
 
 

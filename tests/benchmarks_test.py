@@ -164,10 +164,19 @@ def test_table_values_carry_their_units():
     ]
 
 
+def float8_bench_variants():
+    return ("float8", "f8_cur", "int8_qat", "flax_f8", "bf16", "float32")
+
+
 @pytest.mark.heavy(15)
 def test_float8_bench_quick_prints_its_table_and_the_loss_gap():
-    result = _run("float8_bench.py", "--quick")
+    result = _run("float8_bench.py", "--quick", "--log-steps", "1")
     lines = result.stdout.splitlines()
+    # --log-steps: each variant's first loss; the delayed state's scales of the first block
+    logged = [line for line in lines if " step 0: loss " in line]
+    assert [line.split()[0] for line in logged] == list(float8_bench_variants())
+    assert "up/float8_0.input=" in logged[0] and "down/float8_0.output_grad=" in logged[0]
+    assert "=" not in logged[1].split(": loss ")[1]  # current scaling keeps no state
     start = next(i for i, line in enumerate(lines) if line.startswith("variant"))
     table = {line.split()[0]: line.split() for line in lines[start : start + 7]}
     assert set(table) == {"variant", "float8", "f8_cur", "int8_qat", "flax_f8", "bf16", "float32"}
@@ -185,7 +194,7 @@ def test_float8_bench_quick_prints_its_table_and_the_loss_gap():
     assert table["bf16"][-1] == "+0.0000"
     for name in ("float8", "f8_cur"):  # loss - bf16's, over the first loss
         assert abs(float(table[name][-1])) < 0.05
-    assert all(len(line) <= 100 for line in lines)
+    assert all(len(line) <= 100 for line in lines if line not in logged)
 
 
 @pytest.mark.heavy(5)
@@ -193,10 +202,16 @@ def test_serving_bench_quick_prints_every_variant_and_form():
     result = _run("serving_bench.py", "--quick")
     lines = result.stdout.splitlines()
     rows = [line for line in lines if line.split()[:1] in (["1"], ["16"], ["256"])]
-    assert len(rows) == 3 * 4
+    assert len(rows) == 3 * 6
     assert "int8 weights: weight-only, scale after" in rows[1]
     assert "int4 weights: weight-only, scale after" in rows[2]
-    assert rows[-1].split()[1:4] == ["int8", "x", "int8"] and rows[-1].endswith("int8 x int8")
+    assert rows[15].split()[1:4] == ["int8", "x", "int8"] and rows[15].endswith("int8 x int8")
+    # int4 in blocks of 128 (GPTQ's storage) and AWQ's: a matmul per block below 128 rows,
+    # dequantized and one GEMM from 128 (measured faster there on an H200)
+    for i, form in ((4, "int4 blocks"), (10, "int4 blocks"), (16, "dequantized, one GEMM")):
+        assert rows[i].split()[1] == "int4/128" and rows[i + 1].split()[1] == "awq/4/128"
+        assert rows[i].endswith(f"int4/128 weights: {form}"), rows[i]
+        assert rows[i + 1].endswith(f"int4/128 weights: {form}"), rows[i + 1]
     # weight bytes per token: int8 about half of bf16's, int4 about a quarter
     numbers = [re.findall(r"\b\d+(?:\.\d+)?(?:e[+-]\d+)?\b", row) for row in rows[:3]]
     per_token = [float(n[3]) for n in numbers]  # batch, time, ratio, bytes, error

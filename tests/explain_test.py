@@ -370,7 +370,7 @@ def test_map_explain_fits_100_columns_with_long_paths():
 
 
 FLOAT8_FORM = (
-    "float8 (current), e4m3 x e4m3 GEMM 128x64x64; below 4096: bf16 may be faster; "
+    "float8 (current), e4m3 x e4m3 GEMM 128x64x64; below 2048: bf16 may be faster; "
     "dims not multiples of 16: XLA pads them"
 )
 

@@ -344,3 +344,31 @@ def test_a_kernel_on_the_left_of_einsum_keeps_its_role_and_layout():
     )
     assert float(new["kernel_amax_history"][0]) == float(jnp.abs(w).max())
     assert float(new["input_amax_history"][0]) == float(jnp.abs(x).max())
+
+
+def test_float8_min_dim_is_the_crossover_measured_on_a_gpu(monkeypatch):
+    """float8 paid from width 2048 on an H200 (1.08x bf16's step time at 1024, 0.87x at
+    2048): a GEMM with every dimension at least 2048 is recorded plainly and does not warn;
+    one dimension below warns once, naming the layer and the measurement."""
+    import warnings
+
+    from jmp_policy._src.quantization import matmuls
+
+    monkeypatch.setattr(matmuls, "_WARNED", set())
+    assert matmuls.FLOAT8_MIN_DIM == 2048
+    with matmuls.recording() as forms, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        matmuls.record_float8("big", 8192, 2048, 8192, "delayed")
+        assert caught == []
+        matmuls.record_float8("small", 8192, 2047, 8192, "current")
+        matmuls.record_float8("smaller", 1024, 1024, 1024, "current")
+    assert forms["big"] == "float8 (delayed), e4m3 x e4m3 GEMM 8192x2048x8192"
+    assert forms["small"] == (
+        "float8 (current), e4m3 x e4m3 GEMM 8192x2047x8192; below 2048: bf16 may be faster; "
+        "dims not multiples of 16: XLA pads them"
+    )
+    assert "below 2048: bf16 may be faster" in forms["smaller"]
+    assert len(caught) == 1  # once per process
+    message = str(caught[0].message)
+    assert "'small' runs a 8192x2047x8192 matmul: below 2048 rows or features" in message
+    assert "1.08x bf16's time at width 1024 and 0.87x at 2048" in message

@@ -228,3 +228,33 @@ def test_gradients_flow_past_frozen_quantized_kernels(mode, policy, bound):
     assert kernel.values.dtype == jax.dtypes.float0
     ref = jax.grad(lambda v: loss(reference, v, X_LARGE))(dequantized)
     assert rel(grads["params"]["up"]["bias"], ref["params"]["up"]["bias"]) < bound
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_int4_blocks_are_dequantized_into_one_gemm_from_128_rows(jit):
+    """int4 kernels in blocks: a matmul per block below 128 rows, the kernel dequantized to
+    the compute dtype and one GEMM from 128 (measured faster there on an H200); both equal
+    the dequantized kernel's product."""
+    from jmp_policy._src.quantization import kernel_matmul
+
+    assert kernel_matmul.INT4_BLOCKS_MAX_ROWS == 128
+    w = jax.random.normal(jax.random.key(0), (256, 64)) / 16
+    q = jp.get("int4/128_from_float32").quantize(w)
+    ref_w = q.dequantize(jnp.float32)
+    for rows, form in ((127, "int4 blocks"), (128, "dequantized, one GEMM")):
+        forms = []
+        dot = kernel_matmul.quantized_kernel_dot_general(q, record=forms.append)
+        x = jax.random.normal(jax.random.key(rows), (rows, 256)).astype(jnp.bfloat16)
+        run = jax.jit(dot, static_argnums=2) if jit else dot
+        dims = (((1,), (0,)), ((), ()))
+        y = run(x, jnp.zeros((256, 64), jnp.bfloat16), dims)
+        assert forms == [form]
+        assert y.dtype == jnp.bfloat16
+        want = np.asarray(x, np.float32) @ np.asarray(ref_w)
+        err = np.abs(np.asarray(y, np.float32) - want).max() / np.abs(want).max()
+        assert err < 2e-2, (rows, err)
+        jaxpr = jax.make_jaxpr(dot, static_argnums=2)(x, jnp.zeros((256, 64), jnp.bfloat16), dims)
+        kernels = [e.outvars[0].aval for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+        # one GEMM, or a dot batched over the 2 blocks (then the scaled sum over blocks)
+        assert kernels[0].shape == ((128, 64) if rows == 128 else (2, 127, 64))
+        assert len(kernels) == (1 if rows == 128 else 2)

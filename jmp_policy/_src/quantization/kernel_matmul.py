@@ -33,6 +33,16 @@ from jmp_policy._src.quantization.quantized_matmul import (
 # and the weight-only form reads the same int8 bytes without quantizing the activations.
 INT8_GEMM_MIN_ROWS = 128
 
+# Rows from which an int4 kernel in blocks is dequantized to the compute dtype (values times
+# scales in float32, then cast) and multiplied by one GEMM, instead of one matmul per block
+# and a scaled sum. Measured on one H200 (jax 0.11.2, 2026-11-26; 8 layers of 8192 x 8192,
+# blocks of 128, `benchmarks/int4_block_forms.py`): the matmul per block ran in 1.02x,
+# 0.85x and 0.23x bf16's speed at 1, 16 and 256 rows, the dequantized GEMM in 0.46x, 0.45x
+# and 0.63x (it writes a compute-dtype copy of the kernel first, a fixed cost that the per
+# block form's cost, growing with the rows, passes between the two measured points).
+INT4_BLOCKS_MAX_ROWS = 128
+DEQUANTIZED_FORMS = ("dequantized", "dequantized, one GEMM")
+
 
 def _per_channel(q: QuantizedArray) -> bool:
     return q.mode == "int8" or q.block_size in (None, -1) or q.scale.shape[0] == 1
@@ -41,7 +51,8 @@ def _per_channel(q: QuantizedArray) -> bool:
 def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> str:
     """The matmul a ``QuantizedArray`` kernel (the right operand) runs, by its layout and
     the rows of the input: ``"int8 x int8"``, ``"weight-only, scale after"``,
-    ``"int4 blocks"`` or ``"dequantized"`` (a layout no fast form covers)."""
+    ``"int4 blocks"``, ``"dequantized, one GEMM"`` (int4 blocks from
+    :data:`INT4_BLOCKS_MAX_ROWS` rows) or ``"dequantized"`` (a layout no fast form covers)."""
     (lc, rc), (lb, rb) = normalize_dims(dims)
     last_free = q.ndim - 1 not in rc and q.ndim - 1 not in rb
     if q.packed or q.stacked or lb or rb or not last_free:
@@ -53,7 +64,7 @@ def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> 
     if _per_channel(q):
         return "weight-only, scale after"
     if q.ndim == 2 and rc == (0,) and len(lc) == 1:
-        return "int4 blocks"
+        return "int4 blocks" if rows < INT4_BLOCKS_MAX_ROWS else "dequantized, one GEMM"
     return "dequantized"
 
 
@@ -78,7 +89,10 @@ def quantized_kernel_dot_general(
     * ``"weight-only, scale after"`` (int8, int4 per channel): ``(x @ convert(values)) *
       scale``, the integer values exact in the compute dtype, the scale applied to the
       float32 result;
-    * ``"int4 blocks"`` (a 2-D kernel): one matmul per block of rows and a scaled sum;
+    * ``"int4 blocks"`` (a 2-D kernel, fewer than :data:`INT4_BLOCKS_MAX_ROWS` rows): one
+      matmul per block of rows and a scaled sum;
+    * ``"dequantized, one GEMM"`` (the same kernel from :data:`INT4_BLOCKS_MAX_ROWS` rows):
+      the kernel dequantized to the compute dtype, then one matmul (faster there on a GPU);
     * ``"int8 x int8"`` (``int8_compute`` and at least :data:`INT8_GEMM_MIN_ROWS` rows):
       the input quantized per row, ``dot_general(int8, int8) -> int32`` contracting the
       last dimension of both (the layout cuBLAS's int8 GEMM takes), both scales applied to
@@ -108,7 +122,7 @@ def quantized_kernel_dot_general(
             record(form)
         if kernel is None:  # reshaped by its layer, in a layout no fast form covers
             w = q.dequantize(compute).reshape(shape)
-        elif form == "dequantized":
+        elif form in DEQUANTIZED_FORMS:
             w = kernel.dequantize(compute)
         else:
             return _fast(form, lhs, kernel, dims, compute, out, precision)

@@ -32,9 +32,11 @@ from jmp_policy._src.quantization import quantized_array as quantization
 JNP_EINSUM = quantized_matmul.JNP_EINSUM
 
 # Below this many rows, contracted or output features, a float8 GEMM is not expected to
-# beat bf16 once its quantization passes are paid: float8 lost at width 768 and won at
-# 8192 (the README's measurements), and this is the conservative middle.
-FLOAT8_MIN_DIM = 4096
+# beat bf16 once its quantization passes are paid. Measured on one H200 (jax 0.11.2,
+# 2026-11-26; `benchmarks/float8_bench.py --tokens 8192 --sweep 1024,2048`: 2 MLP blocks,
+# hidden 4x width, adam): the float8 step took 1.08x (delayed) and 0.97x (current) bf16's
+# time at width 1024, 0.87x and 0.84x at width 2048.
+FLOAT8_MIN_DIM = 2048
 
 # path -> form, for the model run being explained (None: nobody is recording).
 _FORMS: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
@@ -139,8 +141,9 @@ def record_float8(path: str, m: int, k: int, n: int, scaling: str) -> None:
             user_warnings.warn(
                 f"The float8 layer {path or '<root>'!r} runs a {m}x{k}x{n} matmul: below "
                 f"{FLOAT8_MIN_DIM} rows or features a float8 GEMM is not expected to be "
-                "faster than bfloat16 once its quantization passes are paid (on an H100, "
-                "float8 lost at width 768 and won at 8192). Give such layers a bfloat16 "
+                "faster than bfloat16 once its quantization passes are paid (measured on an "
+                "H200: a float8 MLP step took 1.08x bf16's time at width 1024 and 0.87x at "
+                "2048). Give such layers a bfloat16 "
                 "policy in the map unless you measured a gain; `explain` lists every such layer "
                 "(this warning is given once).",
             )
