@@ -187,8 +187,7 @@ def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
         run = _KERNEL_RUN.get()
         if not _routable(module):
             stacked = None if run is None else run.ahead.get(call.path)
-            if getattr(stacked, "stacked", 0):  # a stack's layer with a matmul of its own
-                matmuls.dequantized_ahead(call.path, stacked, policy.scheme)
+            matmuls.own_matmul_in_stack(call.path, stacked, policy.scheme)
             return None
         if run is not None:
             _learn_route(module, call.path, run)

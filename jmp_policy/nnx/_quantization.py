@@ -194,8 +194,7 @@ def quantized_matmuls(
     name = None if module is None else _replacement(module)
     if name is None:
         ahead = (_AHEAD.get() or {}).get(call.path)
-        if getattr(ahead, "stacked", 0):  # a stack's layer with a matmul of its own
-            matmuls.dequantized_ahead(call.path, ahead, policy.scheme)
+        matmuls.own_matmul_in_stack(call.path, ahead, policy.scheme)
         return next_fn(*args, **kwargs)
     if policy.scheme is not None and policy.scheme.stateful:
         state = _float8_state(call)

@@ -77,6 +77,14 @@ def _label(scheme: Any, kernel: Any) -> str:
     return storage_label(kernel) if scheme is None else str(scheme.describe(kernel))
 
 
+def own_matmul_in_stack(path: str, kernel: Any, scheme: Any) -> None:
+    """A layer with a matmul of its own (none the glue routes) whose stored kernel is a
+    stack's (``kernel.stacked``): it runs from the dequantized copy, which
+    :func:`dequantized_ahead` records and warns of. Both glues call this for such layers."""
+    if getattr(kernel, "stacked", 0):
+        dequantized_ahead(path, kernel, scheme)
+
+
 def dequantized_ahead(path: str, kernel: Any, scheme: Any) -> bool:
     """Whether a layer runs as written because its ``QuantizedArray`` kernel was
     dequantized ahead of it (a scanned stack's layer sees a slice; ``kernel``: that stored
