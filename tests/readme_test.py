@@ -127,7 +127,9 @@ def test_ci_runs_the_readmes_test_command_in_parallel():
     assert command and command[1] == "python -m pytest -q -n auto"
     assert command[1] in (root / ".ci" / "run").read_text().splitlines()
     assert '"pytest-xdist>=' in (root / "pyproject.toml").read_text()  # in the `test` extra
-    minutes = re.search(r"takes (?:about|under) (\d+) minutes on 2 (?:quiet )?cores", README.read_text())
+    minutes = re.search(
+        r"takes (?:about|under) (\d+) minutes on 2 (?:quiet )?cores", README.read_text()
+    )
     assert minutes, "the README says how long the suite takes"
 
 
