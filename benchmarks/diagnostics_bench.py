@@ -19,17 +19,52 @@ Run: `python benchmarks/diagnostics_bench.py [--dims 256 1024 --layers 4 --batch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import statistics
 import time
+from collections.abc import Iterator
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 import jmp_policy as jp
+from jmp_policy._src.diagnostics import taps
 
 EVERY = 10
+KEPT = f"every={EVERY}, conds kept"
+
+
+@contextlib.contextmanager
+def conds_kept() -> Iterator[None]:
+    """While tracing: each statistic's ``lax.cond`` with an ``optimization_barrier`` in its
+    taken branch. XLA's GPU compiler turns the library's per-statistic conds into selects
+    (computing every statistic on every step); the barrier keeps them conditionals. Which
+    is faster on a GPU (a skipped reduction against a predicate read per conditional) is
+    what this variant measures."""
+    gated = taps._gated
+
+    def kept(sample, leaves, dtype):
+        if sample is None:
+            return gated(sample, leaves, dtype)
+        leaves = [jax.lax.stop_gradient(x) for x in leaves]
+
+        def stats(v):
+            return taps.stats_of(jax.lax.optimization_barrier(v), dtype)
+
+        return jax.lax.cond(sample, stats, lambda v: taps.no_stats(), leaves)
+
+    taps._gated = kept
+    try:
+        yield
+    finally:
+        taps._gated = gated
+
+
+def conditionals(compiled: jax.stages.Compiled) -> int:
+    """The conditionals left in the compiled program (XLA may turn a cond into a select)."""
+    return len(re.findall(r"\bconditional\(", compiled.as_text()))
 
 
 class Block(nn.Module):
@@ -95,11 +130,15 @@ def measure(args: argparse.Namespace, dim: int) -> None:
         f"diagnose every={EVERY}": diagnosed_step(
             jp.linen.diagnose(model, "mixed_float16", every=EVERY)
         ),
+        KEPT: diagnosed_step(jp.linen.diagnose(model, "mixed_float16", every=EVERY)),
     }
     step0 = jnp.zeros((), jnp.int32)
     jaxpr = str(jax.make_jaxpr(step_apply)(params, probe, x, step0))
     assert "is_finite" not in jaxpr and "custom_vjp" not in jaxpr, "apply holds taps"
-    compiled = {k: jax.jit(f).lower(params, probe, x, step0).compile() for k, f in variants.items()}
+    compiled = {}
+    for k, f in variants.items():
+        with conds_kept() if k == KEPT else contextlib.nullcontext():
+            compiled[k] = jax.jit(f).lower(params, probe, x, step0).compile()
     steps = [jnp.asarray(i, jnp.int32) for i in range(EVERY)]
     for c in compiled.values():
         for s in steps[:2]:
@@ -119,7 +158,9 @@ def measure(args: argparse.Namespace, dim: int) -> None:
     print(
         f"{jax.devices()[0].device_kind}; {args.layers} layers, dim {dim}, batch "
         f"{args.batch}, seq {args.seq}; {len(probe)} submodules tapped; "
-        f"+{extra} reduce ops"
+        f"+{extra} reduce ops; conditionals left by the compiler: "
+        f"{conditionals(compiled[f'diagnose every={EVERY}'])} (every={EVERY}), "
+        f"{conditionals(compiled[KEPT])} ({KEPT})"
     )
     print(f"  {'step':<24} {'wall ms':>10} {'ratio':>7} {'CPU ms':>10} {'ratio':>7}")
     for k, t in medians.items():

@@ -271,3 +271,22 @@ def test_search_bench_quick_prints_every_map_and_the_rank_correlation():
     searched = re.findall(r"searched at ([\d.]+) bits\s+[\d,]+\s+([\d.]+)", out)
     assert len(searched) == 3, out
     assert all(float(bits) <= float(budget) for budget, bits in searched), out
+
+
+@pytest.mark.heavy(8)
+def test_diagnostics_bench_prints_each_variant_and_the_conditionals_left():
+    result = _run(
+        "diagnostics_bench.py", "--dims", "32", "--layers", "1", "--heads", "2", "--batch", "2",
+        "--seq", "8", "--repeats", "1",
+    )  # fmt: skip
+    lines = result.stdout.splitlines()
+    # One cond per statistic (inputs, outputs, cotangents of each tapped submodule), all
+    # kept on a CPU; XLA's GPU compiler turns the library's into selects (not the barrier's).
+    found = re.search(
+        r"conditionals left by the compiler: (\d+) \(every=10\), (\d+) \(every", lines[0]
+    )
+    assert found and int(found[2]) > 0, lines[0]
+    if jax.default_backend() == "cpu":
+        assert found[1] == found[2]
+    rows = [line.split("  ")[1].strip() for line in lines[2:]]
+    assert rows == ["apply", "diagnose", "diagnose every=10", "every=10, conds kept"]

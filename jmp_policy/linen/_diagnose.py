@@ -44,7 +44,9 @@ def diagnose(
         method: as for :func:`apply`.
         every: compute the statistics on the steps where ``step % every == 0`` (an int
             >= 1; with ``every > 1`` the function requires ``step=``); the other steps
-            skip the reductions and report zeros, with ``report.sampled`` false.
+            report zeros, with ``report.sampled`` false, and skip the reductions where
+            the compiler keeps the conds (a CPU does; XLA's GPU compiler turns them into
+            selects, so there the statistics are computed on every step).
         paths: ``None`` (tap every submodule), or a module path or regular expression,
             or a list of them (``DTypePolicyMap`` key syntax): the submodules to tap;
             the report lists the others as ``untapped``.

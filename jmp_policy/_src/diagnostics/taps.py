@@ -18,7 +18,9 @@ backward statistics; ``Report.with_gradients`` puts them into the report.
 
 **Tapping less.** With a :class:`~jmp_policy._src.diagnostics.tap_selection.Selection` only the
 submodules it names are tapped, and each statistic sits in a ``lax.cond`` on
-``step % every == 0``, so the other steps skip the reductions with no recompilation.
+``step % every == 0``, so the other steps skip the reductions with no recompilation. (XLA's
+GPU compiler turns these small conds into selects, computing the statistics on every step:
+see docs/diagnostics.md.)
 
 Submodules called inside a transform of their own (``nn.scan``, ``nn.remat``, ``nn.vmap``,
 ``nnx.scan``, ...) run in an inner trace whose values cannot leave it: their statistics
