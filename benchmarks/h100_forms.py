@@ -327,6 +327,9 @@ def problems(program: Program, mode: str, found: Forms) -> list[str]:
         for w in found.weight_reads:
             if w.is_copy:
                 out.append(f"a copy of the weights: {w.describe()} ({w.name} in {w.computation})")
+        for g in gemms:  # one row with a float32 result once made an f32 GEMM here
+            if g.reads_int_weights and (g.lhs, g.rhs) != ("bf16", "bf16"):
+                out.append(f"not a bf16 GEMM: {g.describe()} (in {g.computation})")
         read = [g for g in gemms if g.reads_int_weights == program.weights]
         read += [w for w in found.weight_reads if not w.is_copy and w.read == program.weights]  # type: ignore[misc]
         if len(read) != program.gemms:

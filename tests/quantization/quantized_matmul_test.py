@@ -258,3 +258,31 @@ def test_int4_blocks_are_dequantized_into_one_gemm_from_128_rows(jit):
         # one GEMM, or a dot batched over the 2 blocks (then the scaled sum over blocks)
         assert kernels[0].shape == ((128, 64) if rows == 128 else (2, 127, 64))
         assert len(kernels) == (1 if rows == 128 else 2)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("shape", [(1, 256), (1, 1, 256), (256,), (3, 256)])
+@pytest.mark.parametrize("name", ["int8_from_float32", "int4_from_float32"])
+def test_weight_only_one_row_runs_as_two_rows_of_the_compute_dtype(jit, shape, name):
+    """One row with a float32 result made XLA's GPU compiler convert both operands to
+    float32 (an f32 GEMM, compiled for an H100): the weight-only form multiplies a single
+    row as two (a zero row added, then dropped). The result is the one row's, any shape."""
+    from jmp_policy._src.quantization import kernel_matmul
+
+    w = jax.random.normal(jax.random.key(0), (256, 64)) / 16
+    q = jp.get(name).quantize(w)
+    x = jax.random.normal(jax.random.key(1), shape).astype(jnp.bfloat16)
+    dims = (((len(shape) - 1,), (0,)), ((), ()))
+    forms = []
+    dot = kernel_matmul.quantized_kernel_dot_general(q, record=forms.append)
+    run = jax.jit(dot, static_argnums=2) if jit else dot
+    y = run(x, jnp.zeros((256, 64), jnp.bfloat16), dims)
+    assert forms == ["weight-only, scale after"]
+    assert y.shape == (*shape[:-1], 64) and y.dtype == jnp.bfloat16
+    want = np.asarray(x, np.float32) @ np.asarray(q.dequantize(jnp.float32))
+    assert np.abs(np.asarray(y, np.float32) - want).max() < 2e-2 * np.abs(want).max()
+    jaxpr = jax.make_jaxpr(dot, static_argnums=2)(x, jnp.zeros((256, 64), jnp.bfloat16), dims)
+    (lhs,) = [e.invars[0].aval for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    padded = len(shape) > 1 and int(np.prod(shape[:-1])) == 1
+    assert lhs.shape == ((2, *shape[1:]) if padded else shape)
+    assert lhs.dtype == jnp.bfloat16

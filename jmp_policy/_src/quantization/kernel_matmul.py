@@ -160,10 +160,22 @@ def _fast(
 ) -> jax.Array:
     """The matmul of a fast ``form`` (:func:`kernel_form`) on ``kernel``."""
     if form == "weight-only, scale after":
+        x = lhs.astype(compute)
+        (lc, _), _ = dims
+        free = [i for i in range(x.ndim) if i not in lc]  # this form has no batch dims
+        # A single row is multiplied as two (a zero row added, then dropped), as in
+        # `_int4_blocks`: for one row and a float32 result XLA's GPU compiler converts both
+        # operands to float32 (an f32 GEMM reading the integer weights); two rows keep the
+        # compute-dtype GEMM with float32 accumulation (compiled for an H100).
+        one_row = _rows(x, dims) == 1 and bool(free)
+        if one_row:
+            x = jnp.concatenate([x, jnp.zeros_like(x)], axis=free[0])
         y = jax.lax.dot_general(
-            lhs.astype(compute), kernel.values.astype(compute), dims, precision=precision,
+            x, kernel.values.astype(compute), dims, precision=precision,
             preferred_element_type=jnp.float32,
         )  # fmt: skip
+        if one_row:  # the lhs's free axes lead the result (no batch dims)
+            y = jax.lax.slice_in_dim(y, 0, 1, axis=0)
         return _scaled(y, kernel.scale, out)
     if form == "int4 blocks":
         return _int4_blocks(lhs.astype(compute), kernel, out)
