@@ -273,13 +273,16 @@ def test_search_bench_quick_prints_every_map_and_the_rank_correlation():
     assert all(float(bits) <= float(budget) for budget, bits in searched), out
 
 
-@pytest.mark.heavy(8)
-def test_diagnostics_bench_prints_each_variant_and_the_conditionals_left():
-    result = _run(
-        "diagnostics_bench.py", "--dims", "32", "--layers", "1", "--heads", "2", "--batch", "2",
-        "--seq", "8", "--repeats", "1",
-    )  # fmt: skip
-    lines = result.stdout.splitlines()
+def test_diagnostics_bench_prints_each_variant_and_the_conditionals_left(capsys):
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import diagnostics_bench
+
+    args = argparse.Namespace(layers=1, heads=2, batch=2, seq=8, repeats=1)
+    diagnostics_bench.measure(args, 32)  # in this process: no interpreter to start
+    stdout = capsys.readouterr().out
+    lines = stdout.splitlines()
     # One cond per statistic (inputs, outputs, cotangents of each tapped submodule), all
     # kept on a CPU; XLA's GPU compiler turns the library's into selects (not the barrier's).
     found = re.search(
