@@ -5,6 +5,7 @@ makes the doctests of `jmp_policy/` run in the same process as the tests.
 """
 
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -26,4 +27,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    # A size limit turns on JAX's file lock around each read and write of the cache
+    # (`filelock`, in the test extra). Without it one worker can read an entry another is
+    # still writing: an empty entry, JAX's "Error reading persistent compilation cache
+    # entry" warning, and a failure in a test that makes warnings errors (seen once in CI).
+    if importlib.util.find_spec("filelock") is not None:  # else JAX refuses a size limit
+        os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)

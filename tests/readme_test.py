@@ -133,6 +133,21 @@ def test_ci_runs_the_readmes_test_command_in_parallel():
     assert minutes, "the README says how long the suite takes"
 
 
+def test_the_shared_compilation_cache_locks_its_reads_and_writes():
+    """The xdist workers share the run's XLA cache that the root conftest.py makes; its size
+    limit turns on JAX's file lock, so no worker reads an entry another is writing."""
+    import os
+    import tempfile
+
+    import jax
+
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+    if not cache.startswith(os.path.join(tempfile.gettempdir(), "jmp_policy-tests-xla-cache-")):
+        pytest.skip("a compilation cache the caller set up is used as it is")
+    assert jax.config.jax_compilation_cache_max_size == 16 * 2**30
+    import filelock  # noqa: F401  (the test extra's: JAX needs it for the lock)
+
+
 def test_tests_see_8_cpu_devices_in_every_process():
     """The root conftest.py sets XLA_FLAGS before jax is imported, in each xdist worker too."""
     import os
