@@ -5,7 +5,6 @@ makes the doctests of `jmp_policy/` run in the same process as the tests.
 """
 
 import atexit
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -17,8 +16,8 @@ if _DEVICES not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# One XLA compilation cache per test run, shared by the xdist workers (which inherit this
-# process's environment) and the subprocesses the tests start: a program another test
+# One XLA compilation cache per test run, a folder per xdist worker (below), read by the
+# subprocesses the tests start too: a program another test
 # already compiled (the same model and policy wrapped anew, the same step rebuilt) is read
 # back instead of compiled again. Fresh for each run and removed when it ends, so no run
 # reads another's entries; a cache the caller set up is used as it is.
@@ -27,10 +26,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    # A size limit turns on JAX's file lock around each read and write of the cache
-    # (`filelock`, in the test extra). Without it one worker can read an entry another is
-    # still writing: an empty entry, JAX's "Error reading persistent compilation cache
-    # entry" warning, and a failure in a test that makes warnings errors (seen once in CI).
-    if importlib.util.find_spec("filelock") is not None:  # else JAX refuses a size limit
-        os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 * 2**30))
+    os.environ["JMP_POLICY_TESTS_XLA_CACHE"] = _XLA_CACHE
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+
+# Each xdist worker writes and reads its own folder of the run's cache (its subprocesses
+# too). Shared, one worker once read an entry another was still writing (JAX writes the
+# file in place and, without a size limit, locks nothing): an empty entry, JAX's "Error
+# reading persistent compilation cache entry" warning, and a failed test that makes
+# warnings errors. A size limit turns on JAX's lock, but its scan of the folder on every
+# write made the suite several times slower.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_BASE = os.environ.get("JMP_POLICY_TESTS_XLA_CACHE")
+if _WORKER and _BASE and os.environ.get("JAX_COMPILATION_CACHE_DIR") == _BASE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_BASE, _WORKER)
