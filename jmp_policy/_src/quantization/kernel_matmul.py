@@ -125,7 +125,7 @@ def quantized_kernel_dot_general(
         elif form in DEQUANTIZED_FORMS:
             w = kernel.dequantize(compute)
         else:
-            return _fast(form, lhs, kernel, dims, compute, out, precision)
+            return _fast(form, lhs, kernel, dims, compute, out, precision, rows)
         return jax.lax.dot_general(
             lhs.astype(compute), w, dims, precision=precision, preferred_element_type=out
         )
@@ -157,8 +157,10 @@ def _fast(
     compute: np.dtype,
     out: np.dtype,
     precision: Any,
+    rows: int,
 ) -> jax.Array:
-    """The matmul of a fast ``form`` (:func:`kernel_form`) on ``kernel``."""
+    """The matmul of a fast ``form`` (:func:`kernel_form`) on ``kernel``; ``rows``: the
+    product of ``lhs``'s free dimensions."""
     if form == "weight-only, scale after":
         x = lhs.astype(compute)
         (lc, _), _ = dims
@@ -167,7 +169,7 @@ def _fast(
         # `_int4_blocks`: for one row and a float32 result XLA's GPU compiler converts both
         # operands to float32 (an f32 GEMM reading the integer weights); two rows keep the
         # compute-dtype GEMM with float32 accumulation (compiled for an H100).
-        one_row = _rows(x, dims) == 1 and bool(free)
+        one_row = rows == 1 and bool(free)
         if one_row:
             x = jnp.concatenate([x, jnp.zeros_like(x)], axis=free[0])
         y = jax.lax.dot_general(
