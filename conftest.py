@@ -29,13 +29,37 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JMP_POLICY_TESTS_XLA_CACHE"] = _XLA_CACHE
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 
-# Each xdist worker writes and reads its own folder of the run's cache (its subprocesses
-# too). Shared, one worker once read an entry another was still writing (JAX writes the
-# file in place and, without a size limit, locks nothing): an empty entry, JAX's "Error
-# reading persistent compilation cache entry" warning, and a failed test that makes
-# warnings errors. A size limit turns on JAX's lock, but its scan of the folder on every
-# write made the suite several times slower.
+# The xdist workers share the run's cache, so a program one worker compiled is read back by
+# the others (about a sixth of the suite's time). JAX writes an entry in place and, without a
+# size limit, locks nothing: a worker once read an entry another was still writing (an empty
+# entry, JAX's "Error reading persistent compilation cache entry" warning, and a failed test
+# that makes warnings errors). A size limit turns on JAX's lock, but its scan of the folder
+# on every write made the suite several times slower. So in the test processes an entry is
+# written to a temporary file beside it and renamed into place (atomic on one file system):
+# a reader finds no entry or a whole one. The subprocesses the tests start write in place,
+# so they get a folder of the run's cache per worker, which only they write and read.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 _BASE = os.environ.get("JMP_POLICY_TESTS_XLA_CACHE")
-if _WORKER and _BASE and os.environ.get("JAX_COMPILATION_CACHE_DIR") == _BASE:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_BASE, _WORKER)
+if _BASE and os.environ.get("JAX_COMPILATION_CACHE_DIR", "").startswith(_BASE):
+    import jax
+    from jax._src import lru_cache as _lru_cache
+
+    _put_in_place = _lru_cache.LRUCache.put
+
+    def _put_atomically(self, key: str, value: bytes) -> None:
+        if getattr(self, "eviction_enabled", True) or not key:
+            return _put_in_place(self, key, value)
+        entry = os.path.join(os.fspath(self.path), f"{key}{_lru_cache._CACHE_SUFFIX}")
+        if os.path.exists(entry):
+            return None
+        handle, temporary = tempfile.mkstemp(dir=os.path.dirname(entry), prefix=".writing-")
+        with os.fdopen(handle, "wb") as file:
+            file.write(value)
+        os.replace(temporary, entry)
+        return None
+
+    _lru_cache.LRUCache.put = _put_atomically  # type: ignore[method-assign]
+    jax.config.update("jax_compilation_cache_dir", _BASE)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+        _BASE, "subprocesses", _WORKER or "controller"
+    )

@@ -133,20 +133,35 @@ def test_ci_runs_the_readmes_test_command_in_parallel():
     assert minutes, "the README says how long the suite takes"
 
 
-def test_each_xdist_worker_has_its_own_folder_of_the_runs_compilation_cache():
-    """The root conftest.py makes one XLA cache per run and gives each xdist worker its own
-    folder of it: shared, a worker once read an entry another was still writing."""
+def test_the_runs_compilation_cache_is_shared_and_written_atomically(tmp_path):
+    """The root conftest.py makes one XLA cache per run, shared by the xdist workers, whose
+    entries are written to a temporary file and renamed into place: written in place, a
+    worker once read an entry another was still writing. The subprocesses the tests start
+    (which write in place) get a folder per worker."""
     import os
 
     import jax
+    from jax._src import lru_cache
 
     base = os.environ.get("JMP_POLICY_TESTS_XLA_CACHE")
     if base is None:
         pytest.skip("a compilation cache the caller set up is used as it is")
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    want = os.path.join(base, worker) if worker else base
-    assert os.environ["JAX_COMPILATION_CACHE_DIR"] == want
-    assert jax.config.jax_compilation_cache_dir == want
+    worker = os.environ.get("PYTEST_XDIST_WORKER") or "controller"
+    assert jax.config.jax_compilation_cache_dir == base
+    assert os.environ["JAX_COMPILATION_CACHE_DIR"] == os.path.join(base, "subprocesses", worker)
+
+    cache = lru_cache.LRUCache(str(tmp_path), max_size=-1)
+    replaced = []
+    real_replace = os.replace
+    os.replace = lambda source, target: (replaced.append(target), real_replace(source, target))
+    try:
+        cache.put("key", b"compiled program")
+        cache.put("key", b"another value")  # an entry already there is kept, as JAX does
+    finally:
+        os.replace = real_replace
+    assert replaced == [os.path.join(str(tmp_path), "key-cache")]
+    assert cache.get("key") == b"compiled program"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["key-cache"]  # no temporary left
 
 
 def test_tests_see_8_cpu_devices_in_every_process():
