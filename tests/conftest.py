@@ -9,9 +9,9 @@ import jmp_policy as jp
 @pytest.fixture(autouse=True)
 def _reset_global_policy():
     """Every test starts and ends with the default global policy."""
-    jp.set_dtype_policy(None)
+    jp.set_dtype_policy("float32")
     yield
-    jp.set_dtype_policy(None)
+    jp.set_dtype_policy("float32")
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])

@@ -18,9 +18,10 @@ def test_process_default_is_float32():
     assert jp.global_policy() is policy
 
 
-def test_aliases_are_the_same_functions():
-    assert jp.set_global_policy is jp.set_dtype_policy
+def test_aliases_are_the_same_functions_but_each_setter_takes_none_as_its_peer_does():
     assert jp.global_policy is jp.dtype_policy
+    # tf.keras's set_global_policy(None) resets; Keras 3's set_dtype_policy(None) raises
+    assert jp.set_global_policy is not jp.set_dtype_policy
 
 
 @pytest.mark.parametrize(
@@ -60,15 +61,23 @@ def test_set_policy_object_keeps_it(policy):
     assert jp.dtype_policy() is policy
 
 
-def test_set_policy_repeatedly_and_none_restores_float32():
+def test_set_policy_repeatedly_and_set_global_policy_none_restores_float32():
     jp.set_dtype_policy("mixed_float16")
     assert jp.dtype_policy().name == "mixed_float16"
     jp.set_dtype_policy("float32")
     assert jp.dtype_policy().name == "float32"
     jp.set_dtype_policy("mixed_bfloat16")
-    jp.set_dtype_policy(None)
+    jp.set_global_policy(None)  # tf.keras's reset
     assert jp.dtype_policy() == jp.DTypePolicy("float32")
-    assert jp.dtype_policy().name == "float32"
+    assert jp.global_policy().name == "float32"
+
+
+def test_set_dtype_policy_none_is_keras_3s_error_naming_the_way_back():
+    jp.set_dtype_policy("mixed_bfloat16")
+    with pytest.raises(ValueError, match=r"Invalid `policy` argument.*policy=None") as info:
+        jp.set_dtype_policy(None)
+    assert isinstance(info.value, TypeError)
+    assert jp.dtype_policy().name == "mixed_bfloat16"  # unchanged
 
 
 @pytest.mark.parametrize("name", ["int32", "int8", "uint8", "bool", "complex64", "p=f32,c=int32"])
@@ -105,7 +114,7 @@ def test_set_policy_bad_type_raises_type_error(bad):
 
 
 def test_bad_name_raises_value_error():
-    with pytest.raises(ValueError, match="Cannot convert 'mixed_bfloat15'"):
+    with pytest.raises(ValueError, match="Cannot convert value mixed_bfloat15 "):
         jp.set_dtype_policy("mixed_bfloat15")
 
 

@@ -181,6 +181,34 @@ def test_bad_name_message_says_what_is_wrong(name, detail):
         jp.get_policy(name)
 
 
+@pytest.mark.parametrize("cls", FLOAT_CLASSES)
+def test_bad_name_message_has_tf_keras_phrase(cls):
+    # tf.keras's policy_test matches "Cannot convert value abc to a mixed precision Policy."
+    with pytest.raises(ValueError, match=r"Cannot convert value abc to a mixed precision Policy\."):
+        cls("abc")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "infer_float32_vars",
+        "float16_with_float32_vars",
+        "bfloat16_with_float32_vars",
+        "int8_with_float32_vars",
+    ],
+)
+def test_tf_keras_removed_float32_vars_names_say_they_were_removed(name):
+    with pytest.raises(ValueError, match="Policies ending in '_float32_vars' have been removed"):
+        jp.Policy(name)
+
+
+def test_a_long_or_unprintable_bad_name_is_quoted_in_the_first_sentence():
+    with pytest.raises(ValueError, match=r"Cannot convert value 'xxx.*\.\.\..*' to a"):
+        jp.DTypePolicy("x" * 1000)
+    with pytest.raises(ValueError, match=r"Cannot convert value 'a\\nb' to"):
+        jp.DTypePolicy("a\nb")
+
+
 def test_quantized_name_is_not_a_float_policy_name():
     with pytest.raises(ValueError, match=r"Cannot convert.*quantized name"):
         jp.DTypePolicy("int8_from_mixed_bfloat16")

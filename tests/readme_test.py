@@ -81,7 +81,7 @@ def test_names_table_has_a_row_per_peer_and_the_kept_differences():
         "always bfloat16",
         "`f32` where jmp writes `full`",
         "one leaf",
-        "`set_dtype_policy(None)` resets to float32",
+        "`set_global_policy(None)` resets to float32",
         "`default_policy=None` map keeps its entries' names",
         "single-dtype policies serialize to dicts",
         '`"string"` dtype',

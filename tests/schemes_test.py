@@ -143,7 +143,7 @@ def test_a_registered_format_is_a_policy_name_and_a_config(int6):
 
 
 def test_an_unregistered_format_is_not_a_name():
-    with pytest.raises(ValueError, match="Cannot convert 'int6_from_float32'"):
+    with pytest.raises(ValueError, match="Cannot convert value int6_from_float32 "):
         jp.get("int6_from_float32")
 
 

@@ -111,5 +111,7 @@ def test_we_read_keras_calibrated_policies(make, ours):
 
 def test_keras_gptq_bits_we_cannot_store_are_a_clear_error():
     theirs = keras.dtype_policies.GPTQDTypePolicy("gptq/3/128", "float32")
-    with pytest.raises(ValueError, match=r"GPTQ weights of 3 bits are not supported.*4 or 8"):
+    with pytest.raises(
+        ValueError, match=r"GPTQ only supports 4-bit or 8-bit.*3 bits are not supported"
+    ):
         jp.deserialize(keras.saving.serialize_keras_object(theirs))

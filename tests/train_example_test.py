@@ -196,7 +196,7 @@ def test_saved_bytes_counts_the_residuals_not_the_arguments():
     [
         (
             ["--policy=mixed_bflaot16"],
-            "argument --policy: Cannot convert 'mixed_bflaot16' to a dtype policy. Unknown "
+            "argument --policy: Cannot convert value mixed_bflaot16 to a mixed precision Policy. Unknown "
             "dtype or policy name 'mixed_bflaot16'. Did you mean 'mixed_bfloat16'?",
         ),
         (

@@ -26,6 +26,12 @@ def _as_global(policy: Any, argument: str = "policy") -> DTypePolicy:
             f"Invalid `{argument}` argument. Expected the string name of a policy (such as "
             f"'mixed_float16') or a `DTypePolicy` instance. Received: {argument}={policy!r} "
             f"(of type {type(policy).__name__})"
+            + (
+                ". To restore the default, pass 'float32' (or call set_global_policy(None), "
+                "tf.keras's reset)"
+                if policy is None
+                else ""
+            )
         )
     if not dt.is_floating(policy.compute_dtype):
         raise ValueError(
@@ -35,16 +41,19 @@ def _as_global(policy: Any, argument: str = "policy") -> DTypePolicy:
     return policy
 
 
-def set_dtype_policy(policy: DTypePolicy | str | None) -> None:
-    """Sets the process-wide default policy (Keras's ``set_dtype_policy``).
+def set_dtype_policy(policy: DTypePolicy | str) -> None:
+    """Sets the process-wide default policy (Keras 3's ``set_dtype_policy``).
 
-    A :func:`policy_scope` that is active still wins inside its context.
+    A :func:`policy_scope` that is active still wins inside its context. As in Keras 3,
+    ``None`` is not a policy: restore the default with ``"float32"`` (or with
+    :func:`set_global_policy`, tf.keras's name, which takes ``None`` as tf.keras does).
 
     Args:
-        policy: a policy or any accepted name; ``None`` restores ``"float32"``.
+        policy: a policy or any accepted name.
 
     Raises:
-        TypeError: ``policy`` is neither a policy, a string nor ``None``.
+        TypeError: ``policy`` is neither a policy nor a string (``None`` too); the error
+            is also a ``ValueError``, the type Keras 3 raises.
         ValueError: the policy's compute dtype is not floating (``"int32"``).
 
     Examples:
@@ -52,8 +61,33 @@ def set_dtype_policy(policy: DTypePolicy | str | None) -> None:
         >>> jp.set_dtype_policy("mixed_bfloat16")
         >>> jp.dtype_policy()
         <DTypePolicy "mixed_bfloat16">
-        >>> jp.set_dtype_policy(None)
+        >>> jp.set_dtype_policy("float32")
         >>> jp.dtype_policy()
+        <DTypePolicy "float32">
+    """
+    context.DEFAULT.policy = _as_global(policy)
+
+
+def set_global_policy(policy: DTypePolicy | str | None) -> None:
+    """Sets the process-wide default policy (tf.keras's ``set_global_policy``).
+
+    :func:`set_dtype_policy`, except that ``None`` restores the default (``"float32"``),
+    as in tf.keras.
+
+    Args:
+        policy: a policy, any accepted name, or ``None``.
+
+    Raises:
+        TypeError: ``policy`` is neither a policy, a string nor ``None``.
+        ValueError: the policy's compute dtype is not floating (``"int32"``).
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> jp.set_global_policy("mixed_float16")
+        >>> jp.global_policy()
+        <DTypePolicy "mixed_float16">
+        >>> jp.set_global_policy(None)
+        >>> jp.global_policy()
         <DTypePolicy "float32">
     """
     context.DEFAULT.policy = None if policy is None else _as_global(policy)
@@ -71,7 +105,6 @@ def dtype_policy() -> DTypePolicy:
     return _FLOAT32 if policy is None else policy
 
 
-set_global_policy = set_dtype_policy
 global_policy = dtype_policy
 
 

@@ -93,9 +93,16 @@ def _policy_names() -> list[str]:
 
 def _unknown(name: str, detail: str = "", argument: str = "name") -> ValueError:
     detail = f" {detail}" if detail else ""
+    if name.strip().endswith("_float32_vars"):  # tf.keras's removed names, its phrase
+        detail += (
+            " Policies ending in '_float32_vars' have been removed from TensorFlow: use "
+            "'mixed_float16' or 'mixed_bfloat16', which keep float32 variables."
+        )
+    # tf.keras's phrase (its users' tests match it); Keras 3's begins the same way.
+    shown = name if name.isprintable() and len(name) <= 80 else dt.bounded_repr(name)
     return ValueError(
-        f"Cannot convert {name!r} to a dtype policy.{detail} Expected {VALID_FORMS}. "
-        f"Received: {argument}={name!r}"
+        f"Cannot convert value {shown} to a mixed precision Policy.{detail}"
+        f" Expected {VALID_FORMS}. Received: {argument}={name!r}"
     )
 
 
@@ -127,7 +134,7 @@ def _float_dtypes(name: str, argument: str) -> tuple[np.dtype, np.dtype, np.dtyp
                 )
             # jmp's users expect jmp's phrase ("Unknown dtype") for a bad single value.
             hint = dt.did_you_mean(text, _policy_names())
-            raise _unknown(name, f"Unknown dtype or policy name {text!r}.{hint}", argument)
+            raise _unknown(name, f"Unknown dtype or policy name {dt.bounded_repr(text)}.{hint}", argument)
         return dtype, dtype, dtype
     values: dict[str, np.dtype] = {}
     for part in text.split(","):

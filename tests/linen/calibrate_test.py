@@ -1,6 +1,7 @@
 """jp.linen.calibrate: GPTQ and AWQ kernels of an unmodified Linen model, int8 beside them,
 served through the weight-only matmul."""
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -129,57 +130,6 @@ def _dequantized(q):
     )
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_scan_stack_layers_are_each_calibrated_on_their_own_inputs(method, maybe_jit):
-    model, x = ScanMLP(), _inputs(256)
-    variables = model.init(jax.random.key(0), x)
-    policy = jp.DTypePolicyMap(
-        "float32", {"layers": f"{method}/4/16_from_float32", "up|head": "int8_from_float32"}
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no layer of the stack falls back to round-to-nearest
-        told = []
-        q, report = jp.linen.calibrate(
-            model, policy, variables, [x], return_report=True, progress=told.append
-        )
-    assert told == report  # progress is told each layer of the stack
-    kernel = q["params"]["layers"]["Dense_0"]["kernel"]
-    rtn_policy = jp.DTypePolicyMap(
-        "float32", {"layers": "int4/16_from_float32", "up|head": "int8_from_float32"}
-    )
-    rtn = jp.linen.quantize(model, rtn_policy, variables, x)
-    rtn_kernel = rtn["params"]["layers"]["Dense_0"]["kernel"]
-    # the layout quantize gives a stack: stacked=1, scales [depth, blocks, out]
-    assert (kernel.shape, kernel.stacked, kernel.block_size) == ((3, 32, 32), 1, 16)
-    assert kernel.scale.shape == rtn_kernel.scale.shape == (3, 2, 32)
-    assert kernel.values.dtype == jnp.int4
-    assert q["params"]["up"]["kernel"].mode == "int8"
-    assert q["params"]["layers"]["Dense_0"]["bias"].shape == (3, 32)  # float, stacked
-    paths = [f"layers/Dense_0/kernel[{i}]" for i in range(3)]
-    assert [(r.path, r.method) for r in report] == [(p, method) for p in paths]
-    for r in report:  # each layer's output error, on its own inputs, below RTN's
-        assert r.error < r.rtn_error
-    ref.assert_each_layer_solved_alone(
-        method,
-        kernel,
-        rtn_kernel,
-        variables["params"]["layers"]["Dense_0"]["kernel"],
-        _scan_layer_inputs(variables["params"], x),
-        _scan_layer_inputs(variables["params"], _inputs(128, seed=1)),  # held out
-    )
-    # the calibrated stack serves as a round-to-nearest stack does, as its dequantized
-    # kernels (a float stack beside the same int8 layers)
-    held = _inputs(128, seed=1)
-    got = maybe_jit(jp.linen.apply(model, policy))(q, held)
-    floats = {**q["params"], "layers": _dequantized(q["params"]["layers"])}
-    int8_only = jp.DTypePolicyMap("float32", {"up|head": "int8_from_float32"})
-    want = maybe_jit(jp.linen.apply(model, int8_only))({**q, "params": floats}, held)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
-    float_out = model.apply(variables, held)
-    rel = lambda y: float(jnp.linalg.norm(y - float_out) / jnp.linalg.norm(float_out))  # noqa: E731
-    assert rel(got) < rel(maybe_jit(jp.linen.apply(model, rtn_policy))(rtn, held))
-
-
 class SharedScan(nn.Module):
     """One Dense kernel shared by three iterations of an ``nn.scan`` (not a stack)."""
 
@@ -243,38 +193,59 @@ def _vmap_layer_inputs(params, x, broadcast=False):
     return [h, h] if broadcast else list(_rolled_lanes(h))
 
 
+# A stack of layers run in a loop (`nn.scan`) or in parallel (`nn.vmap`): (model, the
+# stack's kernel path, its depth, the inputs each layer sees with the float parameters).
+STACKS = {
+    "nn.scan": (ScanMLP, ("layers", "Dense_0"), 3, _scan_layer_inputs),
+    "nn.vmap": (VmapMLP, ("layers",), 2, _vmap_layer_inputs),
+}
+
+
+@pytest.mark.parametrize("transform", sorted(STACKS))
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_vmap_stack_layers_are_each_calibrated_on_their_own_lane_inputs(method, maybe_jit):
-    model, x = VmapMLP(), _inputs(256)
+def test_stack_layers_are_each_calibrated_on_their_own_inputs(transform, method, maybe_jit):
+    make_model, at, depth, layer_inputs = STACKS[transform]
+    model, x = make_model(), _inputs(256)
     variables = model.init(jax.random.key(0), x)
     policy = jp.DTypePolicyMap(
         "float32", {"layers": f"{method}/4/16_from_float32", "up|head": "int8_from_float32"}
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no layer of the stack falls back to round-to-nearest
-        q, report = jp.linen.calibrate(model, policy, variables, [x], return_report=True)
-    kernel = q["params"]["layers"]["kernel"]
+        told = []
+        q, report = jp.linen.calibrate(
+            model, policy, variables, [x], return_report=True, progress=told.append
+        )
+    assert told == report  # progress is told each layer of the stack
+    layer = lambda tree: functools.reduce(lambda t, k: t[k], at, tree)  # noqa: E731
+    kernel = layer(q["params"])["kernel"]
     rtn_policy = jp.DTypePolicyMap(
         "float32", {"layers": "int4/16_from_float32", "up|head": "int8_from_float32"}
     )
     rtn = jp.linen.quantize(model, rtn_policy, variables, x)
-    rtn_kernel = rtn["params"]["layers"]["kernel"]
-    # the layout quantize gives a vmap stack: stacked=1, scales [depth, blocks, out]
-    assert (kernel.shape, kernel.stacked, kernel.block_size) == ((2, 32, 32), 1, 16)
-    assert kernel.scale.shape == rtn_kernel.scale.shape == (2, 2, 32)
-    assert kernel.values.dtype == jnp.int4 and q["params"]["up"]["kernel"].mode == "int8"
+    rtn_kernel = layer(rtn["params"])["kernel"]
+    # the layout quantize gives a stack: stacked=1, scales [depth, blocks, out]
+    assert (kernel.shape, kernel.stacked, kernel.block_size) == ((depth, 32, 32), 1, 16)
+    assert kernel.scale.shape == rtn_kernel.scale.shape == (depth, 2, 32)
+    assert kernel.values.dtype == jnp.int4
+    assert q["params"]["up"]["kernel"].mode == "int8"
+    assert layer(q["params"])["bias"].shape == (depth, 32)  # float, stacked
+    path = "/".join(at)
     assert [(r.path, r.method) for r in report] == [
-        (f"layers/kernel[{i}]", method) for i in range(2)
+        (f"{path}/kernel[{i}]", method) for i in range(depth)
     ]
+    for r in report:  # each layer's output error, on its own inputs, below RTN's
+        assert r.error < r.rtn_error
     ref.assert_each_layer_solved_alone(
         method,
         kernel,
         rtn_kernel,
-        variables["params"]["layers"]["kernel"],
-        _vmap_layer_inputs(variables["params"], x),
-        _vmap_layer_inputs(variables["params"], _inputs(128, seed=1)),  # held out
+        layer(variables["params"])["kernel"],
+        layer_inputs(variables["params"], x),
+        layer_inputs(variables["params"], _inputs(128, seed=1)),  # held out
     )
-    # served: as its dequantized kernels would be, and closer to float than RTN
+    # the calibrated stack serves as a round-to-nearest stack does, as its dequantized
+    # kernels (a float stack beside the same int8 layers)
     held = _inputs(128, seed=1)
     got = maybe_jit(jp.linen.apply(model, policy))(q, held)
     floats = {**q["params"], "layers": _dequantized(q["params"]["layers"])}

@@ -158,10 +158,24 @@ def _stack_map(method):
     )
 
 
+def _broadcast_layer_inputs(model, x):
+    """The inputs each layer of the stack sees when ``nnx.vmap`` broadcasts ``x``
+    (``in_axes=None``): every layer sees ``up``'s output."""
+    h = jax.nn.relu(x @ model.up.kernel.get_value() + model.up.bias.get_value())
+    return [h] * 3
+
+
+# The stack run in a loop (`nnx.scan`) or in parallel (`nnx.vmap`, one input for every
+# layer): (whether ScanMLP scans, the inputs each layer sees with the float parameters).
+STACKS = {"nnx.scan": (True, _scan_layer_inputs), "nnx.vmap": (False, _broadcast_layer_inputs)}
+
+
+@pytest.mark.parametrize("transform", sorted(STACKS))
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
-def test_scan_stack_layers_are_each_calibrated_on_their_own_inputs(method, jit):
-    model, x = ScanMLP(nnx.Rngs(0)), _inputs(256)
+def test_stack_layers_are_each_calibrated_on_their_own_inputs(transform, method, jit):
+    scan, layer_inputs = STACKS[transform]
+    model, x = ScanMLP(nnx.Rngs(0), scan=scan), _inputs(256)
     policy = _stack_map(method)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no layer of the stack falls back to round-to-nearest
@@ -176,7 +190,8 @@ def test_scan_stack_layers_are_each_calibrated_on_their_own_inputs(method, jit):
     assert (kernel.shape, kernel.stacked, kernel.block_size) == ((3, 32, 32), 1, 16)
     assert kernel.scale.shape == rtn_kernel.scale.shape == (3, 2, 32)
     assert kernel.values.dtype == jnp.int4 and q.up.kernel.get_value().mode == "int8"
-    assert q.layers.bias.get_value().shape == (3, 32)  # float, stacked
+    bias = q.layers.bias.get_value()
+    assert (bias.shape, bias.dtype) == ((3, 32), jnp.float32)  # float, stacked
     paths = [f"layers/kernel[{i}]" for i in range(3)]
     assert [(r.path, r.method) for r in report] == [(p, method) for p in paths]
     assert all(r.error < r.rtn_error for r in report)  # each layer, on its own inputs
@@ -185,8 +200,8 @@ def test_scan_stack_layers_are_each_calibrated_on_their_own_inputs(method, jit):
         kernel,
         rtn_kernel,
         model.layers.kernel.get_value(),
-        _scan_layer_inputs(model, x),
-        _scan_layer_inputs(model, _inputs(128, seed=1)),  # held out
+        layer_inputs(model, x),
+        layer_inputs(model, _inputs(128, seed=1)),  # held out
     )
     # the calibrated stack serves as a round-to-nearest stack does, as its dequantized
     # kernels (a float stack beside the same int8 layers)
@@ -220,55 +235,6 @@ def test_a_scan_stack_under_nnx_remat_gets_the_same_per_layer_kernels():
         got[remat] = q.layers.kernel.get_value()
     np.testing.assert_array_equal(np.asarray(got[True].values), np.asarray(got[False].values))
     np.testing.assert_allclose(np.asarray(got[True].scale), np.asarray(got[False].scale))
-
-
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
-def test_a_stack_run_by_nnx_vmap_is_calibrated_per_layer(method, jit):
-    model, x = ScanMLP(nnx.Rngs(0), scan=False), _inputs(256)
-    policy = _stack_map(method)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no layer of the stack falls back to round-to-nearest
-        q, report = jp.nnx.calibrate(model, policy, [x], return_report=True)
-    kernel = q.layers.kernel.get_value()
-    rtn_policy = jp.DTypePolicyMap(
-        "float32", {"layers": "int4/16_from_float32", "up|head": "int8_from_float32"}
-    )
-    rtn = jp.nnx.quantize(model, rtn_policy)
-    rtn_kernel = rtn.layers.kernel.get_value()
-    assert (kernel.shape, kernel.stacked, kernel.block_size) == ((3, 32, 32), 1, 16)
-    assert kernel.scale.shape == rtn_kernel.scale.shape == (3, 2, 32)
-    assert kernel.values.dtype == jnp.int4 and q.layers.bias.get_value().dtype == jnp.float32
-    paths = [f"layers/kernel[{i}]" for i in range(3)]
-    assert [(r.path, r.method) for r in report] == [(p, method) for p in paths]
-
-    def lane_inputs(x):  # broadcast (in_axes None): every layer sees up's output
-        h = jax.nn.relu(x @ model.up.kernel.get_value() + model.up.bias.get_value())
-        return [h] * 3
-
-    ref.assert_each_layer_solved_alone(
-        method,
-        kernel,
-        rtn_kernel,
-        model.layers.kernel.get_value(),
-        lane_inputs(x),
-        lane_inputs(_inputs(128, seed=1)),  # held out
-    )
-    held = _inputs(128, seed=1)
-
-    def run(m, policy, x):
-        serve = lambda m, x: jp.nnx.apply(m, policy)(x)  # noqa: E731
-        return (nnx.jit(serve) if jit else serve)(m, x)
-
-    got = run(q, policy, held)
-    floats = nnx.clone(q)
-    floats.layers.kernel.set_value(kernel.dequantize())
-    int8_only = jp.DTypePolicyMap("float32", {"up|head": "int8_from_float32"})
-    np.testing.assert_allclose(
-        np.asarray(got), np.asarray(run(floats, int8_only, held)), rtol=2e-4, atol=2e-4
-    )
-    rel = lambda y: float(jnp.linalg.norm(y - model(held)) / jnp.linalg.norm(model(held)))  # noqa: E731
-    assert rel(got) < rel(run(rtn, rtn_policy, held))
 
 
 class RolledMLP(ScanMLP):

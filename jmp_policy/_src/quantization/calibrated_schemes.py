@@ -39,10 +39,12 @@ class CalibratedScheme(Scheme):
 
     def __post_init__(self) -> None:
         if self.weight_bits not in self.bits:
+            # Keras's phrase for AWQ ("only supports 4-bit"), with what is stored here.
+            supported = " or ".join(f"{b}-bit" for b in self.bits)
             raise ValueError(
-                f"{self.mode.upper()} weights of {self.weight_bits} bits are not supported: "
-                f"weight_bits must be {' or '.join(map(str, self.bits))} (stored as "
-                f"jnp.int4{' or jnp.int8' if 8 in self.bits else ''}). "
+                f"{self.mode.upper()} only supports {supported} weights here (stored as "
+                f"jnp.int4{' or jnp.int8' if 8 in self.bits else ''}): weights of "
+                f"{self.weight_bits} bits are not supported. "
                 f"Received: mode='{self.mode_text()}'"
             )
         gptq.check_bits_and_group(self.weight_bits, self.group_size, self.mode.upper())
