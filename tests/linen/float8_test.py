@@ -342,7 +342,15 @@ def test_at_a_large_learning_rate_current_scaling_tracks_bf16_where_delayed_dive
     # The mean over 4 initialisations of the mean loss of the last 10 of 60 steps (one
     # run is chaotic at this learning rate; the mean is not).
     final = dict.fromkeys(("float8", "f8_cur", "bf16"), 0.0)
-    steps = {name: jax.jit(bench.make_step(model, bench.VARIANTS[name], tx)) for name in final}
+    # XLA's default optimization level (the suite compiles at 0): which runs diverge at
+    # this learning rate hangs on the last bits of the arithmetic.
+    default_level = {"xla_backend_optimization_level": 3}
+    steps = {
+        name: jax.jit(
+            bench.make_step(model, bench.VARIANTS[name], tx), compiler_options=default_level
+        )
+        for name in final
+    }
     for seed in range(1, 5):
         for name in final:
             policy = bench.VARIANTS[name]
