@@ -164,6 +164,16 @@ def test_the_runs_compilation_cache_is_shared_and_written_atomically(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["key-cache"]  # no temporary left
 
 
+def test_tests_compile_fast_in_every_process():
+    """The root conftest.py gives XLA its fast-compile settings before jax is imported (the
+    fusion flag only where this XLA has it): the suite's time is mostly compiling."""
+    import os
+
+    flags = os.environ["XLA_FLAGS"]
+    assert flags.count("--xla_backend_optimization_level=0") == 1
+    assert flags.count("--xla_cpu_use_fusion_emitters=false") <= 1
+
+
 def test_tests_see_8_cpu_devices_in_every_process():
     """The root conftest.py sets XLA_FLAGS before jax is imported, in each xdist worker too."""
     import os
