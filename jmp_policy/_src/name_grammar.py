@@ -134,7 +134,9 @@ def _float_dtypes(name: str, argument: str) -> tuple[np.dtype, np.dtype, np.dtyp
                 )
             # jmp's users expect jmp's phrase ("Unknown dtype") for a bad single value.
             hint = dt.did_you_mean(text, _policy_names())
-            raise _unknown(name, f"Unknown dtype or policy name {dt.bounded_repr(text)}.{hint}", argument)
+            raise _unknown(
+                name, f"Unknown dtype or policy name {dt.bounded_repr(text)}.{hint}", argument
+            )
         return dtype, dtype, dtype
     values: dict[str, np.dtype] = {}
     for part in text.split(","):
