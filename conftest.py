@@ -50,8 +50,8 @@ for _flag, _value in _FAST_COMPILE.items():
     ):
         os.environ["XLA_FLAGS"] += f" {_flag}={_value}"
 
-# One XLA compilation cache per test run, a folder per xdist worker (below), read by the
-# subprocesses the tests start too: a program another test
+# One XLA compilation cache per test run, shared by the xdist workers (below), read by
+# the subprocesses the tests start too: a program another test
 # already compiled (the same model and policy wrapped anew, the same step rebuilt) is read
 # back instead of compiled again. Fresh for each run and removed when it ends, so no run
 # reads another's entries; a cache the caller set up is used as it is.
@@ -64,7 +64,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 
 # The xdist workers share the run's cache, so a program one worker compiled is read back by
-# the others (about a sixth of the suite's time). JAX writes an entry in place and, without a
+# the others. JAX writes an entry in place and, without a
 # size limit, locks nothing: a worker once read an entry another was still writing (an empty
 # entry, JAX's "Error reading persistent compilation cache entry" warning, and a failed test
 # that makes warnings errors). A size limit turns on JAX's lock, but its scan of the folder
