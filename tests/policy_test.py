@@ -209,6 +209,14 @@ def test_a_long_or_unprintable_bad_name_is_quoted_in_the_first_sentence():
         jp.DTypePolicy("a\nb")
 
 
+@pytest.mark.parametrize("name", ["ternary_from_float32", "int7_from_mixed_bfloat16"])
+def test_an_unknown_quantization_mode_is_named_with_the_modes_there_are(name):
+    with pytest.raises(ValueError, match=r"Unknown quantization mode '(ternary|int7)'") as info:
+        jp.get(name)
+    for form in ("'int8'", "'int4/<block>'", "'float8'", "'gptq/<weight_bits>/<group_size>'"):
+        assert form in str(info.value)
+
+
 def test_quantized_name_is_not_a_float_policy_name():
     with pytest.raises(ValueError, match=r"Cannot convert.*quantized name"):
         jp.DTypePolicy("int8_from_mixed_bfloat16")

@@ -128,7 +128,17 @@ def _float_dtypes(name: str, argument: str) -> tuple[np.dtype, np.dtype, np.dtyp
         if dtype is None:
             if "_from_" in text:
                 modes = [scheme.mode for scheme in schemes.registered()]
-                hint = dt.did_you_mean(text.partition("_from_")[0], modes)
+                mode = text.partition("_from_")[0]
+                if mode.partition("/")[0] not in modes:  # Keras's "ternary" too
+                    forms = ", ".join(g for scheme in schemes.registered() for g in scheme.grammar)
+                    hint = dt.did_you_mean(mode, modes)
+                    raise _unknown(
+                        name,
+                        f"Unknown quantization mode {dt.bounded_repr(mode)} in a quantized "
+                        f"name: the modes are {forms}.{hint}",
+                        argument,
+                    )
+                hint = dt.did_you_mean(mode, modes)
                 raise _unknown(
                     name, f"A quantized name is not a float policy name.{hint}", argument
                 )
