@@ -39,7 +39,7 @@ def _xla_knows(flag: str) -> bool:
     library = os.path.join(spec.submodule_search_locations[0], "libjax_common.so")
     try:
         with open(library, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return m.find(flag[2:].encode()) != -1
+            return m.find(b"\0" + flag[2:].encode() + b"\0") != -1  # the name alone
     except (OSError, ValueError):
         return False
 
@@ -87,9 +87,13 @@ if _BASE and os.environ.get("JAX_COMPILATION_CACHE_DIR", "").startswith(_BASE):
         if os.path.exists(entry):
             return None
         handle, temporary = tempfile.mkstemp(dir=os.path.dirname(entry), prefix=".writing-")
-        with os.fdopen(handle, "wb") as file:
-            file.write(value)
-        os.replace(temporary, entry)
+        try:
+            with os.fdopen(handle, "wb") as file:
+                file.write(value)
+            os.replace(temporary, entry)
+        except BaseException:
+            os.unlink(temporary)
+            raise
         return None
 
     _lru_cache.LRUCache.put = _put_atomically  # type: ignore[method-assign]

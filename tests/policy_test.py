@@ -207,6 +207,9 @@ def test_a_long_or_unprintable_bad_name_is_quoted_in_the_first_sentence():
         jp.DTypePolicy("x" * 1000)
     with pytest.raises(ValueError, match=r"Cannot convert value 'a\\nb' to"):
         jp.DTypePolicy("a\nb")
+    for invisible in ("", "   ", " abc "):  # spaces that would not show unquoted
+        with pytest.raises(ValueError, match=f"Cannot convert value {invisible!r} to"):
+            jp.DTypePolicy(invisible)
 
 
 @pytest.mark.parametrize("name", ["ternary_from_float32", "int7_from_mixed_bfloat16"])

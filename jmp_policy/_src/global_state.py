@@ -18,7 +18,7 @@ from jmp_policy._src.policy_names import policy_from_name
 _FLOAT32 = DTypePolicy("float32")
 
 
-def _as_global(policy: Any, argument: str = "policy") -> DTypePolicy:
+def _as_global(policy: Any, argument: str = "policy", none_hint: bool = False) -> DTypePolicy:
     if isinstance(policy, str):
         policy = policy_from_name(policy, argument)
     elif not isinstance(policy, DTypePolicy):
@@ -29,7 +29,7 @@ def _as_global(policy: Any, argument: str = "policy") -> DTypePolicy:
             + (
                 ". To restore the default, pass 'float32' (or call set_global_policy(None), "
                 "tf.keras's reset)"
-                if policy is None
+                if policy is None and none_hint
                 else ""
             )
         )
@@ -65,7 +65,7 @@ def set_dtype_policy(policy: DTypePolicy | str) -> None:
         >>> jp.dtype_policy()
         <DTypePolicy "float32">
     """
-    context.DEFAULT.policy = _as_global(policy)
+    context.DEFAULT.policy = _as_global(policy, none_hint=True)
 
 
 def set_global_policy(policy: DTypePolicy | str | None) -> None:

@@ -99,7 +99,8 @@ def _unknown(name: str, detail: str = "", argument: str = "name") -> ValueError:
             "'mixed_float16' or 'mixed_bfloat16', which keep float32 variables."
         )
     # tf.keras's phrase (its users' tests match it); Keras 3's begins the same way.
-    shown = name if name.isprintable() and len(name) <= 80 else dt.bounded_repr(name)
+    plain = name.isprintable() and 0 < len(name) <= 80 and name == name.strip()
+    shown = name if plain else dt.bounded_repr(name)
     return ValueError(
         f"Cannot convert value {shown} to a mixed precision Policy.{detail}"
         f" Expected {VALID_FORMS}. Received: {argument}={name!r}"

@@ -342,8 +342,9 @@ def test_at_a_large_learning_rate_current_scaling_tracks_bf16_where_delayed_dive
     # The mean over 4 initialisations of the mean loss of the last 10 of 60 steps (one
     # run is chaotic at this learning rate; the mean is not).
     final = dict.fromkeys(("float8", "f8_cur", "bf16"), 0.0)
-    # XLA's default optimization level (the suite compiles at 0): which runs diverge at
-    # this learning rate hangs on the last bits of the arithmetic.
+    # LLVM at XLA's default optimization level (the suite compiles at 0; its fusion code
+    # generator stays the suite's): which runs diverge at this learning rate hangs on the
+    # last bits of the arithmetic.
     default_level = {"xla_backend_optimization_level": 3}
     steps = {
         name: jax.jit(
