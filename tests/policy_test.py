@@ -220,9 +220,14 @@ def test_an_unknown_quantization_mode_is_named_with_the_modes_there_are(name):
         assert form in str(info.value)
 
 
-def test_quantized_name_is_not_a_float_policy_name():
-    with pytest.raises(ValueError, match=r"Cannot convert.*quantized name"):
-        jp.DTypePolicy("int8_from_mixed_bfloat16")
+@pytest.mark.parametrize(
+    "name",
+    ["int8_from_mixed_bfloat16", "int4/128_from_float32", "float8_current_from_mixed_bfloat16"],
+)
+def test_quantized_name_is_not_a_float_policy_name(name):
+    with pytest.raises(ValueError, match=r"Cannot convert.*quantized name") as info:
+        jp.DTypePolicy(name)
+    assert "Unknown quantization mode" not in str(info.value)  # its mode is a known one
 
 
 @pytest.mark.parametrize("name", [123, 1.5, None, b"float32", jnp.float32, np.dtype("float32")])

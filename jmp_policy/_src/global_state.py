@@ -90,7 +90,10 @@ def set_global_policy(policy: DTypePolicy | str | None) -> None:
         >>> jp.global_policy()
         <DTypePolicy "float32">
     """
-    context.DEFAULT.policy = None if policy is None else _as_global(policy)
+    if policy is None:
+        context.DEFAULT.policy = None
+    else:
+        set_dtype_policy(policy)
 
 
 def dtype_policy() -> DTypePolicy:

@@ -128,21 +128,16 @@ def _float_dtypes(name: str, argument: str) -> tuple[np.dtype, np.dtype, np.dtyp
         dtype = dt.dtype_from_name(text)
         if dtype is None:
             if "_from_" in text:
-                modes = [scheme.mode for scheme in schemes.registered()]
                 mode = text.partition("_from_")[0]
-                if mode.partition("/")[0] not in modes:  # Keras's "ternary" too
+                hint = dt.did_you_mean(mode, [scheme.mode for scheme in schemes.registered()])
+                detail = "A quantized name is not a float policy name."
+                if schemes.lookup(mode) is None:  # no registered token (Keras's "ternary")
                     forms = ", ".join(g for scheme in schemes.registered() for g in scheme.grammar)
-                    hint = dt.did_you_mean(mode, modes)
-                    raise _unknown(
-                        name,
+                    detail = (
                         f"Unknown quantization mode {dt.bounded_repr(mode)} in a quantized "
-                        f"name: the modes are {forms}.{hint}",
-                        argument,
+                        f"name: the modes are {forms}."
                     )
-                hint = dt.did_you_mean(mode, modes)
-                raise _unknown(
-                    name, f"A quantized name is not a float policy name.{hint}", argument
-                )
+                raise _unknown(name, detail + hint, argument)
             # jmp's users expect jmp's phrase ("Unknown dtype") for a bad single value.
             hint = dt.did_you_mean(text, _policy_names())
             raise _unknown(
