@@ -379,7 +379,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated widths: step time per width (hidden 4x) against bf16, to find "
         "where float8 starts to pay (the crossover)",
     )
+    parser.add_argument(
+        "--variants",
+        type=str,
+        default="",
+        help=f"comma-separated, of {','.join(VARIANTS)} (float32 is always run: every variant "
+        "starts from its parameters); the forward of one Dense alone is then not timed",
+    )
     args = parser.parse_args(argv)
+    if args.variants:
+        unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+        if unknown:
+            parser.error(f"--variants: unknown {unknown}; known: {list(VARIANTS)}")
     if args.quick:
         args.tokens, args.width, args.hidden, args.layers = 64, 32, 64, 2
         args.steps, args.repeats = 30, 3
@@ -412,7 +423,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
     # Quick sizes are too small to time: the forward alone is left out (six compiles fewer).
-    results = measure(args, forward=not args.quick)
+    names = None
+    if args.variants:
+        names = tuple(dict.fromkeys([*args.variants.split(","), "float32"]))
+    results = measure(args, names, forward=not (args.quick or args.variants))
     print(format_table(results, args.steps))
     if args.quick:
         print("quick sizes: too small to time (fwd not measured; step times are fixed costs)")

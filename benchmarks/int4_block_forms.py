@@ -12,7 +12,12 @@
 * ``dequant bf16 + flag``: the same compiled with XLA's experimental
   ``xla_gpu_experimental_enable_subchannel_dequantisation_fusion`` (per compile);
 * ``per channel``: int4 with one scale per output channel (scale after the matmul), for
-  reference: the fastest int4 form, with a larger error.
+  reference: the fastest int4 form, with a larger error;
+* ``int8 w``, ``int8 x int8``, ``int8 x int8 [out,in]``: int8 weights per output channel,
+  weight-only (the library's form), and both operands int8 (the activations quantized per
+  row, an s8 x s8 -> s32 GEMM) with the kernel stored ``[in, out]`` as the library stores
+  it, or transposed ``[out, in]`` (the layout of the H100 form measured at 1.40x bf16 at
+  256 rows in docs/h100_forms.md): does the stored layout decide the int8 GEMM's speed?
 
 For each: the median time of ``--repeats`` interleaved runs, its ratio to bf16, and the
 output error against the float32 dequantized weights. On a CPU the times mean nothing.
@@ -63,6 +68,33 @@ def _per_channel(x: jax.Array, q: Any) -> jax.Array:
     return (y * q.scale.reshape(-1)).astype(x.dtype)
 
 
+def _int8_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True) / 127.0
+    scale = jnp.where(scale == 0, 1.0, scale)
+    q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale), -127, 127).astype(jnp.int8)
+    return q, scale
+
+
+def _int8_in_out(x: jax.Array, w: tuple[jax.Array, jax.Array]) -> jax.Array:
+    values, scale = w  # values [in, out] int8, scale [out]
+    q, sx = _int8_rows(x)
+    y = jnp.dot(q, values, preferred_element_type=jnp.int32)
+    return (y.astype(jnp.float32) * sx * scale).astype(x.dtype)
+
+
+def _int8_out_in(x: jax.Array, w: tuple[jax.Array, jax.Array]) -> jax.Array:
+    values, scale = w  # values [out, in] int8, scale [out]
+    q, sx = _int8_rows(x)
+    y = jax.lax.dot_general(q, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return (y.astype(jnp.float32) * sx * scale).astype(x.dtype)
+
+
+def _int8_weight_only(x: jax.Array, w: tuple[jax.Array, jax.Array]) -> jax.Array:
+    values, scale = w
+    y = jnp.dot(x, values.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * scale).astype(x.dtype)
+
+
 def _stack(layer: Any) -> Any:
     def run(x: jax.Array, ws: list[Any]) -> jax.Array:
         for w in ws:
@@ -85,6 +117,9 @@ def main() -> None:
     channel = [jp.get("int4_from_float32").quantize(w) for w in f32]
     reference = [q.dequantize(jnp.float32) for q in blocked]
     bf16 = [w.astype(jnp.bfloat16) for w in f32]
+    int8 = [jp.get("int8_from_float32").quantize(w) for w in f32]
+    int8_in_out = [(q.values, q.scale.reshape(-1)) for q in int8]
+    int8_out_in = [(q.values.T.copy(), q.scale.reshape(-1)) for q in int8]
     forms: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         "bf16": (_stack(lambda x, w: x @ w), bf16, {}),
         "library": (_stack(_library), blocked, {}),
@@ -92,6 +127,9 @@ def main() -> None:
         "dequant bf16": (_stack(_dequant_bf16), blocked, {}),
         "dequant bf16 + flag": (_stack(_dequant_bf16), blocked, {FLAG: True}),
         "per channel": (_stack(_per_channel), channel, {}),
+        "int8 w": (_stack(_int8_weight_only), int8_in_out, {}),
+        "int8 x int8": (_stack(_int8_in_out), int8_in_out, {}),
+        "int8 x int8 [out,in]": (_stack(_int8_out_in), int8_out_in, {}),
     }
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.layers} layers of "

@@ -160,15 +160,21 @@ def measure(args: argparse.Namespace, traced_only: tuple[str, ...] = ()) -> list
     alone: no compile, memory, convert count or step time)."""
     variants, params, x = make_variants(args)
     losses = make_variants(args, grad=False)[0]
+    only = getattr(args, "only", None)
+    if only:  # these variants alone, in this order (the first is the base of the ratios)
+        variants = {name: variants[name] for name in only}
     rows = []
     compiled = {}
     for name, fn in variants.items():
         if name in traced_only:
             rows.append({"name": name, "times": []})
             continue
+        start = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             c = jax.jit(fn).lower(params, x).compile()
+        if only:  # a GPU's compiles are slow: say how far it got
+            print(f"compiled {name} in {time.perf_counter() - start:.1f} s", flush=True)
         for w in caught:
             if "float8" in str(w.message):
                 print(f"warning ({name}): {str(w.message)[:160]}...")
@@ -192,6 +198,10 @@ def measure(args: argparse.Namespace, traced_only: tuple[str, ...] = ()) -> list
             start = time.perf_counter()
             jax.block_until_ready(c(params, x))
             row["times"].append(time.perf_counter() - start)
+    if getattr(args, "no_traces", False):
+        for row in rows:
+            row["traces"] = [float("nan")]
+        return rows
     fresh_variants = make_variants(args, fresh=True)[0]
     tracers = [(row, variants[row["name"]]) for row in rows]
     first = {**rows[1], "name": "jp.linen.apply (first trace)", "times": rows[1]["times"]}
@@ -266,15 +276,30 @@ def main() -> None:
         action="store_true",
         help=f"add a row with every projection under {FLOAT8!r} (a GPU measure)",
     )
+    parser.add_argument(
+        "--only",
+        type=lambda s: s.split(","),
+        default=None,
+        help="comma-separated variant names, in order; the first is the base of the ratios "
+        f"(its 'x hand' columns; e.g. {FLAX_ROW!r},jp.linen.apply); implies --no-traces",
+    )
+    parser.add_argument(
+        "--no-traces", action="store_true", help="skip the trace times (host work, not a GPU's)"
+    )
     args = parser.parse_args()
+    args.no_traces = args.no_traces or bool(args.only)
     print(
         f"Transformer value_and_grad, {args.layers} layers, d={args.dim}, "
         f"batch {args.batch}x{args.seq}, mixed_bfloat16, {jax.devices()[0].platform}, "
         f"{args.repeats} interleaved runs (median)"
     )
     rows = measure(args)
+    if args.only:
+        print(f"'x hand' columns: over {args.only[0]!r}")
     print(format_table(rows))
     by_name = {r["name"]: r for r in rows}
+    if args.no_traces or MAP_ROW not in by_name or FLAX_ROW not in by_name:
+        return
     ratio = statistics.median(by_name[MAP_ROW]["traces"]) / statistics.median(
         by_name[FLAX_ROW]["traces"]
     )
