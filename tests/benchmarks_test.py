@@ -206,8 +206,8 @@ def test_serving_bench_quick_prints_every_variant_and_form():
     assert "int8 weights: weight-only, scale after" in rows[1]
     assert "int4 weights: weight-only, scale after" in rows[2]
     assert rows[15].split()[1:4] == ["int8", "x", "int8"] and rows[15].endswith("int8 x int8")
-    # int4 in blocks of 128 (GPTQ's storage) and AWQ's: a matmul per block below 128 rows,
-    # dequantized and one GEMM from 128 (measured faster there on an H200)
+    # int4 in blocks of 128 (GPTQ's storage) and AWQ's: a matmul per block below 64 rows,
+    # dequantized and one GEMM from 64 (measured faster there on an H200)
     for i, form in ((4, "int4 blocks"), (10, "int4 blocks"), (16, "dequantized, one GEMM")):
         assert rows[i].split()[1] == "int4/128" and rows[i + 1].split()[1] == "awq/4/128"
         assert rows[i].endswith(f"int4/128 weights: {form}"), rows[i]

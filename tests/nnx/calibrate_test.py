@@ -81,9 +81,9 @@ def test_calibrated_model_serves_close_to_float(calibrated, jit):
     assert rel < rtn_rel and rel < 0.15
 
 
-# Below 128 rows each int4 block kernel reaches its dot as int4; from 128 rows it is
+# Below 64 rows each int4 block kernel reaches its dot as int4; from 64 rows it is
 # dequantized once and multiplied by one GEMM (faster there on an H200).
-@pytest.mark.parametrize("rows, int4_dots", [(64, 2), (128, 0)])
+@pytest.mark.parametrize("rows, int4_dots", [(32, 2), (63, 2), (64, 0)])
 def test_calibrated_int4_kernels_reach_the_dot_as_int4(calibrated, rows, int4_dots):
     _, q, _ = calibrated
     graphdef, state = nnx.split(q)

@@ -231,17 +231,17 @@ def test_gradients_flow_past_frozen_quantized_kernels(mode, policy, bound):
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_int4_blocks_are_dequantized_into_one_gemm_from_128_rows(jit):
-    """int4 kernels in blocks: a matmul per block below 128 rows, the kernel dequantized to
-    the compute dtype and one GEMM from 128 (measured faster there on an H200); both equal
+def test_int4_blocks_are_dequantized_into_one_gemm_from_64_rows(jit):
+    """int4 kernels in blocks: a matmul per block below 64 rows, the kernel dequantized to
+    the compute dtype and one GEMM from 64 (the crossover measured on an H200); both equal
     the dequantized kernel's product."""
     from jmp_policy._src.quantization import kernel_matmul
 
-    assert kernel_matmul.INT4_BLOCKS_MAX_ROWS == 128
+    assert kernel_matmul.INT4_BLOCKS_MAX_ROWS == 64
     w = jax.random.normal(jax.random.key(0), (256, 64)) / 16
     q = jp.get("int4/128_from_float32").quantize(w)
     ref_w = q.dequantize(jnp.float32)
-    for rows, form in ((127, "int4 blocks"), (128, "dequantized, one GEMM")):
+    for rows, form in ((63, "int4 blocks"), (64, "dequantized, one GEMM")):
         forms = []
         dot = kernel_matmul.quantized_kernel_dot_general(q, record=forms.append)
         x = jax.random.normal(jax.random.key(rows), (rows, 256)).astype(jnp.bfloat16)
@@ -256,8 +256,8 @@ def test_int4_blocks_are_dequantized_into_one_gemm_from_128_rows(jit):
         jaxpr = jax.make_jaxpr(dot, static_argnums=2)(x, jnp.zeros((256, 64), jnp.bfloat16), dims)
         kernels = [e.outvars[0].aval for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
         # one GEMM, or a dot batched over the 2 blocks (then the scaled sum over blocks)
-        assert kernels[0].shape == ((128, 64) if rows == 128 else (2, 127, 64))
-        assert len(kernels) == (1 if rows == 128 else 2)
+        assert kernels[0].shape == ((64, 64) if rows == 64 else (2, 63, 64))
+        assert len(kernels) == (1 if rows == 64 else 2)
 
 
 @pytest.mark.parametrize("jit", [False, True])

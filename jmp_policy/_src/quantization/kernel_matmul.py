@@ -36,11 +36,14 @@ INT8_GEMM_MIN_ROWS = 128
 # Rows from which an int4 kernel in blocks is dequantized to the compute dtype (values times
 # scales in float32, then cast) and multiplied by one GEMM, instead of one matmul per block
 # and a scaled sum. Measured on one H200 (jax 0.11.2, 2026-11-26; 8 layers of 8192 x 8192,
-# blocks of 128, `benchmarks/int4_block_forms.py`): the matmul per block ran in 1.02x,
-# 0.85x and 0.23x bf16's speed at 1, 16 and 256 rows, the dequantized GEMM in 0.46x, 0.45x
-# and 0.63x (it writes a compute-dtype copy of the kernel first, a fixed cost that the per
-# block form's cost, growing with the rows, passes between the two measured points).
-INT4_BLOCKS_MAX_ROWS = 128
+# blocks of 128, `benchmarks/int4_block_forms.py`), bf16's time over each form's:
+#   rows                    1     16     32     64    128    256
+#   a matmul per block   1.02   0.85   0.67   0.56   0.30   0.19-0.23
+#   dequantized GEMM     0.46   0.45   0.49   0.56   0.52   0.55-0.63
+# The dequantized form writes a compute-dtype copy of the kernel first (a fixed cost); the
+# per-block form's cost grows with the rows and passes it between 32 and 64 rows (level at
+# 64 within noise).
+INT4_BLOCKS_MAX_ROWS = 64
 DEQUANTIZED_FORMS = ("dequantized", "dequantized, one GEMM")
 
 
