@@ -1,7 +1,7 @@
 """Serving with quantized weights: 8 Dense layers, bf16 weights against int8 and int4.
 
 A stack of ``--layers`` Dense layers of ``--dim`` x ``--dim`` (no bias), run forward under
-``jp.linen.apply`` at batch 1, 16 and 256, jitted, six ways, side by side in one run:
+``jp.linen.apply`` at batch 1, 16 and 256, jitted, eight ways, side by side in one run:
 
 * ``bf16``: the weights stored in bfloat16, ``"mixed_bfloat16"`` (the reference);
 * ``int8 w``: ``map.quantize`` int8 weights (per output channel) under
@@ -15,7 +15,11 @@ A stack of ``--layers`` Dense layers of ``--dim`` x ``--dim`` (no bias), run for
   ``"gptq/4/128"`` calibration writes too: a GPTQ kernel serves exactly as this row);
 * ``awq/4/128``: the same int4/128 storage with AWQ's per-input-channel scale, which the
   matmul divides the activations by (the scale here is random and positive: how
-  calibration chose it does not change the serving cost).
+  calibration chose it does not change the serving cost);
+* ``int4 w, XLA layout`` and ``int8 x int8, XLA layout``: the same as ``int4 w`` and
+  ``int8 x int8``, compiled by ``jp.compile_for_serving``, which lets XLA choose the
+  weights' device layout (for an H100 it stores these kernels ``[out, in]``, so the GEMM
+  needs no transpose of them).
 
 For each: the median time over ``--repeats`` interleaved runs and its ratio to bf16, the
 weight bytes read per token (all layers' stored weight bytes over the batch), the form
@@ -70,19 +74,24 @@ def awq_storage(params: Any) -> Any:
     return jax.tree.map(awq, params)
 
 
+XLA_LAYOUT = ", XLA layout"  # a variant compiled by jp.compile_for_serving
+
+
 def variants(params: Any) -> dict[str, tuple[Any, str]]:
-    """name -> (params, policy)."""
+    """name -> (params, policy); a name ending in :data:`XLA_LAYOUT` is compiled by
+    ``jp.compile_for_serving``."""
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    int8 = jp.get("int8_from_float32").quantize(params)
+    int4 = jp.get("int4_from_float32").quantize(params)
     return {
         "bf16": (bf16, "mixed_bfloat16"),
-        "int8 w": (jp.get("int8_from_float32").quantize(params), "mixed_bfloat16"),
-        "int4 w": (jp.get("int4_from_float32").quantize(params), "mixed_bfloat16"),
-        "int8 x int8": (
-            jp.get("int8_from_float32").quantize(params),
-            "int8_from_mixed_bfloat16",
-        ),
+        "int8 w": (int8, "mixed_bfloat16"),
+        "int4 w": (int4, "mixed_bfloat16"),
+        "int8 x int8": (int8, "int8_from_mixed_bfloat16"),
         "int4/128": (jp.get("int4/128_from_float32").quantize(params), "mixed_bfloat16"),
         "awq/4/128": (awq_storage(params), "awq/4/128_from_mixed_bfloat16"),
+        "int4 w" + XLA_LAYOUT: (int4, "mixed_bfloat16"),
+        "int8 x int8" + XLA_LAYOUT: (int8, "int8_from_mixed_bfloat16"),
     }
 
 
@@ -100,16 +109,21 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         x = jax.random.normal(jax.random.key(batch), (batch, args.dim)).astype(jnp.bfloat16)
         runs, info = {}, {}
         for name, (p, policy) in variants(params).items():
-            fn = jax.jit(jp.linen.apply(model, policy))
+            serve = jp.linen.apply(model, policy)
+            fn = jax.jit(serve)
             with matmuls.recording() as forms:
                 fn.lower({"params": p}, x)
-            compiled = fn.lower({"params": p}, x).compile()
+            variables = {"params": p}
+            if name.endswith(XLA_LAYOUT):
+                compiled, variables = jp.compile_for_serving(serve, variables, x)
+            else:
+                compiled = fn.lower(variables, x).compile()
             if os.environ.get("BENCH_HLO_DIR"):  # the optimized program, to read its GEMMs
                 slug = name.replace(" ", "_").replace("/", "_")
                 path = os.path.join(os.environ["BENCH_HLO_DIR"], f"serve_{batch}_{slug}.hlo")
                 with open(path, "w") as f:
                     f.write(compiled.as_text())
-            runs[name] = (compiled, {"params": p})
+            runs[name] = (compiled, variables)
             info[name] = (forms.get("layer_0", "as written"), weight_bytes(p))
         outs = {n: np.asarray(c(v, x), np.float32) for n, (c, v) in runs.items()}
         times: dict[str, list[float]] = {n: [] for n in runs}

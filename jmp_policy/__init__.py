@@ -38,6 +38,7 @@ from jmp_policy._src.apply import cast_apply as cast_apply
 from jmp_policy._src.global_state import current_policy as current_policy
 from jmp_policy._src.policy_map import DTypePolicyMap as DTypePolicyMap
 from jmp_policy._src.quantization import QuantizedArray as QuantizedArray
+from jmp_policy._src.serving_layouts import compile_for_serving as compile_for_serving
 
 # --- serialization ---
 from jmp_policy._src.serialization import deserialize as deserialize
@@ -88,6 +89,7 @@ __all__ = [
     "current_policy",
     # quantization
     "QuantizedArray",
+    "compile_for_serving",
     # serialization
     "deserialize",
     "serialize",

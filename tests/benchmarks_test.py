@@ -202,13 +202,18 @@ def test_serving_bench_quick_prints_every_variant_and_form():
     result = _run("serving_bench.py", "--quick")
     lines = result.stdout.splitlines()
     rows = [line for line in lines if line.split()[:1] in (["1"], ["16"], ["256"])]
-    assert len(rows) == 3 * 6
+    assert len(rows) == 3 * 8
     assert "int8 weights: weight-only, scale after" in rows[1]
     assert "int4 weights: weight-only, scale after" in rows[2]
-    assert rows[15].split()[1:4] == ["int8", "x", "int8"] and rows[15].endswith("int8 x int8")
+    assert rows[19].split()[1:4] == ["int8", "x", "int8"] and rows[19].endswith("int8 x int8")
+    # compiled by jp.compile_for_serving: the same forms
+    assert rows[6].split()[1:5] == ["int4", "w,", "XLA", "layout"], rows[6]
+    assert rows[6].endswith("int4 weights: weight-only, scale after")
+    assert rows[23].split()[1:6] == ["int8", "x", "int8,", "XLA", "layout"], rows[23]
+    assert rows[23].endswith("int8 x int8")
     # int4 in blocks of 128 (GPTQ's storage) and AWQ's: a matmul per block below 64 rows,
     # dequantized and one GEMM from 64 (measured faster there on an H200)
-    for i, form in ((4, "int4 blocks"), (10, "int4 blocks"), (16, "dequantized, one GEMM")):
+    for i, form in ((4, "int4 blocks"), (12, "int4 blocks"), (20, "dequantized, one GEMM")):
         assert rows[i].split()[1] == "int4/128" and rows[i + 1].split()[1] == "awq/4/128"
         assert rows[i].endswith(f"int4/128 weights: {form}"), rows[i]
         assert rows[i + 1].endswith(f"int4/128 weights: {form}"), rows[i + 1]

@@ -1,0 +1,156 @@
+"""``jp.compile_for_serving``: the program compiled with the variables' layouts chosen by
+XLA, the variables put in them. On a CPU XLA's choice is the default layout; what it
+chooses for an H100 (int8 kernels stored ``[out, in]``, no transpose) is checked in
+``tests/h100_forms_test.py``."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jmp_policy as jp
+
+
+class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(64, name="up")(x)
+        return nn.Dense(32, use_bias=False, name="down")(nn.gelu(x))
+
+
+def _setup(rows=128, stored="int8_from_float32"):
+    model = Stack()
+    x = jax.random.normal(jax.random.key(1), (rows, 32)).astype(jnp.bfloat16)
+    variables = model.init(jax.random.key(0), x)
+    return model, x, jp.get(stored).quantize(variables)
+
+
+@pytest.mark.parametrize("rows", [1, 128])  # the weight-only form, then int8 x int8
+@pytest.mark.parametrize("layouts", ["auto", "keep"])
+def test_the_compiled_program_computes_what_jit_computes(rows, layouts):
+    model, x, variables = _setup(rows)
+    serve = jp.linen.apply(model, "int8_from_mixed_bfloat16")
+    compiled, placed = jp.compile_for_serving(serve, variables, x, layouts=layouts)
+    want = jax.jit(serve)(variables, x)
+    got = compiled(placed, x)
+    assert got.dtype == jnp.bfloat16 and got.shape == (rows, 32)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_the_variables_come_back_as_they_went_in_and_are_not_changed():
+    model, x, variables = _setup()
+    before = jax.tree.map(np.asarray, variables)
+    serve = jp.linen.apply(model, "int8_from_mixed_bfloat16")
+    compiled, placed = jp.compile_for_serving(serve, variables, x)
+    assert jax.tree.structure(placed) == jax.tree.structure(variables)
+    kernel = placed["params"]["up"]["kernel"]
+    assert isinstance(kernel, jp.QuantizedArray)
+    assert kernel.values.dtype == jnp.int8 and kernel.shape == (32, 64)
+    for a, b, original in zip(
+        jax.tree.leaves(placed), jax.tree.leaves(variables), jax.tree.leaves(before), strict=True
+    ):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(b), original)  # the input is untouched
+    # the returned arrays carry the compiled program's formats
+    formats = compiled.input_formats[0][0]
+    for a, fmt in zip(jax.tree.leaves(placed), jax.tree.leaves(formats), strict=True):
+        assert a.format.layout == fmt.layout
+
+
+def test_a_second_shape_keeps_the_layouts_of_the_first():
+    model, x, variables = _setup(rows=128)
+    serve = jp.linen.apply(model, "int8_from_mixed_bfloat16")
+    _, placed = jp.compile_for_serving(serve, variables, x)
+    one = x[:1]
+    compiled, again = jp.compile_for_serving(serve, placed, one, layouts="keep")
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(placed), strict=True):
+        assert a.format == b.format
+    np.testing.assert_array_equal(
+        np.asarray(compiled(again, one), np.float32),
+        np.asarray(jax.jit(serve)(variables, one), np.float32),
+    )
+
+
+def test_shardings_are_kept_on_8_devices():
+    assert jax.device_count() == 8
+    mesh = jax.make_mesh((8,), ("model",))
+    model, x, variables = _setup(rows=128)
+
+    def shard(path, leaf):
+        # the kernels' values and scales split over their output axis, the rest replicated
+        name = jax.tree_util.keystr(path)
+        spec = P(None, "model") if "kernel" in name and leaf.ndim == 2 else P()
+        return jax.device_put(leaf, NamedSharding(mesh, spec))
+
+    sharded = jax.tree_util.tree_map_with_path(shard, variables)
+    serve = jp.linen.apply(model, "int8_from_mixed_bfloat16")
+    compiled, placed = jp.compile_for_serving(serve, sharded, x)
+    for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(sharded), strict=True):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+    kernel = placed["params"]["up"]["kernel"].values
+    assert kernel.sharding.spec == P(None, "model")
+    # the same sharded program as jit's (unsharded, the sums run in another order)
+    np.testing.assert_array_equal(
+        np.asarray(compiled(placed, x), np.float32),
+        np.asarray(jax.jit(serve)(sharded, x), np.float32),
+    )
+
+
+def test_a_plain_function_of_a_pytree():
+    """The core takes any function of (variables, *args): no Flax needed."""
+    w = jp.get("int8_from_float32").quantize({"w": jnp.linspace(-1, 1, 32 * 8).reshape(32, 8)})
+    x = jnp.ones((4, 32), jnp.float32)
+
+    def fn(v, x):
+        return x @ v["w"].dequantize(jnp.float32)
+
+    compiled, placed = jp.compile_for_serving(fn, w, x)
+    np.testing.assert_allclose(compiled(placed, x), fn(w, x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("layouts", ["AUTO", "default", "", None, 1])
+def test_an_unknown_layouts_value_is_a_value_error(layouts):
+    model, x, variables = _setup()
+    with pytest.raises(ValueError, match=r"`layouts` must be 'auto' .* or 'keep' .*; got "):
+        jp.compile_for_serving(
+            jp.linen.apply(model, "mixed_bfloat16"), variables, x, layouts=layouts
+        )
+
+
+def test_fn_must_be_callable():
+    _, x, variables = _setup()
+    with pytest.raises(TypeError, match=r"`fn` must be a function of \(variables, \*args\).*'up'"):
+        jp.compile_for_serving("up", variables, x)
+
+
+def test_it_is_called_outside_jit():
+    model, x, variables = _setup()
+    serve = jp.linen.apply(model, "mixed_bfloat16")
+
+    def inside(v, x):
+        return jp.compile_for_serving(serve, v, x)[0]
+
+    with pytest.raises(TypeError, match=r"outside jax.jit.*variables\['params'\]\['down'\]"):
+        jax.jit(inside)(variables, x)
+    with pytest.raises(TypeError, match=r"traced value was given in args\[0\]"):
+        jax.jit(lambda x: jp.compile_for_serving(serve, variables, x)[0])(x)
+
+
+@pytest.mark.parametrize("stored", ["int4_from_float32", "int4/128_from_float32"])
+def test_int4_weights(stored):
+    """int4 arrays: where this JAX cannot put them in the layout XLA asks for (jax 0.10 on
+    a CPU keeps them unpacked), they keep theirs and the program is compiled for it."""
+    model, x, variables = _setup(rows=16, stored=stored)
+    serve = jp.linen.apply(model, "mixed_bfloat16")
+    compiled, placed = jp.compile_for_serving(serve, variables, x)
+    assert placed["params"]["up"]["kernel"].values.dtype == jnp.int4
+    np.testing.assert_array_equal(
+        np.asarray(compiled(placed, x), np.float32),
+        np.asarray(jax.jit(serve)(variables, x), np.float32),
+    )
