@@ -54,7 +54,8 @@ def _format(leaf: Any, layouts: str) -> Any:
     sharding = getattr(leaf, "sharding", None)  # an array's, or a ShapeDtypeStruct's
     if layouts == "auto":
         return Format(Layout.AUTO, sharding)
-    return leaf.format if isinstance(leaf, jax.Array) else None
+    # jax.Array's `format` is not in its type stubs (jax 0.10)
+    return getattr(leaf, "format", None) if isinstance(leaf, jax.Array) else None
 
 
 def serving_lowering(
