@@ -18,6 +18,11 @@
   row, an s8 x s8 -> s32 GEMM) with the kernel stored ``[in, out]`` as the library stores
   it, or transposed ``[out, in]`` (the layout of the H100 form measured at 1.40x bf16 at
   256 rows in docs/h100_forms.md): does the stored layout decide the int8 GEMM's speed?
+* ``int8 w, reduce (1 row)``, ``int4 w, reduce (1 row)``: one row only, written as a
+  multiply and a sum over the contracted axis instead of a matmul. Compiled for an H100
+  this is one reduction fusion reading the s8/s4 weights (no GEMM, no float copy), a form
+  bound by the weight bytes alone; from two rows XLA writes a float32 copy of the kernel
+  first, so these run at batch 1 only.
 
 For each: the median time of ``--repeats`` interleaved runs, its ratio to bf16, and the
 output error against the float32 dequantized weights. On a CPU the times mean nothing.
@@ -95,6 +100,12 @@ def _int8_weight_only(x: jax.Array, w: tuple[jax.Array, jax.Array]) -> jax.Array
     return (y * scale).astype(x.dtype)
 
 
+def _reduce_one_row(x: jax.Array, w: tuple[jax.Array, jax.Array]) -> jax.Array:
+    values, scale = w  # values [in, out] int8 or int4, scale [out]
+    y = jnp.sum(x.astype(jnp.float32)[:, :, None] * values.astype(jnp.float32)[None], axis=1)
+    return (y * scale).astype(x.dtype)
+
+
 def _stack(layer: Any) -> Any:
     def run(x: jax.Array, ws: list[Any]) -> jax.Array:
         for w in ws:
@@ -120,6 +131,7 @@ def main() -> None:
     int8 = [jp.get("int8_from_float32").quantize(w) for w in f32]
     int8_in_out = [(q.values, q.scale.reshape(-1)) for q in int8]
     int8_out_in = [(q.values.T.copy(), q.scale.reshape(-1)) for q in int8]
+    int4_in_out = [(q.values, q.scale.reshape(-1)) for q in channel]
     forms: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         "bf16": (_stack(lambda x, w: x @ w), bf16, {}),
         "library": (_stack(_library), blocked, {}),
@@ -130,21 +142,25 @@ def main() -> None:
         "int8 w": (_stack(_int8_weight_only), int8_in_out, {}),
         "int8 x int8": (_stack(_int8_in_out), int8_in_out, {}),
         "int8 x int8 [out,in]": (_stack(_int8_out_in), int8_out_in, {}),
+        "int8 w, reduce (1 row)": (_stack(_reduce_one_row), int8_in_out, {}),
+        "int4 w, reduce (1 row)": (_stack(_reduce_one_row), int4_in_out, {}),
     }
     print(
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {args.layers} layers of "
         f"{args.dim}x{args.dim}, int4 blocks of 128; median of {args.repeats} runs"
     )
-    print(f"{'batch':>5}  {'form':<20} {'time us':>9} {'bf16/this':>9} {'rel err':>8}")
+    print(f"{'batch':>5}  {'form':<22} {'time us':>9} {'bf16/this':>9} {'rel err':>8}")
     for batch in args.batches:
         x = jax.random.normal(jax.random.key(batch), (batch, args.dim)).astype(jnp.bfloat16)
         ref = np.asarray(_stack(lambda x, w: x @ w)(x.astype(jnp.float32), reference))
         runs = {}
         for name, (fn, ws, options) in forms.items():
+            if name.endswith("(1 row)") and batch != 1:
+                continue
             try:
                 runs[name] = (jax.jit(fn).lower(x, ws).compile(compiler_options=options), ws)
             except Exception as e:  # an option this jaxlib does not know
-                print(f"{batch:5d}  {name:<20} failed to compile: {type(e).__name__}: {e}"[:160])
+                print(f"{batch:5d}  {name:<22} failed to compile: {type(e).__name__}: {e}"[:160])
         errors = {
             n: float(np.abs(np.asarray(c(x, ws), np.float32) - ref).max() / np.abs(ref).max())
             for n, (c, ws) in runs.items()
@@ -160,7 +176,7 @@ def main() -> None:
         base = statistics.median(times["bf16"])
         for name in runs:
             t = statistics.median(times[name])
-            print(f"{batch:5d}  {name:<20} {t * 1e6:9.1f} {base / t:9.3f} {errors[name]:8.4f}")
+            print(f"{batch:5d}  {name:<22} {t * 1e6:9.1f} {base / t:9.3f} {errors[name]:8.4f}")
 
 
 if __name__ == "__main__":
