@@ -154,3 +154,63 @@ def test_int4_weights(stored):
         np.asarray(compiled(placed, x), np.float32),
         np.asarray(jax.jit(serve)(variables, x), np.float32),
     )
+
+
+def test_weak_types_and_python_scalars_compute_as_under_jit():
+    """A weak-typed scalar variable keeps its weak type (the result's dtype is jit's), and
+    a Python float is taken as jit takes it."""
+    x = jnp.ones((4,), jnp.bfloat16)
+    for t in (jnp.asarray(2.0), 2.0):
+        variables = {"t": t}
+
+        def fn(v, x):
+            return x * v["t"]
+
+        compiled, placed = jp.compile_for_serving(fn, variables, x)
+        want = jax.jit(fn)(variables, x)
+        got = compiled(placed, x)
+        assert got.dtype == want.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_uncommitted_variables_go_where_a_sharded_input_goes():
+    """Variables fresh from init (uncommitted) are not pinned to one device: with an input
+    over 8 devices the program runs as jit's does."""
+    mesh = jax.make_mesh((8,), ("data",))
+    x = jax.device_put(jnp.ones((8, 16), jnp.float32), NamedSharding(mesh, P("data", None)))
+    variables = {"w": jnp.ones((16, 4), jnp.float32), "b": jnp.zeros((4,), jnp.float32)}
+
+    def fn(v, x):
+        return x @ v["w"] + v["b"]
+
+    for layouts in ("auto", "keep"):
+        compiled, placed = jp.compile_for_serving(fn, variables, x, layouts=layouts)
+        np.testing.assert_array_equal(compiled(placed, x), jax.jit(fn)(variables, x))
+
+
+def test_a_variable_fn_never_reads_is_compiled_once():
+    lowerings = []
+    from jmp_policy._src import serving_layouts
+
+    original = serving_layouts._lower
+
+    def counting(*a, **k):
+        lowerings.append(1)
+        return original(*a, **k)
+
+    variables = {"w": jnp.ones((16, 4)), "unused": jnp.zeros((3, 5))}
+    x = jnp.ones((2, 16))
+    serving_layouts._lower = counting
+    try:
+        compiled, placed = jp.compile_for_serving(lambda v, x: x @ v["w"], variables, x)
+    finally:
+        serving_layouts._lower = original
+    assert len(lowerings) == 1
+    np.testing.assert_array_equal(compiled(placed, x), x @ variables["w"])
+
+
+def test_a_long_fn_is_not_quoted_whole():
+    _, x, variables = _setup()
+    with pytest.raises(TypeError, match=r"got \{.*\.\.\..* of type dict") as info:
+        jp.compile_for_serving(variables, variables, x)
+    assert len(str(info.value)) < 400

@@ -17,10 +17,12 @@ in device memory, which the returned variables carry (``jax.Array.format``).
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
 LAYOUTS = ("auto", "keep")
@@ -30,7 +32,8 @@ def _check(fn: Any, variables: Any, args: tuple[Any, ...], layouts: Any) -> None
     if not callable(fn):
         raise TypeError(
             f"compile_for_serving: `fn` must be a function of (variables, *args), such as "
-            f"jp.linen.apply(model, policy); got {fn!r} of type {type(fn).__name__}."
+            f"jp.linen.apply(model, policy); got {reprlib.repr(fn)} of type "
+            f"{type(fn).__name__}."
         )
     if not isinstance(layouts, str) or layouts not in LAYOUTS:
         raise ValueError(
@@ -49,13 +52,34 @@ def _check(fn: Any, variables: Any, args: tuple[Any, ...], layouts: Any) -> None
             )
 
 
+def _sharding(leaf: Any) -> Any:
+    """A committed array's sharding (or a ``ShapeDtypeStruct``'s); ``None`` for the rest
+    (an uncommitted array, a NumPy or Python value), which go where the program puts them,
+    as under ``jax.jit``."""
+    if isinstance(leaf, jax.Array) and not leaf.committed:
+        return None
+    return getattr(leaf, "sharding", None)
+
+
+def _abstract(leaf: Any) -> Any:
+    """``leaf`` as a ``ShapeDtypeStruct`` (its weak type kept, so the program computes in
+    the dtypes ``jax.jit`` would)."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    typeof = getattr(jax, "typeof", None) or getattr(jax.core, "get_aval")  # noqa: B009
+    aval = typeof(leaf)
+    return jax.ShapeDtypeStruct(
+        aval.shape, aval.dtype, sharding=_sharding(leaf), weak_type=aval.weak_type
+    )
+
+
 def _format(leaf: Any, layouts: str) -> Any:
     """The input format ``layouts`` asks for one variable (``None``: JAX's default)."""
-    sharding = getattr(leaf, "sharding", None)  # an array's, or a ShapeDtypeStruct's
     if layouts == "auto":
-        return Format(Layout.AUTO, sharding)
-    # jax.Array's `format` is not in its type stubs (jax 0.10)
-    return getattr(leaf, "format", None) if isinstance(leaf, jax.Array) else None
+        return Format(Layout.AUTO, _sharding(leaf))
+    if isinstance(leaf, jax.Array) and leaf.committed:
+        return getattr(leaf, "format", None)  # not in jax 0.10's type stubs
+    return None
 
 
 def serving_lowering(
@@ -67,10 +91,7 @@ def serving_lowering(
     _check(fn, variables, args, layouts)
     formats = jax.tree.map(lambda leaf: _format(leaf, layouts), variables)
     if layouts == "auto":  # jit takes Layout.AUTO for abstract values only
-        variables = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
-            variables,
-        )
+        variables = jax.tree.map(_abstract, variables)
     return _lower(fn, formats, variables, args)
 
 
@@ -99,15 +120,17 @@ def compile_for_serving(
       fn: a function of ``(variables, *args)``, e.g. ``jp.linen.apply(model, policy)``
         (NNX: a function of the state).
       variables: the pytree of arrays ``fn`` takes first (``QuantizedArray`` leaves
-        included); each array's sharding is kept.
-      *args: example inputs: their shapes and dtypes are the compiled function's.
+        included); each committed array's sharding is kept.
+      *args: example inputs, positional arrays or pytrees of arrays: their shapes and
+        dtypes are the compiled function's.
       layouts: ``"auto"`` (XLA chooses each variable's layout) or ``"keep"`` (each
         variable's current ``jax.Array.format``).
 
     Returns:
       ``(compiled, variables)``: ``compiled(variables, *args)`` runs the program; the
-      variables returned are new arrays in its layouts (the ones given are not changed:
-      drop them to free their memory).
+      variables returned are in its layouts. The ones given are not changed; a returned
+      array whose layout did not change may be the given one, so free the given
+      variables by dropping them, not with ``delete()``.
 
     Raises:
       ValueError: ``layouts`` is neither ``"auto"`` nor ``"keep"``.
@@ -132,15 +155,23 @@ def compile_for_serving(
     placed = jax.device_put(variables, wanted)
     leaves, tree = jax.tree.flatten(placed)
     formats = jax.tree.leaves(wanted)
-    if any(a.format.layout != f.layout for a, f in zip(leaves, formats, strict=True)):
+    # a variable `fn` never reads has no layout in the program (`None`): any will do
+    ok = [
+        f.layout is None or a.format.layout == f.layout
+        for a, f in zip(leaves, formats, strict=True)
+    ]
+    if not all(ok):
         # A layout this JAX cannot put an array in (jax 0.10's CPU client keeps int4
         # arrays unpacked where XLA asks for them packed): those variables keep the layout
-        # they have (their sharding alone is given), the others the one XLA chose.
+        # they have (a copy, their sharding alone given), the others the one XLA chose.
         given = jax.tree.leaves(variables)
-        ok = [a.format.layout == f.layout for a, f in zip(leaves, formats, strict=True)]
         kept = [f if good else a.sharding for a, f, good in zip(leaves, formats, ok, strict=True)]
         placed = jax.tree.unflatten(
-            tree, [a if good else g for a, g, good in zip(leaves, given, ok, strict=True)]
+            tree,
+            [
+                a if good else jnp.array(g, copy=True)
+                for a, g, good in zip(leaves, given, ok, strict=True)
+            ],
         )
         compiled = _lower(fn, jax.tree.unflatten(tree, kept), placed, args).compile()
     return compiled, placed
