@@ -22,6 +22,7 @@ import collections
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import traceback
@@ -108,11 +109,53 @@ def compile_everything(path):
                 out["forms"][name] = {m: f.to_json() for m, f in found.items()}
             except Exception:  # that program's tests fail with it; the others still run
                 out["errors"][name] = traceback.format_exc()
-        try:
-            out["layouts"] = _serving_layouts()
-        except Exception:
-            out["errors"]["layouts"] = traceback.format_exc()
+        for key, measure in (("layouts", _serving_layouts), ("diagnose", _diagnose_kernels)):
+            try:
+                out[key] = measure()
+            except Exception:
+                out["errors"][key] = traceback.format_exc()
     path.write_text(json.dumps(out))
+
+
+def _kernels(hlo):
+    """The kernels of the entry computation: fusions, custom calls and copies."""
+    entry = hlo[hlo.index("ENTRY") :]
+    body = entry[: entry.index("\n}\n")] if "\n}\n" in entry else entry
+    return collections.Counter(re.findall(r"= [^ ]+ (fusion|custom-call|copy)\(", body))
+
+
+def _diagnose_kernels():
+    """Kernels of diagnostics_bench's training step (2 layers, d=256) compiled for an H100:
+    with ``apply``, and with ``diagnose`` (its report returned), and the tapped tensors."""
+    import diagnostics_bench as db
+
+    import jmp_policy as jp
+
+    model = db.Transformer(2, 256, 4)
+    x = jnp.zeros((8, 128, 256), jnp.float32)
+    params = jax.eval_shape(model.init, jax.random.key(1), x)["params"]
+    plain = jp.linen.apply(model, "mixed_float16")
+    diag = jp.linen.diagnose(model, "mixed_float16")
+    probe = jax.eval_shape(lambda p, x: diag.probe({"params": p}, x), params, x)
+
+    def apply_step(p, q, x):
+        return jax.value_and_grad(lambda p: db._loss(plain({"params": p}, x)))(p)
+
+    def diagnose_step(p, q, x):
+        def loss(p, q):
+            out, report = diag({"params": p}, x, probe=q)
+            return db._loss(out), report
+
+        grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+        (value, report), (grads, probe_grad) = grad(p, q)
+        return value, grads, report.with_gradients(probe_grad)
+
+    args = hc.on_h100((params, probe, x))
+    found = {
+        n: _kernels(hc.compile_for_h100(f, args))
+        for n, f in (("apply", apply_step), ("diagnose", diagnose_step))
+    }
+    return {"kernels": found, "tapped": 3 * len(probe)}
 
 
 def _serving_layouts():
@@ -322,6 +365,19 @@ def test_compile_for_serving_lets_xla_store_int8_kernels_for_the_s8_gemm(compile
     assert found["compile_for_serving"]["transposes"] == 0
     for way in found.values():
         assert way["gemms"] == ["s8 x s8 -> s32"] * layers, way
+
+
+def test_a_diagnosed_step_adds_fewer_kernels_than_it_taps_tensors(compiled):
+    """The report is packed (two arrays per direction): the diagnosed step adds its
+    statistics' reductions, not a kernel per scalar statistic and no scalar copies (before
+    packing: 3.4 added kernels per tapped tensor, most of them s32 scalar copies)."""
+    _usable(compiled)
+    if "diagnose" in compiled["errors"]:
+        pytest.fail(compiled["errors"]["diagnose"])
+    found = compiled["diagnose"]
+    apply, diagnose = (sum(found["kernels"][k].values()) for k in ("apply", "diagnose"))
+    assert found["kernels"]["diagnose"].get("copy", 0) == 0, found
+    assert apply < diagnose < apply + found["tapped"], found
 
 
 # -- the check fails on forms that must fail --------------------------------------------------

@@ -177,6 +177,25 @@ def test_report_is_a_pytree_that_keeps_its_metadata():
         assert _values(other.outputs["head"]) == _values(report.outputs["head"])
 
 
+def test_a_report_is_packed_into_a_few_arrays(maybe_jit):
+    """Six statistics per tapped tensor, each a scalar output of a jitted step, were each
+    an output buffer (on a GPU, a kernel each): the pytree holds two arrays per direction
+    and ``sampled``, and reading it gives the same statistics, with their dtypes."""
+    _, report = maybe_jit(lambda x: _run_model(x))(jnp.ones((2, 3)))
+    leaves = jax.tree.leaves(report)
+    assert len(leaves) == 6  # max_abs and counts for inputs, outputs, gradients (None: no leaf)
+    assert [a.dtype for a in leaves] == [jnp.float32, jnp.int32] * 3
+    paths = len(report.outputs)
+    assert leaves[2].shape == (paths,) and leaves[3].shape == (paths, 5)
+    assert leaves[4].shape == (0,) and leaves[5].shape == (0, 5)  # no gradients yet
+    head = report.outputs["head"]
+    assert head.max_abs.dtype == np.float32 and head.size.dtype == np.int32
+    assert int(head.size) == 6 and float(head.max_abs) == 2.0  # ones, doubled by "body"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.every = 2
+    assert repr(report).startswith("Report(inputs: ")
+
+
 def test_report_stacked_by_scan_is_summarised():
     def step(carry, scale):
         _, report = _run_model(jnp.ones((2, 3)), scale=scale)

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jmp_policy._src.diagnostics.stats import NUM_STATS, Stats
 
@@ -23,7 +24,36 @@ class PathInfo(NamedTuple):
     output_seq: int  # the sequence number of its first output tap
 
 
-@dataclasses.dataclass(frozen=True)
+_DIRECTIONS = ("inputs", "outputs", "gradients")
+
+
+def _pack(stats: Mapping[str, Stats]) -> tuple[tuple[str, ...], Any, Any]:
+    """``(paths, max_abs [..., n] float32, counts [..., n, 5] int32)`` of a direction."""
+    keys = tuple(stats)
+    if not keys:
+        return keys, jnp.zeros((0,), jnp.float32), jnp.zeros((0, NUM_STATS - 1), jnp.int32)
+    maxes = jnp.stack([jnp.asarray(stats[k].max_abs, jnp.float32) for k in keys], axis=-1)
+    counts = jnp.stack(
+        [
+            jnp.stack([jnp.asarray(v, jnp.int32) for v in dataclasses.astuple(stats[k])[1:]], -1)
+            for k in keys
+        ],
+        axis=-2,
+    )
+    return keys, maxes, counts
+
+
+def _unpack(keys: tuple[str, ...], maxes: Any, counts: Any) -> dict[str, Stats]:
+    """The statistics of each path, sliced from the packed arrays (on the host when they
+    are concrete: one transfer, no device op per value)."""
+    if not isinstance(maxes, jax.core.Tracer) and not isinstance(counts, jax.core.Tracer):
+        maxes, counts = np.asarray(maxes), np.asarray(counts)
+    return {
+        k: Stats(maxes[..., i], *(counts[..., i, j] for j in range(NUM_STATS - 1)))
+        for i, k in enumerate(keys)
+    }
+
+
 class Report:
     """Per-submodule statistics of one run of a model (a pytree).
 
@@ -35,16 +65,93 @@ class Report:
     ``untapped`` those the ``paths`` filter left out. With ``every > 1``, ``sampled`` is a
     bool (one per step when stacked by ``scan``): whether the statistics were computed;
     a step that was not sampled holds zeros. :func:`format_report` renders it.
+
+    As a pytree the statistics are packed, two arrays per direction (the largest values,
+    float32, and the counts, int32), so a jitted step returns a handful of arrays, not six
+    scalars per tapped tensor: each output is a buffer, and on a GPU each scalar output
+    was a kernel of its own (700 kernels against 257 for the undiagnosed step, compiled
+    for an H100, against 289 packed). ``inputs`` and friends are unpacked when read.
     """
 
-    inputs: dict[str, Stats]
-    outputs: dict[str, Stats]
-    gradients: dict[str, Stats]
-    paths: tuple[PathInfo, ...] = ()
-    skipped: tuple[str, ...] = ()
-    untapped: tuple[str, ...] = ()
-    every: int = 1
-    sampled: Any = None
+    __slots__ = ("_cache", "_packed", "every", "paths", "sampled", "skipped", "untapped")
+    _cache: dict[int, dict[str, Stats]]
+    _packed: tuple[tuple[tuple[str, ...], Any, Any], ...]
+    every: int
+    paths: tuple[PathInfo, ...]
+    sampled: Any
+    skipped: tuple[str, ...]
+    untapped: tuple[str, ...]
+
+    def __init__(
+        self,
+        inputs: Mapping[str, Stats],
+        outputs: Mapping[str, Stats],
+        gradients: Mapping[str, Stats],
+        paths: tuple[PathInfo, ...] = (),
+        skipped: tuple[str, ...] = (),
+        untapped: tuple[str, ...] = (),
+        every: int = 1,
+        sampled: Any = None,
+    ) -> None:
+        packed = tuple(_pack(d) for d in (inputs, outputs, gradients))
+        self._init(packed, paths, skipped, untapped, every, sampled)
+
+    def _init(
+        self, packed: Any, paths: Any, skipped: Any, untapped: Any, every: int, sampled: Any
+    ) -> None:
+        for name, value in (
+            ("_packed", packed), ("paths", tuple(paths)), ("skipped", tuple(skipped)),
+            ("untapped", tuple(untapped)), ("every", every), ("sampled", sampled),
+            ("_cache", {}),
+        ):  # fmt: skip
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def _direction(self, index: int) -> dict[str, Stats]:
+        cache = self._cache
+        if index not in cache:
+            cache[index] = _unpack(*self._packed[index])
+        return dict(cache[index])
+
+    @property
+    def inputs(self) -> dict[str, Stats]:
+        return self._direction(0)
+
+    @property
+    def outputs(self) -> dict[str, Stats]:
+        return self._direction(1)
+
+    @property
+    def gradients(self) -> dict[str, Stats]:
+        return self._direction(2)
+
+    def __repr__(self) -> str:
+        counts = ", ".join(
+            f"{d}: {len(p[0])} paths" for d, p in zip(_DIRECTIONS, self._packed, strict=True)
+        )
+        return f"Report({counts}; every={self.every})"
+
+    def _flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        leaves = (*(a for _, m, c in self._packed for a in (m, c)), self.sampled)
+        aux = (
+            tuple(k for k, _, _ in self._packed),
+            self.paths,
+            self.skipped,
+            self.untapped,
+            self.every,
+        )
+        return leaves, aux
+
+    @classmethod
+    def _unflatten(cls, aux: tuple[Any, ...], leaves: Any) -> Report:
+        keys, paths, skipped, untapped, every = aux
+        leaves = tuple(leaves)
+        packed = tuple((keys[i], leaves[2 * i], leaves[2 * i + 1]) for i in range(3))
+        report = object.__new__(cls)
+        report._init(packed, paths, skipped, untapped, every, leaves[6])
+        return report
 
     def probe(self) -> dict[str, jax.Array]:
         """A zero-valued probe for this model: ``{path: zeros((calls, 6))}`` (float32).
@@ -79,11 +186,10 @@ class Report:
                 )
             per_call = [Stats.from_row(rows[..., i, :]) for i in range(known[path].calls)]
             gradients[path] = functools.reduce(Stats.merge, per_call)
-        return dataclasses.replace(self, gradients=gradients)
+        report = object.__new__(Report)
+        packed = (*self._packed[:2], _pack(gradients))
+        report._init(packed, self.paths, self.skipped, self.untapped, self.every, self.sampled)
+        return report
 
 
-jax.tree_util.register_dataclass(
-    Report,
-    data_fields=["inputs", "outputs", "gradients", "sampled"],
-    meta_fields=["paths", "skipped", "untapped", "every"],
-)
+jax.tree_util.register_pytree_node(Report, Report._flatten, Report._unflatten)
