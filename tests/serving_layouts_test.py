@@ -214,3 +214,22 @@ def test_a_long_fn_is_not_quoted_whole():
     with pytest.raises(TypeError, match=r"got \{.*\.\.\..* of type dict") as info:
         jp.compile_for_serving(variables, variables, x)
     assert len(str(info.value)) < 400
+
+
+def test_big_vision_vit_scanned_and_quantized():
+    """Model code nobody here wrote: big_vision's ViT (`scan=True`: its encoder blocks in
+    an `nn.scan`), the blocks int8 under an int8 policy, the rest `mixed_bfloat16`."""
+    from flax_examples import big_vision_vit as vit
+
+    model = vit.Model(10, variant="mu/8", depth=2, scan=True)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 16, 3))
+    variables = model.init(jax.random.key(0), x)
+    policy_map = jp.DTypePolicyMap(
+        "mixed_bfloat16", {r"Transformer/encoderblock/.*": "int8_from_mixed_bfloat16"}
+    )
+    q = jp.linen.quantize(model, policy_map, variables, x)
+    fn = jp.linen.apply(model, policy_map, module_dtype="override")
+    compiled, placed = jp.compile_for_serving(fn, q, x)
+    got, want = compiled(placed, x)[0], jax.jit(fn)(q, x)[0]
+    assert got.shape == (2, 10)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
