@@ -196,6 +196,47 @@ def test_a_report_is_packed_into_a_few_arrays(maybe_jit):
     assert repr(report).startswith("Report(inputs: ")
 
 
+def test_a_packed_report_pickles_copies_and_names_its_leaves():
+    import copy
+    import pickle
+
+    _, report = _run_model(jnp.ones((2, 3)))
+    for other in (pickle.loads(pickle.dumps(report)), copy.copy(report), copy.deepcopy(report)):
+        assert other.paths == report.paths
+        assert _values(other.outputs["head"]) == _values(report.outputs["head"])
+    names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(report)[0]]
+    assert names[:2] == [".inputs_max_abs", ".inputs_counts"]
+
+
+def test_statistics_read_inside_a_branch_do_not_outlive_it():
+    """Read under a `lax.cond` branch's trace, then outside it: no leaked tracer."""
+    _, report = _run_model(jnp.ones((2, 3)))
+
+    def step(report, p):
+        y = jax.lax.cond(p, lambda: report.outputs["head"].max_abs, lambda: 0.0)
+        return y + report.outputs["head"].max_abs
+
+    assert float(jax.jit(step)(report, True)) == 4.0
+
+
+def test_a_report_from_eval_shape_has_the_statistics_shapes():
+    _, report = jax.eval_shape(lambda x: _run_model(x), jnp.ones((2, 3)))
+    head = report.outputs["head"]
+    assert (head.max_abs.shape, head.max_abs.dtype) == ((), jnp.float32)
+    assert (head.size.shape, head.size.dtype) == ((), jnp.int32)
+
+
+def test_a_report_stacked_on_its_last_axis_is_a_clear_error():
+    def run(scale):
+        return _run_model(jnp.ones((2, 3)), scale=scale)[1]
+
+    stacked = jax.vmap(run, out_axes=0)(jnp.arange(1.0, 4.0))
+    assert stacked.outputs["head"].size.tolist() == [6, 6, 6]
+    wrong = jax.vmap(run, out_axes=-1)(jnp.arange(1.0, 6.0))
+    with pytest.raises(ValueError, match=r"stacked \(scan, vmap\) on leading axes only"):
+        wrong.outputs  # noqa: B018
+
+
 def test_report_stacked_by_scan_is_summarised():
     def step(carry, scale):
         _, report = _run_model(jnp.ones((2, 3)), scale=scale)

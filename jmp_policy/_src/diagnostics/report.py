@@ -45,13 +45,38 @@ def _pack(stats: Mapping[str, Stats]) -> tuple[tuple[str, ...], Any, Any]:
 
 def _unpack(keys: tuple[str, ...], maxes: Any, counts: Any) -> dict[str, Stats]:
     """The statistics of each path, sliced from the packed arrays (on the host when they
-    are concrete: one transfer, no device op per value)."""
+    are concrete: one transfer, no device op per value; ``ShapeDtypeStruct``s, as
+    ``jax.eval_shape`` gives, become the shapes of the statistics)."""
+    if isinstance(maxes, jax.ShapeDtypeStruct) and isinstance(counts, jax.ShapeDtypeStruct):
+        m: Any = jax.ShapeDtypeStruct(maxes.shape[:-1], maxes.dtype)
+        c: Any = jax.ShapeDtypeStruct(counts.shape[:-2], counts.dtype)
+        return {k: Stats(m, c, c, c, c, c) for k in keys}
     if not isinstance(maxes, jax.core.Tracer) and not isinstance(counts, jax.core.Tracer):
         maxes, counts = np.asarray(maxes), np.asarray(counts)
+    n = len(keys)
+    shapes = (getattr(maxes, "shape", None), getattr(counts, "shape", None))
+    if (
+        shapes[0] is None
+        or shapes[1] is None
+        or shapes[0][-1:] != (n,)
+        or shapes[1][-2:] != (n, NUM_STATS - 1)
+        or shapes[0][:-1] != shapes[1][:-2]
+    ):
+        raise ValueError(
+            f"This report's statistics are packed as arrays [..., {n}] and [..., {n}, "
+            f"{NUM_STATS - 1}] (one row per path), but hold shapes {shapes}: a report can "
+            "be stacked (scan, vmap) on leading axes only (vmap's out_axes=0), and its "
+            "leaves mapped to arrays of the same trailing shape."
+        )
     return {
         k: Stats(maxes[..., i], *(counts[..., i, j] for j in range(NUM_STATS - 1)))
         for i, k in enumerate(keys)
     }
+
+
+def _rebuild(aux: tuple[Any, ...], leaves: tuple[Any, ...]) -> Report:
+    """A report from its pytree parts (pickle and copy call this)."""
+    return Report._unflatten(aux, leaves)
 
 
 class Report:
@@ -70,7 +95,9 @@ class Report:
     float32, and the counts, int32), so a jitted step returns a handful of arrays, not six
     scalars per tapped tensor: each output is a buffer, and on a GPU each scalar output
     was a kernel of its own (700 kernels against 257 for the undiagnosed step, compiled
-    for an H100, against 289 packed). ``inputs`` and friends are unpacked when read.
+    for an H100, against 289 packed). ``inputs`` and friends are unpacked when read: on
+    the host as NumPy values when the report is concrete, as slices of the traced arrays
+    inside ``jit``. A report stacks (``scan``, ``vmap``) on leading axes only.
     """
 
     __slots__ = ("_cache", "_packed", "every", "paths", "sampled", "skipped", "untapped")
@@ -111,9 +138,17 @@ class Report:
 
     def _direction(self, index: int) -> dict[str, Stats]:
         cache = self._cache
-        if index not in cache:
-            cache[index] = _unpack(*self._packed[index])
-        return dict(cache[index])
+        if index in cache:
+            return dict(cache[index])
+        _, maxes, counts = self._packed[index]
+        stats = _unpack(*self._packed[index])
+        if not isinstance(maxes, jax.core.Tracer) and not isinstance(counts, jax.core.Tracer):
+            cache[index] = stats  # concrete only: a tracer must not outlive its trace
+        return dict(stats)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        leaves, aux = self._flatten()
+        return (_rebuild, (aux, leaves))
 
     @property
     def inputs(self) -> dict[str, Stats]:
@@ -192,4 +227,18 @@ class Report:
         return report
 
 
-jax.tree_util.register_pytree_node(Report, Report._flatten, Report._unflatten)
+_LEAF_NAMES = (*(f"{d}_{f}" for d in _DIRECTIONS for f in ("max_abs", "counts")), "sampled")
+
+
+def _flatten_with_keys(report: Report) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    leaves, aux = report._flatten()
+    keyed = tuple(
+        (jax.tree_util.GetAttrKey(name), leaf)
+        for name, leaf in zip(_LEAF_NAMES, leaves, strict=True)
+    )
+    return keyed, aux
+
+
+jax.tree_util.register_pytree_with_keys(
+    Report, _flatten_with_keys, Report._unflatten, Report._flatten
+)

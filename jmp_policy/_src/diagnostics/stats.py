@@ -30,7 +30,8 @@ class Stats:
     """Statistics of a group of arrays (a call's inputs, outputs or output cotangents).
 
     ``max_abs`` is float32; the counts are int32 (under ``jax_enable_x64``, too) and
-    add up over the calls of one path.
+    add up over the calls of one path. Read from a concrete report (outside ``jit``) they
+    are NumPy values; inside ``jit``, traced arrays.
     """
 
     max_abs: jax.Array
