@@ -233,3 +233,31 @@ def test_big_vision_vit_scanned_and_quantized():
     got, want = compiled(placed, x)[0], jax.jit(fn)(q, x)[0]
     assert got.shape == (2, 10)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_an_nnx_model_served_from_its_state():
+    """NNX: the served function takes the model's state (`nnx.split`), merges it and runs
+    the model under the policy; the int8 kernels reach the int8 x int8 matmul."""
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(32, 64, rngs=rngs)
+            self.down = nnx.Linear(64, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(nnx.gelu(self.up(x)))
+
+    model = jp.nnx.quantize(MLP(nnx.Rngs(0)), "int8_from_float32")
+    graphdef, state = nnx.split(model)
+    assert isinstance(state["up"]["kernel"].get_value(), jp.QuantizedArray)
+
+    def serve(state, x):
+        return jp.nnx.apply(nnx.merge(graphdef, state), "int8_from_mixed_bfloat16")(x)
+
+    x = jax.random.normal(jax.random.key(1), (128, 32)).astype(jnp.bfloat16)
+    compiled, placed = jp.compile_for_serving(serve, state, x)
+    assert jax.tree.structure(placed) == jax.tree.structure(state)
+    got, want = compiled(placed, x), jax.jit(serve)(state, x)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
