@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU figures of the README, in two calls that fit one lent GPU's 15 minutes:
 #   bash benchmarks/h100_session.sh 1   # serving (+ HLO; compile_for_serving's rows), the
-#                                       # float8 loss per step at lr 1e-4, diagnostics at a
+#                                       # float8 loss per step with a one-step amax history
+#                                       # (f8_h1) beside the default's, diagnostics at a
 #                                       # larger step, int4 forms at 96 rows (~6 min)
 #   bash benchmarks/h100_session.sh 2   # the float8 sweep at width 4096 (~6 min)
 # Everything goes to stdout and, where $OUT is set, to $OUT/gpu<part>.log; the float8
@@ -37,7 +38,7 @@ run() {  # run NAME SECONDS COMMAND...
 # so a step cut short still leaves what it measured.
 if [[ "$part" == 1 ]]; then
   run serving 50 python3 benchmarks/serving_bench.py --dim 8192 --repeats 30
-  run float8_lr 130 python3 benchmarks/float8_bench.py --tokens 8192 --width 8192 --hidden 8192 --repeats 3 --steps 40 --log-steps 40 --lr 1e-4 --variants float8,f8_cur,bf16
+  run float8_h1 130 python3 benchmarks/float8_bench.py --tokens 8192 --width 8192 --hidden 8192 --repeats 3 --steps 40 --log-steps 40 --variants float8,f8_h1,bf16
   run diagnostics 120 python3 benchmarks/diagnostics_bench.py --dims 1024 --batch 64 --seq 512 --repeats 5
   run forms 60 python3 benchmarks/int4_block_forms.py --dim 8192 --repeats 30 --batches 1 16 96 256
 else
