@@ -83,6 +83,7 @@ EXTRA_VARIANTS = {
         },
     ),
 }
+ALL_VARIANTS = {**VARIANTS, **EXTRA_VARIANTS}
 SINGLE = {
     "float8": "float8_from_mixed_bfloat16",
     "f8_cur": "float8_current_from_mixed_bfloat16",
@@ -247,8 +248,7 @@ def measure(
     """Each variant's figures (all of :data:`VARIANTS`, or those ``names``, which must
     include ``"float32"``: every variant starts from its parameters); ``forward=False``
     skips timing one Dense's forward alone (``"forward"`` is then absent)."""
-    known = {**VARIANTS, **EXTRA_VARIANTS}
-    variants = VARIANTS if names is None else {n: known[n] for n in names}
+    variants = VARIANTS if names is None else {n: ALL_VARIANTS[n] for n in names}
     x, y = make_data(args)
     tx = optax.adam(args.lr)
     results: dict[str, dict[str, Any]] = {}
@@ -397,16 +397,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variants",
         type=str,
         default="",
-        help=f"comma-separated, of {','.join([*VARIANTS, *EXTRA_VARIANTS])} (float32 is always "
-        "run: every variant "
-        "starts from its parameters); the forward of one Dense alone is then not timed",
+        help=f"comma-separated, of {','.join(ALL_VARIANTS)} (float32 is always run: every "
+        "variant starts from its parameters); the forward of one Dense alone is then not timed",
     )
     args = parser.parse_args(argv)
     if args.variants:
-        known = [*VARIANTS, *EXTRA_VARIANTS]
-        unknown = sorted(set(args.variants.split(",")) - set(known))
+        unknown = sorted(set(args.variants.split(",")) - set(ALL_VARIANTS))
         if unknown:
-            parser.error(f"--variants: unknown {unknown}; known: {known}")
+            parser.error(f"--variants: unknown {unknown}; known: {list(ALL_VARIANTS)}")
     if args.quick:
         args.tokens, args.width, args.hidden, args.layers = 64, 32, 64, 2
         args.steps, args.repeats = 30, 3

@@ -51,7 +51,7 @@ def _unpack(keys: tuple[str, ...], maxes: Any, counts: Any) -> dict[str, Stats]:
         m: Any = jax.ShapeDtypeStruct(maxes.shape[:-1], maxes.dtype)
         c: Any = jax.ShapeDtypeStruct(counts.shape[:-2], counts.dtype)
         return {k: Stats(m, c, c, c, c, c) for k in keys}
-    if not isinstance(maxes, jax.core.Tracer) and not isinstance(counts, jax.core.Tracer):
+    if _concrete(maxes, counts):
         maxes, counts = np.asarray(maxes), np.asarray(counts)
     n = len(keys)
     shapes = (getattr(maxes, "shape", None), getattr(counts, "shape", None))
@@ -72,6 +72,11 @@ def _unpack(keys: tuple[str, ...], maxes: Any, counts: Any) -> dict[str, Stats]:
         k: Stats(maxes[..., i], *(counts[..., i, j] for j in range(NUM_STATS - 1)))
         for i, k in enumerate(keys)
     }
+
+
+def _concrete(*arrays: Any) -> bool:
+    """Whether none of ``arrays`` is traced."""
+    return not any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
 def _rebuild(aux: tuple[Any, ...], leaves: tuple[Any, ...]) -> Report:
@@ -140,9 +145,8 @@ class Report:
         cache = self._cache
         if index in cache:
             return dict(cache[index])
-        _, maxes, counts = self._packed[index]
         stats = _unpack(*self._packed[index])
-        if not isinstance(maxes, jax.core.Tracer) and not isinstance(counts, jax.core.Tracer):
+        if _concrete(*self._packed[index][1:]):
             cache[index] = stats  # concrete only: a tracer must not outlive its trace
         return dict(stats)
 
@@ -180,13 +184,18 @@ class Report:
         return leaves, aux
 
     @classmethod
+    def _of(cls, packed: Any, *rest: Any) -> Report:
+        """A report of already packed statistics (``rest``: as :meth:`_init` takes)."""
+        report = object.__new__(cls)
+        report._init(packed, *rest)
+        return report
+
+    @classmethod
     def _unflatten(cls, aux: tuple[Any, ...], leaves: Any) -> Report:
         keys, paths, skipped, untapped, every = aux
         leaves = tuple(leaves)
         packed = tuple((keys[i], leaves[2 * i], leaves[2 * i + 1]) for i in range(3))
-        report = object.__new__(cls)
-        report._init(packed, paths, skipped, untapped, every, leaves[6])
-        return report
+        return cls._of(packed, paths, skipped, untapped, every, leaves[6])
 
     def probe(self) -> dict[str, jax.Array]:
         """A zero-valued probe for this model: ``{path: zeros((calls, 6))}`` (float32).
@@ -221,10 +230,8 @@ class Report:
                 )
             per_call = [Stats.from_row(rows[..., i, :]) for i in range(known[path].calls)]
             gradients[path] = functools.reduce(Stats.merge, per_call)
-        report = object.__new__(Report)
         packed = (*self._packed[:2], _pack(gradients))
-        report._init(packed, self.paths, self.skipped, self.untapped, self.every, self.sampled)
-        return report
+        return Report._of(packed, self.paths, self.skipped, self.untapped, self.every, self.sampled)
 
 
 _LEAF_NAMES = (*(f"{d}_{f}" for d in _DIRECTIONS for f in ("max_abs", "counts")), "sampled")
