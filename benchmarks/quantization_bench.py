@@ -129,15 +129,16 @@ def _map(mode):
     )
 
 
-def _layer_inputs(model, params, batches):
-    """Each block Dense/DenseGeneral's matmul inputs on ``batches``, as rows ``[n, in]``."""
+def layer_inputs(model, params, batches, prefix="blocks_"):
+    """Each Dense/DenseGeneral's matmul inputs on ``batches``, as rows ``[n, in]``, for the
+    layers whose path starts with ``prefix``."""
     rows = {}
 
     def grab(next_fun, args, kwargs, context):
         mod = context.module
         if context.method_name == "__call__" and isinstance(mod, (nn.Dense, nn.DenseGeneral)):
             path = "/".join(mod.path)
-            if path.startswith("blocks_"):
+            if path.startswith(prefix):
                 x = np.asarray(args[0], np.float32)
                 features = x.shape[-1] * (x.shape[-2] if path.endswith("attn/out") else 1)
                 rows.setdefault(path, []).append(x.reshape(-1, features))
@@ -159,7 +160,7 @@ def _kernels(tree):
     return out
 
 
-def _layer_errors(inputs, params, stored):
+def layer_errors(inputs, params, stored):
     """Per layer, ``|XW - XŴ| / |XW|`` on held-out ``X``."""
     float_kernels = {
         "/".join(str(getattr(k, "key", k)) for k in kp)[: -len("/kernel")]: np.asarray(v)
@@ -187,7 +188,7 @@ def calibrated_table(quick):
     ref_map = _map(None)
     ref_params = ref_map.cast_to_variable(params)
     loss_of = jax.jit(lm_task.loss_fn)  # the same shapes for every row: compiled once
-    inputs = _layer_inputs(model, params, held[:8])  # per-layer errors: 8 batches suffice
+    inputs = layer_inputs(model, params, held[:8])  # per-layer errors: 8 batches suffice
     print(
         f"\ncalibrated int4: lm_task LM ({lm_task.LAYERS} blocks, d={lm_task.D}), trained "
         f"{steps} steps ({trained_s:.0f} s); {len(calib)} calibration and {len(held)} held-out "
@@ -219,30 +220,41 @@ def calibrated_table(quick):
             np.sqrt(sum(np.sum((o - r) ** 2) for o, r in zip(outs, ref, strict=True)))
             / np.sqrt(sum(np.sum(r**2) for r in ref))
         )
-        results[label] = (losses, _layer_errors(inputs, params, stored))
+        results[label] = (losses, layer_errors(inputs, params, stored))
         calib_s = f"{seconds:.1f}" if policy and policy.startswith(("gptq", "awq")) else "-"
         print(f"{label:30} {nbytes(stored):>10,} {loss:>7.4f} {err:>8.4f} {calib_s:>8}")
-    bf16 = results["bf16"][0]
+    report_gaps(
+        results,
+        "bf16",
+        (
+            ("int4/128 (round to nearest)", ("gptq/4/128", "awq/4/128")),
+            ("int8 (round to nearest)", ("gptq/8/-1",)),
+        ),
+    )
+
+
+def report_gaps(results, reference, comparisons):
+    """Prints, for each ``(base, methods)`` of ``comparisons``, the share of ``base``'s
+    held-out loss gap to ``reference`` each method closes, and its per-layer output error
+    against ``base``'s; ``results[label]`` is ``(per-batch losses, {layer: error})``."""
+    ref = results[reference][0]
     print(
         "(losses: means over the same held-out batches for every row; ± below: the standard "
         "error of a paired difference over those batches)"
     )
-    for base, methods in (
-        ("int4/128 (round to nearest)", ("gptq/4/128", "awq/4/128")),
-        ("int8 (round to nearest)", ("gptq/8/-1",)),
-    ):
+    for base, methods in comparisons:
         rtn_loss, rtn_layers = results[base]
         for method in methods:
             losses, layers = results[method]
-            gap, gap_se = lm_task.paired_difference(rtn_loss, bf16)
-            left, left_se = lm_task.paired_difference(losses, bf16)
+            gap, gap_se = lm_task.paired_difference(rtn_loss, ref)
+            left, left_se = lm_task.paired_difference(losses, ref)
             closed = (gap - left) / gap if gap > 0 else float("nan")
             cuts = [1 - layers[p] / rtn_layers[p] for p in layers if rtn_layers.get(p)]
             below = sum(layers[p] < rtn_layers[p] for p in layers)
             print(
                 f"{method}: closes {closed:.0%} of {base}'s held-out loss gap "
                 f"({gap:+.4f} ± {gap_se:.4f} nats; {method} {left:+.4f} ± {left_se:.4f} "
-                f"vs bf16); per-layer held-out output error "
+                f"vs {reference}); per-layer held-out output error "
                 f"{np.mean(cuts):.0%} below round to nearest on average "
                 f"({below}/{len(layers)} layers below)"
             )

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -298,3 +299,67 @@ def test_diagnostics_bench_prints_each_variant_and_the_conditionals_left(capsys)
         assert found[1] == found[2]
     rows = [line.split("  ")[1].strip() for line in lines[2:]]
     assert rows == ["apply", "diagnose", "diagnose every=10", "every=10, conds kept"]
+
+
+def _bench_module(name):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_pretrained_bench_calibrates_every_projection_of_a_gemma3_block():
+    # pretrained_int4_bench.py runs on a GGUF file CI does not have; its Flax Gemma 3 is
+    # run here at a small size with random weights: calibrate must see all seven
+    # projections of every block (none left to round to nearest with a warning), and the
+    # result must run through the same policy map.
+    import warnings
+
+    import jax.numpy as jnp
+
+    import jmp_policy as jp
+
+    gemma = _bench_module("gemma3_gguf")
+    bench = _bench_module("pretrained_int4_bench")
+    config = gemma.Config(
+        layers=2, d=128, heads=2, kv_heads=1, head_dim=32, mlp=256, vocab=64, eps=1e-6,
+        rope_base=1e6, window=4,
+    )  # fmt: skip
+    model = gemma.Gemma3(config)
+    ids = np.arange(32, dtype=np.int32).reshape(2, 16) % config.vocab
+    params = model.init(jax.random.key(0), ids)["params"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pm = bench.policy_map("awq/4/128")
+        stored = jp.linen.calibrate(model, pm, {"params": params}, [ids])["params"]
+    names = ("attn/q", "attn/k", "attn/v", "attn/o", "mlp/gate", "mlp/up", "mlp/down")
+    for layer in ("layers_0", "layers_1"):
+        for name in names:
+            node = stored[layer]
+            for key in name.split("/"):
+                node = node[key]
+            assert isinstance(node["kernel"], jp.QuantizedArray), (layer, name)
+        assert stored[layer]["attn_norm"]["scale"].dtype == jnp.float32
+    losses = bench.sequence_losses(jp.linen.apply(model, pm)({"params": stored}, ids), ids)
+    assert losses.shape == (2,) and np.all(np.isfinite(losses))
+    # A local layer attends within its window (4 here): a change at position 0 reaches
+    # positions 0-3 only; a global layer's reaches every later position.
+    x = jax.random.normal(jax.random.key(1), (1, 16, config.d))
+    x2 = x.at[:, 0].add(1.0)
+    for is_global, reached in ((False, 4), (True, 16)):
+        attn = gemma.Attention(config, is_global)
+        v = attn.init(jax.random.key(2), x)
+        changed = np.abs(np.asarray(attn.apply(v, x2) - attn.apply(v, x))).max(-1)[0] > 1e-6
+        assert changed.tolist() == [True] * reached + [False] * (16 - reached), is_global
+
+
+def test_pretrained_bench_sequences_start_with_bos_and_refuse_a_short_text():
+    bench = _bench_module("pretrained_int4_bench")
+    ids = np.arange(100, dtype=np.int32)
+    batches = bench.sequences(ids, 10, 100, 2, 3, 8)
+    assert len(batches) == 2 and batches[0].shape == (3, 8)
+    assert (batches[0][:, 0] == 2).all() and batches[0][0, 1:].tolist() == list(range(10, 17))
+    assert batches[1][0, 1:].tolist() == list(range(31, 38))  # consecutive, not overlapping
+    with pytest.raises(ValueError, match="too few tokens for 20 sequences of 8"):
+        bench.sequences(ids, 10, 100, 10, 2, 8)

@@ -1,0 +1,224 @@
+"""Gemma 3 (270M) as a Flax Linen model, its weights and tokenizer read from a GGUF file.
+
+A pretrained model for ``pretrained_int4_bench.py``: the attention and MLP projections are
+``nn.Dense`` layers (kernels ``[in, out]``), so the library's calibration sees each one as
+it sees any Flax model's. The architecture is Gemma 3's: RMSNorm before and after the
+attention and the MLP, RMSNorm on queries and keys, grouped-query attention, RoPE (base
+1,000,000 on every sixth layer, which attends globally, and 10,000 on the others, which
+attend within a sliding window), a GeGLU MLP (tanh-approximate gelu), the embedding scaled
+by ``sqrt(d)`` and tied to the output. GGUF files store each norm's weight with Gemma's
+``+1`` already added, and each matrix as ``[out, in]``; ``params`` transposes them.
+
+Reading a GGUF file needs ``gguf``; the tokenizer, ``sentencepiece`` and ``protobuf``
+(``pip install -e ".[bench]"``). Checked against a NumPy forward pass written apart from
+this one: the same loss on the same 255 tokens (3.178 nats).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GLOBAL_EVERY = 6  # layers 5, 11, 17 attend globally (Gemma 3's five local to one global)
+LOCAL_ROPE_BASE = 10_000.0
+BOS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    layers: int
+    d: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    vocab: int
+    eps: float
+    rope_base: float
+    window: int
+
+
+def read(path: str) -> tuple[Config, dict, object]:
+    """``(config, params, tokenizer)`` from the GGUF file at ``path`` (weights in float32)."""
+    import gguf  # the benchmark's extra, not the library's
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(path)
+
+    def field(key):
+        return reader.fields[key].contents()
+
+    weights = {t.name: dequantize(t.data, t.tensor_type).astype(np.float32) for t in reader.tensors}
+    arch = field("general.architecture")
+    config = Config(
+        layers=int(field(f"{arch}.block_count")),
+        d=int(field(f"{arch}.embedding_length")),
+        heads=int(field(f"{arch}.attention.head_count")),
+        kv_heads=int(field(f"{arch}.attention.head_count_kv")),
+        head_dim=int(field(f"{arch}.attention.key_length")),
+        mlp=int(field(f"{arch}.feed_forward_length")),
+        vocab=int(weights["token_embd.weight"].shape[0]),
+        eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_base=float(field(f"{arch}.rope.freq_base")),
+        window=int(field(f"{arch}.attention.sliding_window")),
+    )
+    return config, _params(config, weights), _tokenizer(reader)
+
+
+def _params(config: Config, w: dict) -> dict:
+    def kernel(name):
+        return {"kernel": np.ascontiguousarray(w[name + ".weight"].T)}
+
+    def norm(name):
+        return {"scale": w[name + ".weight"]}
+
+    params = {
+        "embed": {"embedding": w["token_embd.weight"]},
+        "final_norm": norm("output_norm"),
+    }
+    for i in range(config.layers):
+        b = f"blk.{i}."
+        params[f"layers_{i}"] = {
+            "attn": {
+                "q": kernel(b + "attn_q"),
+                "k": kernel(b + "attn_k"),
+                "v": kernel(b + "attn_v"),
+                "o": kernel(b + "attn_output"),
+                "q_norm": norm(b + "attn_q_norm"),
+                "k_norm": norm(b + "attn_k_norm"),
+            },
+            "attn_norm": norm(b + "attn_norm"),
+            "post_attn_norm": norm(b + "post_attention_norm"),
+            "mlp_norm": norm(b + "ffn_norm"),
+            "post_mlp_norm": norm(b + "post_ffw_norm"),
+            "mlp": {
+                "gate": kernel(b + "ffn_gate"),
+                "up": kernel(b + "ffn_up"),
+                "down": kernel(b + "ffn_down"),
+            },
+        }
+    return params
+
+
+def _tokenizer(reader):
+    """A SentencePiece BPE model rebuilt from the GGUF file's vocabulary and scores."""
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    def field(key):
+        return reader.fields[key].contents()
+
+    model = pb.ModelProto()
+    unk = field("tokenizer.ggml.unknown_token_id")
+    pieces = zip(field("tokenizer.ggml.tokens"), field("tokenizer.ggml.scores"),
+                 field("tokenizer.ggml.token_type"), strict=True)  # fmt: skip
+    for i, (token, score, kind) in enumerate(pieces):
+        piece = model.pieces.add()
+        piece.piece, piece.score, piece.type = token, float(score), 2 if i == unk else int(kind)
+    model.trainer_spec.model_type = pb.TrainerSpec.BPE
+    model.trainer_spec.byte_fallback = True
+    model.trainer_spec.unk_id, model.trainer_spec.bos_id = unk, BOS
+    model.trainer_spec.eos_id, model.trainer_spec.pad_id = 1, 0
+    model.normalizer_spec.name = "identity"
+    model.normalizer_spec.add_dummy_prefix = False
+    model.normalizer_spec.remove_extra_whitespaces = False
+    model.normalizer_spec.escape_whitespaces = True
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "tokenizer.model")
+        with open(path, "wb") as f:
+            f.write(model.SerializeToString())
+        return spm.SentencePieceProcessor(model_file=path)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
+        return (y * scale).astype(x.dtype)
+
+
+def _rope(x, base):
+    """Rotary embedding on ``[batch, time, heads, head_dim]``, halves rotated (as Gemma)."""
+    t, half = x.shape[1], x.shape[-1] // 2
+    inv = base ** (-jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half))
+    angle = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None]
+    cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    config: Config
+    is_global: bool
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        b, t, _ = x.shape
+        q = nn.Dense(c.heads * c.head_dim, use_bias=False, name="q")(x)
+        k = nn.Dense(c.kv_heads * c.head_dim, use_bias=False, name="k")(x)
+        v = nn.Dense(c.kv_heads * c.head_dim, use_bias=False, name="v")(x)
+        q = RMSNorm(c.eps, name="q_norm")(q.reshape(b, t, c.heads, c.head_dim))
+        k = RMSNorm(c.eps, name="k_norm")(k.reshape(b, t, c.kv_heads, c.head_dim))
+        v = v.reshape(b, t, c.kv_heads, c.head_dim)
+        base = c.rope_base if self.is_global else LOCAL_ROPE_BASE
+        q, k = _rope(q, base), _rope(k, base)
+        k, v = (jnp.repeat(a, c.heads // c.kv_heads, axis=2) for a in (k, v))
+        scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / np.sqrt(c.head_dim)
+        i = jnp.arange(t)
+        mask = i[:, None] >= i[None]
+        if not self.is_global:
+            mask &= i[:, None] - i[None] < c.window
+        weights = jax.nn.softmax(jnp.where(mask, scores, -1e30), -1).astype(v.dtype)
+        out = jnp.einsum("bhts,bshd->bthd", weights, v).reshape(b, t, c.heads * c.head_dim)
+        return nn.Dense(c.d, use_bias=False, name="o")(out)
+
+
+class MLP(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        gate = nn.gelu(nn.Dense(c.mlp, use_bias=False, name="gate")(x), approximate=True)
+        return nn.Dense(c.d, use_bias=False, name="down")(
+            gate * nn.Dense(c.mlp, use_bias=False, name="up")(x)
+        )
+
+
+class Block(nn.Module):
+    config: Config
+    is_global: bool
+
+    @nn.compact
+    def __call__(self, x):
+        eps = self.config.eps
+        h = Attention(self.config, self.is_global, name="attn")(RMSNorm(eps, name="attn_norm")(x))
+        x = x + RMSNorm(eps, name="post_attn_norm")(h)
+        h = MLP(self.config, name="mlp")(RMSNorm(eps, name="mlp_norm")(x))
+        return x + RMSNorm(eps, name="post_mlp_norm")(h)
+
+
+class Gemma3(nn.Module):
+    """Token ids ``[batch, time]`` (starting with ``BOS``) to logits ``[batch, time, vocab]``."""
+
+    config: Config
+
+    @nn.compact
+    def __call__(self, ids):
+        c = self.config
+        embed = nn.Embed(c.vocab, c.d, name="embed")
+        x = embed(ids) * jnp.float32(np.sqrt(c.d))
+        for i in range(c.layers):
+            x = Block(c, (i + 1) % GLOBAL_EVERY == 0, name=f"layers_{i}")(x)
+        return embed.attend(RMSNorm(c.eps, name="final_norm")(x))

