@@ -6,12 +6,15 @@ model, 18 blocks, d=640, from a GGUF file) and runs it on real English text. Eve
 seven projections (query, key, value, attention output, gate, up, down; 126 kernels) are
 quantized under a policy map (int8 and int4/128 rounded to nearest; GPTQ and AWQ
 calibrated by ``jp.linen.calibrate`` with its defaults on calibration sequences from the
-first part of the text); the embedding (tied to the output) and the norms stay float32,
-and every row computes in float32 (``_from_float32``), so the rows differ by their weights
-only. Each row gives the held-out loss (mean next-token loss over held-out sequences from
-the text's second half), the blocks' bytes and the calibration time; then the share of
-round-to-nearest's loss gap to float32 each calibrated row closes (± the standard error of
-the paired per-sequence differences), and each calibrated layer's output error
+first half of the text); the embedding (tied to the output) and the final norm stay
+float32. The blocks compute in bfloat16 in every row (``_from_mixed_bfloat16``; the
+reference row ``bf16`` is the blocks under ``mixed_bfloat16``), or in float32 with
+``--compute float32``, so the rows differ by their weights only. Each row gives the
+held-out loss (mean next-token loss over held-out sequences from the text's second half),
+the relative error of the logits against the reference's (on the first two held-out
+batches), the blocks' bytes and the calibration time; then the share of
+round-to-nearest's loss gap to the reference each calibrated row closes (± the standard
+error of the paired per-sequence differences), and each calibrated layer's output error
 ``|XW - XŴ| / |XW|`` on held-out inputs against round-to-nearest's.
 
 The GGUF file holds Gemma 3 270M in llama.cpp's Q4_K_M (most projections 5-bit in groups
@@ -24,7 +27,7 @@ or any Gemma 3 270M GGUF file (``--gguf``). The text is any plain English file (
 the figures in docs/quantization.md used the State of the Union addresses of
 github.com/nathanael-fijalkow/LLM_from_scratch (``sotu.txt``, 1.28 MB).
 
-Needs ``pip install -e ".[bench]"`` (gguf, sentencepiece, protobuf). About 17 minutes on a
+Needs ``pip install -e ".[bench]"`` (gguf, sentencepiece, protobuf). About 16 minutes on a
 2-core CPU at the defaults.
 
 Run: python benchmarks/pretrained_int4_bench.py --text sotu.txt [--gguf FILE]
@@ -51,7 +54,13 @@ import gemma3_gguf
 import quantization_bench
 
 PROJECTIONS = r"layers_\d+/(attn/(q|k|v|o)|mlp/(gate|up|down))"
-ROWS = ("float32", "int8", "gptq/8/-1", "int4/128", "gptq/4/128", "awq/4/128")
+# The rest of each block: the block itself, its attention and MLP, its norms.
+REST = (
+    r"layers_\d+(/(attn|mlp|attn_norm|post_attn_norm|mlp_norm|post_mlp_norm"
+    r"|attn/q_norm|attn/k_norm))?"
+)
+ROWS = ("int8", "gptq/8/-1", "int4/128", "gptq/4/128", "awq/4/128")
+COMPUTE = {"bfloat16": ("bf16", "mixed_bfloat16"), "float32": ("float32", "float32")}
 
 
 def sequences(ids, start, stop, count, batch, seq):
@@ -73,10 +82,13 @@ def sequence_losses(logits, ids):
     return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], -1)[..., 0], -1)
 
 
-def policy_map(row):
-    if row == "float32":
-        return jp.DTypePolicyMap("float32")
-    return jp.DTypePolicyMap("float32", {PROJECTIONS: f"{row}_from_float32"})
+def policy_map(row, compute="bfloat16"):
+    """The blocks' projections under ``row`` (``None``: the reference), the rest of the
+    blocks in ``compute``; the embedding and the final norm float32."""
+    _, name = COMPUTE[compute]
+    if row is None:
+        return jp.DTypePolicyMap("float32", {r"layers_\d+(/.*)?": name})
+    return jp.DTypePolicyMap("float32", {PROJECTIONS: f"{row}_from_{name}", REST: name})
 
 
 def default_gguf():
@@ -98,13 +110,13 @@ def main():
     parser.add_argument("--held-out-batches", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument(
-        "--rows", default=",".join(ROWS), help="comma-separated, of " + ",".join(ROWS)
-    )
+    parser.add_argument("--compute", choices=sorted(COMPUTE), default="bfloat16")
+    parser.add_argument("--rows", default=",".join(ROWS), help="of " + ",".join(ROWS))
     args = parser.parse_args()
     rows = args.rows.split(",")
-    if rows[0] != "float32" or any(r not in ROWS for r in rows):
-        raise SystemExit(f"--rows: {args.rows!r}; start with float32, then any of {ROWS}")
+    if any(r not in ROWS for r in rows):
+        raise SystemExit(f"--rows: {args.rows!r}; any of {ROWS} (the reference runs first)")
+    reference, _ = COMPUTE[args.compute]
 
     path = args.gguf or default_gguf()
     start = time.perf_counter()
@@ -121,38 +133,47 @@ def main():
         f"Gemma 3 270M ({os.path.basename(path)}; {config.layers} blocks, d={config.d}), "
         f"read in {time.perf_counter() - start:.0f} s; text {os.path.basename(args.text)} "
         f"(sha256 {text_sha}…, {len(ids):,} tokens); {len(calib)} calibration and "
-        f"{len(held)} held-out batches of {args.batch}x{args.seq} tokens; "
-        f"jax {jax.__version__}, {jax.devices()[0].platform}"
+        f"{len(held)} held-out batches of {args.batch}x{args.seq} tokens; blocks compute in "
+        f"{args.compute}; jax {jax.__version__}, {jax.devices()[0].platform}"
     )
     model = gemma3_gguf.Gemma3(config)
     inputs = quantization_bench.layer_inputs(model, params, held[:2], prefix="layers_")
-    print(f"{'blocks under':14} {'block bytes':>12} {'loss':>7} {'calib s':>8}")
-    results = {}
-    for row in rows:
-        pm = policy_map(row)
+    print(f"{'blocks under':14} {'block bytes':>12} {'loss':>7} {'rel err':>8} {'calib s':>8}")
+    results, ref_logits = {}, []
+    for row in (None, *rows):
+        pm = policy_map(row, args.compute)
         start = time.perf_counter()
-        if row.startswith(("gptq", "awq")):
-            stored = jp.linen.calibrate(model, pm, {"params": params}, calib)["params"]
-        elif row == "float32":
+        if row is None:
             stored = params
+        elif row.startswith(("gptq", "awq")):
+            stored = jp.linen.calibrate(model, pm, {"params": params}, calib)["params"]
         else:
             stored = pm.quantize(params)
         seconds = time.perf_counter() - start
-        fn = jax.jit(lambda v, b, pm=pm: sequence_losses(jp.linen.apply(model, pm)(v, b), b))
-        losses = np.concatenate([np.asarray(fn({"params": stored}, b)) for b in held])
+        apply = jp.linen.apply(model, pm)
+        loss_fn = jax.jit(lambda v, b, apply=apply: sequence_losses(apply(v, b), b))
+        losses = np.concatenate([np.asarray(loss_fn({"params": stored}, b)) for b in held])
+        logits_fn = jax.jit(apply)
+        logits = [np.asarray(logits_fn({"params": stored}, b), np.float32) for b in held[:2]]
+        ref_logits = ref_logits or logits
+        diff = sum(np.sum((o - r) ** 2) for o, r in zip(logits, ref_logits, strict=True))
+        err = np.sqrt(diff / sum(np.sum(r**2) for r in ref_logits))
+        label = row or reference
+        results[label] = (losses, quantization_bench.layer_errors(inputs, params, stored))
+        calib_s = f"{seconds:.0f}" if label.startswith(("gptq", "awq")) else "-"
         blocks = {k: v for k, v in stored.items() if k.startswith("layers_")}
-        results[row] = (losses, quantization_bench.layer_errors(inputs, params, stored))
-        calib_s = f"{seconds:.0f}" if row.startswith(("gptq", "awq")) else "-"
-        nbytes = quantization_bench.nbytes(blocks)
-        print(f"{row:14} {nbytes:>12,} {losses.mean():>7.4f} {calib_s:>8}", flush=True)
+        print(
+            f"{label:14} {quantization_bench.nbytes(blocks):>12,} {losses.mean():>7.4f} "
+            f"{err:>8.4f} {calib_s:>8}",
+            flush=True,
+        )
     comparisons = []
     if "int4/128" in results:
-        comparisons.append(
-            ("int4/128", tuple(r for r in ("gptq/4/128", "awq/4/128") if r in results))
-        )
+        calibrated = tuple(r for r in ("gptq/4/128", "awq/4/128") if r in results)
+        comparisons.append(("int4/128", calibrated))
     if "int8" in results and "gptq/8/-1" in results:
         comparisons.append(("int8", ("gptq/8/-1",)))
-    quantization_bench.report_gaps(results, "float32", comparisons)
+    quantization_bench.report_gaps(results, reference, comparisons)
 
 
 if __name__ == "__main__":
