@@ -8,14 +8,15 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from jmp_policy._src import calibration_gather, global_state, interception, quantization
+from jmp_policy._src import calibration_gather, global_state, quantization
 from jmp_policy._src.options import as_policy_or_map
 from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path
-from jmp_policy._src.quantization import calibration
+from jmp_policy._src.quantization import calibration, matmuls
 from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
 from jmp_policy._src.quantization.calibration_stats import LayerStats
 from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
 from jmp_policy.linen._modules import check_module, check_params, path_of
+from jmp_policy.linen._quantization import routable, run_with
 from jmp_policy.linen._quantize import _seen_shapes
 
 
@@ -50,17 +51,14 @@ def _collect(
             path = path_of(mod)
             if context.method_name != "__call__" or path not in targets:
                 return next_fun(*a, **k)
-            routable = isinstance(mod, (nn.Dense, nn.DenseGeneral)) and (
-                mod.dot_general is None and mod.dot_general_cls is None
-            )
-            if not routable:
+            if not routable(mod):
                 unseen[path] = (
                     f"its layer is a {type(mod).__name__}, whose matmul calibrate does not see"
                 )
                 return next_fun(*a, **k)
             capture = calibration_gather.capturing_dot_general(path, targets[path])
-            with interception.attribute_set(mod, "dot_general", capture):
-                return next_fun(*a, **k)
+            matmul = matmuls.as_einsum(lambda _: capture) if isinstance(mod, nn.Einsum) else capture
+            return run_with(mod, matmul, next_fun, a, k)
 
         gather = calibration_gather.gathering(stats, stacked, unseen)
         with gather as gathered, nn.intercept_methods(intercept):
@@ -88,7 +86,7 @@ def calibrate(
 
     Runs the unmodified model (``module.apply(variables, *batch, method=method,
     **kwargs)``) on each calibration batch, gathering, for each ``Dense``/``DenseGeneral``
-    whose kernel is under a :class:`~jmp_policy.GPTQDTypePolicy` or
+    or ``Einsum`` whose kernel is under a :class:`~jmp_policy.GPTQDTypePolicy` or
     :class:`~jmp_policy.AWQDTypePolicy`, the Gram matrix ``XᵀX`` (float32) and ``mean |x|``
     of the inputs of its matmul; then solves each kernel (GPTQ, or AWQ's scale search,
     each jit-compiled) in the int4/int8 storage the serving matmuls read. Kernels under
@@ -99,8 +97,9 @@ def calibrate(
     {"params": 0}``) from the inputs they see in their own lane (the same inputs for all
     when ``in_axes=None``), and stored stacked as :func:`quantize` stores them
     (``nn.remat`` layers too). A layer under a GPTQ/AWQ policy whose matmul is not seen
-    (an ``nn.Einsum``, a custom matmul, a layer inside a transform other than these, such
-    as ``shard_map``) is rounded to nearest with a warning naming it. Batches of different
+    (an ``nn.Einsum`` contracting kernel axes other than its leading ones, such as
+    ``"btd,ndh->btnh"``, a custom matmul, a layer inside a transform other than these,
+    such as ``shard_map``) is rounded to nearest with a warning naming it. Batches of different
     shapes each compile the run once.
 
     Args:

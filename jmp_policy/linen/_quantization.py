@@ -64,14 +64,14 @@ def _einsum_as(replacement: Callable[..., Any]) -> Iterator[None]:
         _EINSUM_AS.reset(token)
 
 
-def _routable(module: Any) -> bool:
+def routable(module: Any) -> bool:
     """A Dense/DenseGeneral with Flax's own matmul, or an Einsum."""
     if isinstance(module, (nn.Dense, nn.DenseGeneral)):
         return module.dot_general is None and module.dot_general_cls is None
     return isinstance(module, nn.Einsum)
 
 
-def _run_with(
+def run_with(
     module: Any,
     matmul: Callable[..., Any],
     next_fn: Callable[..., Any],
@@ -132,7 +132,7 @@ def _learn_route(module: Any, path: str, run: KernelRun) -> None:
         module.get_variable("params", "kernel") if module.has_variable("params", "kernel") else None
     )
     shape = getattr(seen, "shape", None)
-    run.routes[path] = tuple(shape) if _routable(module) and shape is not None else None
+    run.routes[path] = tuple(shape) if routable(module) and shape is not None else None
 
 
 def _layer_kernel(module: Any, stored: Any) -> Any:
@@ -185,7 +185,7 @@ def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
         if module is None:
             return None
         run = _KERNEL_RUN.get()
-        if not _routable(module):
+        if not routable(module):
             stacked = None if run is None else run.ahead.get(call.path)
             matmuls.own_matmul_in_stack(call.path, stacked, policy.scheme)
             return None
@@ -213,7 +213,7 @@ def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
         def extension(
             call: Any, next_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> Any:
-            return _run_with(module, matmul, next_fn, args, kwargs)
+            return run_with(module, matmul, next_fn, args, kwargs)
 
         return extension
 

@@ -11,7 +11,7 @@ from flax import nnx
 from jmp_policy._src import calibration_gather, global_state
 from jmp_policy._src.options import as_policy_or_map
 from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path
-from jmp_policy._src.quantization import calibration
+from jmp_policy._src.quantization import calibration, matmuls
 from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
 from jmp_policy._src.quantization.calibration_stats import LayerStats
 from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
@@ -22,8 +22,9 @@ M = TypeVar("M", bound=nnx.Module)
 
 
 def _seeable(module: Any) -> bool:
-    """Whether calibrate sees the module's matmul (a plain ``Linear``/``LinearGeneral``)."""
-    return isinstance(module, (nnx.Linear, nnx.LinearGeneral)) and routable(module)
+    """Whether calibrate sees the module's matmul (a ``Linear``/``LinearGeneral`` with NNX's
+    own ``dot_general``, an ``Einsum`` with ``jnp.einsum``)."""
+    return isinstance(module, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)) and routable(module)
 
 
 def _stacked_params(model: nnx.Module, params: Any) -> dict[str, int]:
@@ -59,6 +60,11 @@ def _targets(
     return targets, unseen
 
 
+def _returning(value: Any) -> Any:
+    """A function of one argument that returns ``value``."""
+    return lambda _: value
+
+
 def _gather(
     model: nnx.Module,
     targets: Mapping[str, tuple[int, ...]],
@@ -82,7 +88,10 @@ def _gather(
             path = path_of(parts)
             if path in targets:
                 capture = calibration_gather.capturing_dot_general(path, targets[path])
-                m.dot_general = capture  # type: ignore[attr-defined]  # a Linear(General)
+                if isinstance(m, nnx.Einsum):  # its contraction as one dot_general
+                    m.einsum_op = matmuls.as_einsum(_returning(capture))
+                else:
+                    m.dot_general = capture  # type: ignore[attr-defined]  # a Linear(General)
         with calibration_gather.gathering(stats, lead, unseen) as gathered:
             live(*args, **kwargs)
         return gathered
@@ -110,7 +119,7 @@ def calibrate(
 
     Runs a copy of the unmodified model (``model(*batch, **kwargs)``, jit-compiled, one
     compilation per batch shape) on each calibration batch, gathering, for each
-    ``nnx.Linear``/``nnx.LinearGeneral`` whose kernel is under a
+    ``nnx.Linear``/``nnx.LinearGeneral``/``nnx.Einsum`` whose kernel is under a
     :class:`~jmp_policy.GPTQDTypePolicy` or :class:`~jmp_policy.AWQDTypePolicy`, the Gram
     matrix ``XᵀX`` (float32) and ``mean |x|`` of its matmul's inputs; then solves each
     kernel (GPTQ, or AWQ's scale search, each jit-compiled) in the int4/int8 storage the
@@ -121,7 +130,8 @@ def calibrate(
     with ``nnx.vmap`` (the same inputs for all when they are broadcast, ``in_axes=None``),
     and stored stacked as :func:`quantize` stores them (layers called through
     ``nnx.remat`` too). A layer under a GPTQ/AWQ policy whose matmul is not seen (an
-    ``nnx.Einsum``, a custom ``dot_general``, a layer inside a transform other than
+    ``nnx.Einsum`` contracting kernel axes other than its leading ones, such as
+    ``"btd,ndh->btnh"``, or with its own ``einsum_op``, a custom ``dot_general``, a layer inside a transform other than
     these, or an ``nnx.vmap`` function made before calibrate ran, at import) is rounded to
     nearest with a warning naming it.
 

@@ -79,17 +79,68 @@ def test_calibrated_int4_kernels_reach_the_dot_as_int4(calibrated, rows, int4_do
     assert int4_converts_into_dots(jaxpr.jaxpr) == int4_dots  # GPTQ's and AWQ's kernels
 
 
+class EinsumBlock(nn.Module):
+    """An MLP of two ``nn.Einsum`` layers: ``[d] -> [heads, head_dim] -> [d]``."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Einsum((32, 4, 16), "btd,dnh->btnh", name="up")(x)
+        return nn.Einsum((4, 16, 32), "btnh,nhd->btd", name="down")(nn.gelu(h))
+
+
+class DenseGeneralBlock(nn.Module):
+    """``EinsumBlock`` with ``DenseGeneral`` layers: the same parameters."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.DenseGeneral((4, 16), name="up")(x)
+        return nn.DenseGeneral(32, axis=(-2, -1), name="down")(nn.gelu(h))
+
+
+EINSUM_MAP = {"up": "gptq/4/16_from_float32", "down": "awq/4/16_from_float32"}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_einsum_is_calibrated_as_the_dense_general_of_its_kernel(jit):
+    x = _inputs(256).reshape(8, 32, 32)
+    variables = EinsumBlock().init(jax.random.key(0), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # both layers seen: no rounding to nearest
+        q = jp.linen.calibrate(EinsumBlock(), EINSUM_MAP, variables, [x[:4], x[4:]])
+        want = jp.linen.calibrate(DenseGeneralBlock(), EINSUM_MAP, variables, [x[:4], x[4:]])
+    assert type(q["params"]["up"]["kernel"]) is jp.QuantizedArray
+    assert type(q["params"]["down"]["kernel"]) is awq.InputScaledArray  # AWQ's input scale
+    for name in ("up", "down"):
+        got, expected = q["params"][name]["kernel"], want["params"][name]["kernel"]
+        assert got.shape == expected.shape and got.mode == expected.mode == "int4"
+        assert got.block_size == expected.block_size == 16
+        np.testing.assert_array_equal(got.dequantize(jnp.float32), expected.dequantize(jnp.float32))
+    apply = jp.linen.apply(EinsumBlock(), EINSUM_MAP)
+    served = (jax.jit(apply) if jit else apply)(q, x)
+    float_out = EinsumBlock().apply(variables, x)
+    np.testing.assert_allclose(
+        served, jp.linen.apply(DenseGeneralBlock(), EINSUM_MAP)(want, x), rtol=1e-5, atol=1e-5
+    )
+    rtn_map = jp.DTypePolicyMap("float32", {"up|down": "int4/16_from_float32"})
+    rtn = jp.linen.apply(EinsumBlock(), rtn_map)(
+        {"params": rtn_map.quantize(variables["params"], stacked_axes=0)}, x
+    )
+    assert np.linalg.norm(served - float_out) < 0.9 * np.linalg.norm(rtn - float_out)
+
+
 class WithEinsum(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(16, name="dense")(x)
-        return nn.Einsum((16, 8), "bi,io->bo", name="einsum")(x)
+        return nn.Einsum((8, 16), "bi,oi->bo", name="einsum")(x)  # kernel [out, in]
 
 
 def test_a_layer_whose_matmul_is_not_seen_is_rounded_to_nearest_with_a_warning():
     model, x = WithEinsum(), _inputs(64)
     variables = model.init(jax.random.key(0), x)
-    with pytest.warns(UserWarning, match=r"'einsum/kernel'.*rounded to nearest.*Einsum"):
+    with pytest.warns(
+        UserWarning, match=r"'einsum/kernel'.*rounded to nearest.*layout GPTQ/AWQ do not read"
+    ):
         q = jp.linen.calibrate(model, "gptq/4/-1_from_float32", variables, [x])
     assert q["params"]["einsum"]["kernel"].mode == "int4"
     assert q["params"]["dense"]["kernel"].mode == "int4"

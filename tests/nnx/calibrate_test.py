@@ -95,10 +95,57 @@ def test_calibrated_int4_kernels_reach_the_dot_as_int4(calibrated, rows, int4_do
     assert int4_converts_into_dots(jaxpr.jaxpr) == int4_dots  # GPTQ's and AWQ's kernels
 
 
+class EinsumBlock(nnx.Module):
+    """An MLP of two ``nnx.Einsum`` layers (``dense=True``: ``LinearGeneral`` ones, the
+    same parameters): ``[d] -> [heads, head_dim] -> [d]``."""
+
+    def __init__(self, rngs, dense=False):
+        if dense:
+            self.up = nnx.LinearGeneral(32, (4, 16), rngs=rngs)
+            self.down = nnx.LinearGeneral((4, 16), 32, axis=(-2, -1), rngs=rngs)
+        else:
+            self.up = nnx.Einsum("btd,dnh->btnh", (32, 4, 16), (4, 16), rngs=rngs)
+            self.down = nnx.Einsum("btnh,nhd->btd", (4, 16, 32), (32,), rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.gelu(self.up(x)))
+
+
+EINSUM_MAP = {"up": "gptq/4/16_from_float32", "down": "awq/4/16_from_float32"}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_einsum_is_calibrated_as_the_linear_general_of_its_kernel(jit):
+    x = _inputs(256).reshape(8, 32, 32)
+    model, twin = EinsumBlock(nnx.Rngs(0)), EinsumBlock(nnx.Rngs(1), dense=True)
+    for name in ("up", "down"):  # the same parameters (LinearGeneral's kernel: flat axes)
+        for p in ("kernel", "bias"):
+            var = getattr(getattr(twin, name), p)
+            var.set_value(getattr(getattr(model, name), p).get_value().reshape(var.shape))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # both layers seen: no rounding to nearest
+        q = jp.nnx.calibrate(model, EINSUM_MAP, [x[:4], x[4:]])
+        want = jp.nnx.calibrate(twin, EINSUM_MAP, [x[:4], x[4:]])
+    assert type(q.up.kernel.get_value()) is jp.QuantizedArray
+    assert type(q.down.kernel.get_value()) is awq.InputScaledArray  # AWQ's input scale
+    for name in ("up", "down"):
+        assert getattr(q, name).kernel.get_value().block_size == 16
+        got = getattr(q, name).kernel.get_value().dequantize(jnp.float32)
+        expected = getattr(want, name).kernel.get_value().dequantize(jnp.float32)
+        np.testing.assert_array_equal(got, expected.reshape(got.shape))
+    apply = jp.nnx.apply(q, EINSUM_MAP)
+    served = (jax.jit(apply) if jit else apply)(x)
+    np.testing.assert_allclose(served, jp.nnx.apply(want, EINSUM_MAP)(x), rtol=1e-5, atol=1e-5)
+    rtn_map = jp.DTypePolicyMap("float32", {"up|down": "int4/16_from_float32"})
+    rtn = jp.nnx.apply(jp.nnx.quantize(model, rtn_map), rtn_map)(x)
+    float_out = model(x)
+    assert np.linalg.norm(served - float_out) < 0.9 * np.linalg.norm(rtn - float_out)
+
+
 class WithEinsum(nnx.Module):
     def __init__(self, rngs):
         self.dense = nnx.Linear(32, 16, rngs=rngs)
-        self.einsum = nnx.Einsum("bi,io->bo", (16, 8), rngs=rngs)
+        self.einsum = nnx.Einsum("bi,oi->bo", (8, 16), rngs=rngs)  # kernel [out, in]
 
     def __call__(self, x):
         return self.einsum(self.dense(x))
@@ -106,7 +153,9 @@ class WithEinsum(nnx.Module):
 
 def test_a_layer_whose_matmul_is_not_seen_is_rounded_to_nearest_with_a_warning():
     model, x = WithEinsum(nnx.Rngs(0)), _inputs(64)
-    with pytest.warns(UserWarning, match=r"'einsum/kernel'.*rounded to nearest.*Einsum"):
+    with pytest.warns(
+        UserWarning, match=r"'einsum/kernel'.*rounded to nearest.*layout GPTQ/AWQ do not read"
+    ):
         q, report = jp.nnx.calibrate(model, "gptq/4/-1_from_float32", [x], return_report=True)
     assert q.einsum.kernel.get_value().mode == "int4"
     assert [r.path for r in report] == ["dense/kernel"]
