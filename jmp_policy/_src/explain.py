@@ -20,8 +20,8 @@ from jmp_policy._src import dtypes as dt
 from jmp_policy._src import quantization
 
 WIDTH = 100
-_SEP = "  "
-_INDENT = "  "
+SEP = "  "
+INDENT = "  "
 # Display columns: ExplainRow's stored and compute dtypes share one ("f32→bf16").
 _HEADERS = ("path", "class", "policy", "source", "own", "dtype", "bytes", "c.bytes")
 # Under a table with byte columns: what they count.
@@ -231,7 +231,7 @@ def format_rows(rows: Iterable[ExplainRow]) -> str:
             if head != group:
                 lines.append(_ellipsize(head + "/", WIDTH))
                 group = head
-            path = _INDENT + tail
+            path = INDENT + tail
         else:
             group = None
         lines.append(_line(row, path, keep, widths))
@@ -265,7 +265,7 @@ def _legend(cells: list[list[str]], shown: list[list[str]], keep: list[int]) -> 
     """When the table at natural widths is too wide, long sources become references
     ``[n]`` (in ``cells``, in place): ``{source: reference}``."""
     legend: dict[str, str] = {}
-    natural = sum(_natural(shown, c) for c in keep) + len(_SEP) * (len(keep) - 1)
+    natural = sum(_natural(shown, c) for c in keep) + len(SEP) * (len(keep) - 1)
     if natural > WIDTH and _SOURCE in keep:
         for row in cells:
             if len(row[_SOURCE]) > _SOURCE_WIDTH:
@@ -278,11 +278,11 @@ def _widths(shown: list[list[str]], keep: list[int]) -> dict[int, int]:
     shrunk (:func:`_fill`), with room for grouped paths' last segments."""
     widths = {c: _natural(shown, c) for c in keep}
     elastic = {c: widths[c] for c in _MIN_WIDTH if c in keep}
-    fixed = sum(widths[c] for c in keep if c not in elastic) + len(_SEP) * (len(keep) - 1)
+    fixed = sum(widths[c] for c in keep if c not in elastic) + len(SEP) * (len(keep) - 1)
     widths.update(_fill(elastic, WIDTH - fixed))
     if widths[_PATH] < elastic[_PATH]:  # some paths go under their parent path
         tails = [
-            len(_INDENT) + len(p.rpartition("/")[2]) if len(p) > widths[_PATH] else len(p)
+            len(INDENT) + len(p.rpartition("/")[2]) if len(p) > widths[_PATH] else len(p)
             for p in (row[_PATH] for row in shown)
         ]
         elastic[_PATH] = max([len(_HEADERS[_PATH]), *tails])
@@ -295,7 +295,7 @@ def _line(row: list[str], path: str, keep: list[int], widths: dict[int, int]) ->
     for c in keep:
         cell = _ellipsize(path if c == _PATH else row[c], widths[c])
         out.append(cell.rjust(widths[c]) if c >= _FIRST_NUMERIC else cell.ljust(widths[c]))
-    return _SEP.join(out).rstrip()
+    return SEP.join(out).rstrip()
 
 
 def format_matmuls(forms: dict[str, str]) -> str:
@@ -314,22 +314,22 @@ def format_matmuls(forms: dict[str, str]) -> str:
     if not forms:
         return ""
     width = max(len(path or "<root>") for path in forms)
-    column = len(_INDENT) + width + len(_SEP)
+    column = len(INDENT) + width + len(SEP)
     own_line = WIDTH - column < _MIN_FORM_WIDTH
     lines = ["", "matmuls:"]
     for path, form in forms.items():
         name = path or "<root>"
         if own_line:
-            lines.append(f"{_INDENT}{name}")
+            lines.append(f"{INDENT}{name}")
             lines += textwrap.wrap(
                 form,
                 WIDTH,
-                initial_indent=_INDENT * 3,
-                subsequent_indent=_INDENT * 3,
+                initial_indent=INDENT * 3,
+                subsequent_indent=INDENT * 3,
                 break_long_words=False,
             )
             continue
         wrapped = textwrap.wrap(form, WIDTH - column, break_long_words=False) or [""]
-        lines.append(f"{_INDENT}{name.ljust(width)}{_SEP}{wrapped[0]}")
+        lines.append(f"{INDENT}{name.ljust(width)}{SEP}{wrapped[0]}")
         lines += [" " * column + more for more in wrapped[1:]]
     return "\n".join(lines)

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from jmp_policy._src.calibration_report import format_calibration
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.options import OPTION_DEFAULTS, floating_policy_or_map
 from jmp_policy._src.quantization import matmuls
@@ -50,7 +51,10 @@ def explain(
             as ``jax.eval_shape(model.init, ...)`` gives).
         *args: the model's positional arguments (arrays or ``jax.ShapeDtypeStruct``).
         **kwargs: the options of :func:`apply` (``type_policies``, ``module_dtype``,
-            ``autocast_exclude``), then the model's keyword arguments.
+            ``autocast_exclude``); ``calibration=``, the report of :func:`calibrate`
+            (``return_report=True``), listed under the table (per calibrated kernel:
+            its method, round-to-nearest's and its output error on the calibration
+            inputs, seconds); then the model's keyword arguments.
 
     Returns:
         The table as a string.
@@ -81,6 +85,7 @@ def explain(
     """
     check_module(module)
     check_variables(variables)
+    calibrated = format_calibration(kwargs.pop("calibration", None))
     policies = floating_policy_or_map(policy_or_map)
     opts = options({k: kwargs.pop(k) for k in OPTION_DEFAULTS if k in kwargs})
     rngs, mutable = kwargs.pop("rngs", None), kwargs.pop("mutable", False)
@@ -103,4 +108,4 @@ def explain(
     resolver = found[-1]
     resolver.module("", type(module), own_dtype(module))
     table = format_rows(resolved_rows(resolver, variables.get("params", {})))
-    return table + format_matmuls(forms)
+    return table + format_matmuls(forms) + calibrated

@@ -6,6 +6,7 @@ from typing import Any
 
 from flax import nnx
 
+from jmp_policy._src.calibration_report import format_calibration
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.quantization import matmuls
 from jmp_policy._src.run_report import resolved_rows
@@ -37,7 +38,10 @@ def explain(
         policy_or_map: as in :func:`apply`.
         *args: the model's positional arguments, to list the layers' matmuls (optional).
         **options: the options of :func:`apply` (``type_policies``, ``module_dtype``,
-            ``autocast_exclude``).
+            ``autocast_exclude``); ``calibration=``, the report of :func:`calibrate`
+            (``return_report=True``), listed under the table (per calibrated kernel:
+            its method, round-to-nearest's and its output error on the calibration
+            inputs, seconds).
 
     Returns:
         The table as a string.
@@ -61,11 +65,12 @@ def explain(
         total                                                               136      104
         bytes: as stored; c.bytes: as the compute reads them (K = 1024, M = 1024 K)
     """
+    calibrated = format_calibration(options.pop("calibration", None))
     policies, opts = prepare(model, policy_or_map, options)
     resolver = resolver_for(model, policies, opts)
     table = format_rows(resolved_rows(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
     if not args:
-        return table
+        return table + calibrated
 
     def run(traced: nnx.Module, *a: Any) -> Any:
         # The model eval_shape hands in: state a call writes back (batch statistics,
@@ -74,4 +79,4 @@ def explain(
 
     with matmuls.recording() as forms:
         nnx.eval_shape(run, model, *args)
-    return table + format_matmuls(forms)
+    return table + format_matmuls(forms) + calibrated

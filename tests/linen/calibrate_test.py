@@ -55,6 +55,25 @@ def test_the_map_chooses_gptq_awq_and_int8_per_layer(calibrated):
         assert r.error < r.rtn_error
 
 
+def test_explain_lists_the_calibration_report_under_the_table(calibrated):
+    model, _, q, report = calibrated
+    x = _inputs(4)
+    table = jp.linen.explain(model, MAP, q, x, calibration=report)
+    head = "calibrated (output error on the calibration inputs: round to nearest -> method):"
+    lines = table.splitlines()
+    assert lines[-3] == head
+    for line, r in zip(lines[-2:], report, strict=True):
+        assert line.split() == [
+            r.path, r.method, f"{r.rtn_error:.2%}", "->", f"{r.error:.2%}",
+            f"{r.seconds:.1f}", "s",
+        ]  # fmt: skip
+    assert head not in jp.linen.explain(model, MAP, q, x)  # only when given
+    with pytest.raises(
+        TypeError, match=r"`calibration` must be the report .*Received: calibration=\{"
+    ):
+        jp.linen.explain(model, MAP, q, x, calibration={"up/kernel": 0.1})
+
+
 def test_calibrated_model_serves_close_to_float_with_and_without_jit(calibrated):
     model, variables, q, _ = calibrated
     x = _inputs(128, seed=1)

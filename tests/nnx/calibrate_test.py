@@ -41,6 +41,21 @@ def calibrated():
     return model, q, report
 
 
+def test_explain_lists_the_calibration_report_under_the_table(calibrated):
+    _, q, report = calibrated
+    head = "calibrated (output error on the calibration inputs: round to nearest -> method):"
+    for args in ((), (_inputs(4),)):  # with the matmuls listed, and without
+        lines = jp.nnx.explain(q, MAP, *args, calibration=report).splitlines()
+        assert lines[-1 - len(report)] == head
+        for line, r in zip(lines[-len(report) :], report, strict=True):
+            assert line.split()[:5] == [
+                r.path, r.method, f"{r.rtn_error:.2%}", "->", f"{r.error:.2%}"
+            ]  # fmt: skip
+        assert head not in jp.nnx.explain(q, MAP, *args)
+    with pytest.raises(TypeError, match=r"`calibration` must be the report .*calibration=\[1"):
+        jp.nnx.explain(q, MAP, calibration=[1, 2])
+
+
 def test_the_map_chooses_gptq_awq_and_int8_per_layer(calibrated):
     _, q, report = calibrated
     up, mid, head = (getattr(q, n).kernel.get_value() for n in ("up", "mid", "head"))
