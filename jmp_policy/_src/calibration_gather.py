@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jmp_policy._src import context, interception, traced_records
+from jmp_policy._src.int_arguments import check_int
 from jmp_policy._src.quantization.calibration import rows_for_kernel
 from jmp_policy._src.quantization.calibration_stats import LayerStats
 
@@ -201,6 +203,64 @@ def _around_remat(
     for path, stats in records.items():
         state.add(path, stats)
     return out
+
+
+def check_max_bytes(max_statistics_bytes: Any) -> int | None:
+    """``calibrate``'s ``max_statistics_bytes``: ``None`` or a positive int.
+
+    Raises:
+        TypeError: not an int (nor ``None``).
+        ValueError: below 1.
+    """
+    if max_statistics_bytes is None:
+        return None
+    return check_int(
+        max_statistics_bytes, "max_statistics_bytes", 1, why=" or None (every layer at once)"
+    )
+
+
+def gather(
+    make_run: Callable[[Mapping[str, Any]], Callable[..., Any]],
+    targets: Mapping[str, Any],
+    operand: Any,
+    calls: list[tuple[Any, ...]],
+    max_bytes: int | None,
+) -> dict[str, LayerStats]:
+    """Each target's statistics over ``calls``: ``make_run(some_targets)`` gives
+    ``run(operand, stats, args) -> stats``, gathering those targets' (jit-compiled here,
+    one compilation per batch shape). With ``max_bytes`` (``None``: every target in one
+    pass over the calls), the targets are gathered in groups whose statistics take at most
+    ``max_bytes`` (a layer larger than that alone), one pass per group, each group's moved
+    to host memory (NumPy) before the next: the device then holds one group's at a time."""
+    run = make_run(targets)
+    shapes = jax.eval_shape(run, operand, {}, calls[0])
+    groups = _groups(shapes, max_bytes)
+    gathered: dict[str, LayerStats] = {}
+    for group in groups:
+        part = run if len(groups) == 1 else make_run({p: targets[p] for p in group})
+        stats = zero_stats({p: shapes[p] for p in group})
+        part_jit = jax.jit(part)
+        for args in calls:
+            stats = part_jit(operand, stats, args)
+        gathered.update(stats if len(groups) == 1 else jax.device_get(stats))
+    return gathered
+
+
+def _groups(shapes: Mapping[str, Any], max_bytes: int | None) -> list[list[str]]:
+    """The layers of ``shapes`` (path -> its statistics' shapes) in order, in groups of at
+    most ``max_bytes`` of statistics each (a larger layer alone)."""
+    if max_bytes is None:
+        return [list(shapes)] if shapes else []
+    groups: list[list[str]] = []
+    size = 0
+    for path, layer in shapes.items():
+        n = sum(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(layer))
+        if not groups or size + n > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(path)
+        size += n
+    return groups
 
 
 def zero_stats(shapes: Any) -> dict[str, LayerStats]:

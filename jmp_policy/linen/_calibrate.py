@@ -38,12 +38,12 @@ def _collect(
     stacked: Mapping[str, int],
     method: Any,
     kwargs: Any,
-) -> tuple[Any, dict[str, str]]:
-    """``(run, unseen)``: ``run(variables, stats, args) -> stats`` adds one batch's inputs
-    (jit it); ``unseen`` collects, as runs are traced, why a target's inputs were not.
+    unseen: dict[str, str],
+) -> Any:
+    """``run(variables, stats, args) -> stats``, adding one batch's inputs (jit it);
+    ``unseen`` collects, as runs are traced, why a target's inputs were not.
     ``targets``: module path -> one layer's kernel shape; ``stacked``: module path -> the
     leading axes its stacked kernel has (its layers gathered one per loop iteration)."""
-    unseen: dict[str, str] = {}
 
     def run(variables: Any, stats: dict[str, LayerStats], args: tuple[Any, ...]) -> Any:
         def intercept(next_fun: Any, a: Any, k: Any, context: Any) -> Any:
@@ -65,7 +65,7 @@ def _collect(
             module.apply(variables, *args, method=method, mutable=True, **kwargs)
         return gathered
 
-    return run, unseen
+    return run
 
 
 def calibrate(
@@ -80,6 +80,7 @@ def calibrate(
     clip_search: bool = True,
     return_report: bool = False,
     progress: Any = False,
+    max_statistics_bytes: int | None = None,
     **kwargs: Any,
 ) -> Any:
     """``variables`` with kernels under GPTQ/AWQ policies calibrated, int8/int4 rounded.
@@ -120,6 +121,11 @@ def calibrate(
         progress: ``True`` shows a progress bar over the calibrated layers (``tqdm`` when
             installed, else a line per layer on stderr); a callable is given each
             ``LayerReport`` as its layer is solved; ``False`` (default) is quiet.
+        max_statistics_bytes: bounds the device memory the gathered statistics take
+            (each layer's ``XᵀX`` and ``mean |x|``, float32): the layers are gathered in
+            groups that fit, one pass over the batches per group, each group's moved to
+            host memory before the next (a layer larger than the bound alone). ``None``
+            (default): every layer in one pass. The result is the same.
         **kwargs: keyword arguments of each call (``rngs=`` when it needs them).
 
     Returns:
@@ -147,6 +153,7 @@ def calibrate(
     check_module(module)
     check_params(variables, "calibrate")
     calibration.check_settings(hessian_damping, num_grid_points, clip_search)
+    calibration_gather.check_max_bytes(max_statistics_bytes)
     calls = calibration.check_batches(batches)
     progress = calibration.check_progress(progress)
     policies = as_policy_or_map(policy_or_map)
@@ -161,12 +168,15 @@ def calibrate(
     lead = {p: stacked.get(f"{p}/kernel", 0) for p in targets}
     targets = {p: s[lead[p] :] for p, s in targets.items()}  # one layer's kernel
     stats: dict[str, LayerStats] = {}
-    run, unseen = _collect(module, targets, lead, method, kwargs)
+    unseen: dict[str, str] = {}
     if targets:
-        stats = calibration_gather.zero_stats(jax.eval_shape(run, variables, stats, calls[0]))
-        run = jax.jit(run)
-        for args in calls:
-            stats = run(variables, stats, args)
+        stats = calibration_gather.gather(
+            lambda some: _collect(module, some, lead, method, kwargs, unseen),
+            targets,
+            variables,
+            calls,
+            max_statistics_bytes,
+        )
     options = {
         "hessian_damping": hessian_damping,
         "num_grid_points": num_grid_points,

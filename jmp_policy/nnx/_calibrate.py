@@ -72,35 +72,34 @@ def _gather(
     stacked_params: Mapping[str, int],
     calls: list[tuple[Any, ...]],
     kwargs: Mapping[str, Any],
+    max_bytes: int | None,
 ) -> dict[str, LayerStats]:
-    """Each target's statistics over the calls (one jit-compiled run per batch shape); a
-    stacked layer's per layer, gathered in each iteration of its ``nnx.scan`` or lane of
-    its ``nnx.vmap``."""
-    stats: dict[str, LayerStats] = {}
+    """Each target's statistics over the calls (one jit-compiled run per batch shape, per
+    group of layers under ``max_bytes``); a stacked layer's per layer, gathered in each
+    iteration of its ``nnx.scan`` or lane of its ``nnx.vmap``."""
     if not targets:
-        return stats
+        return {}
     graphdef, whole = nnx.split(model)
     lead = {p: stacked_params.get(f"{p}/kernel", 0) for p in targets}
 
-    def run(whole: Any, stats: Mapping[str, LayerStats], args: tuple[Any, ...]) -> Any:
-        live = nnx.merge(graphdef, whole)
-        for parts, m in nnx.iter_modules(live):
-            path = path_of(parts)
-            if path in targets:
-                capture = calibration_gather.capturing_dot_general(path, targets[path])
-                if isinstance(m, nnx.Einsum):  # its contraction as one dot_general
-                    m.einsum_op = matmuls.as_einsum(_returning(capture))
-                else:
-                    m.dot_general = capture  # type: ignore[attr-defined]  # a Linear(General)
-        with calibration_gather.gathering(stats, lead, unseen) as gathered:
-            live(*args, **kwargs)
-        return gathered
+    def make_run(some: Mapping[str, tuple[int, ...]]) -> Any:
+        def run(whole: Any, stats: Mapping[str, LayerStats], args: tuple[Any, ...]) -> Any:
+            live = nnx.merge(graphdef, whole)
+            for parts, m in nnx.iter_modules(live):
+                path = path_of(parts)
+                if path in some:
+                    capture = calibration_gather.capturing_dot_general(path, some[path])
+                    if isinstance(m, nnx.Einsum):  # its contraction as one dot_general
+                        m.einsum_op = matmuls.as_einsum(_returning(capture))
+                    else:
+                        m.dot_general = capture  # type: ignore[attr-defined]  # a Linear(General)
+            with calibration_gather.gathering(stats, lead, unseen) as gathered:
+                live(*args, **kwargs)
+            return gathered
 
-    stats = calibration_gather.zero_stats(jax.eval_shape(run, whole, stats, calls[0]))
-    run_jit = jax.jit(run)
-    for args in calls:
-        stats = run_jit(whole, stats, args)
-    return stats
+        return run
+
+    return calibration_gather.gather(make_run, targets, whole, calls, max_bytes)
 
 
 def calibrate(
@@ -113,6 +112,7 @@ def calibrate(
     clip_search: bool = True,
     return_report: bool = False,
     progress: Any = False,
+    max_statistics_bytes: int | None = None,
     **kwargs: Any,
 ) -> Any:
     """A copy of ``model`` with kernels under GPTQ/AWQ policies calibrated, int8/int4 rounded.
@@ -151,6 +151,11 @@ def calibrate(
         progress: ``True`` shows a progress bar over the calibrated layers (``tqdm`` when
             installed, else a line per layer on stderr); a callable is given each
             ``LayerReport`` as its layer is solved; ``False`` (default) is quiet.
+        max_statistics_bytes: bounds the device memory the gathered statistics take
+            (each layer's ``XᵀX`` and ``mean |x|``, float32): the layers are gathered in
+            groups that fit, one pass over the batches per group, each group's moved to
+            host memory before the next (a layer larger than the bound alone). ``None``
+            (default): every layer in one pass. The result is the same.
         **kwargs: keyword arguments of each call.
 
     Returns:
@@ -181,6 +186,7 @@ def calibrate(
     """
     check_model(model)
     calibration.check_settings(hessian_damping, num_grid_points, clip_search)
+    calibration_gather.check_max_bytes(max_statistics_bytes)
     calls = calibration.check_batches(batches)
     progress = calibration.check_progress(progress)
     policies = as_policy_or_map(policy_or_map)
@@ -194,7 +200,7 @@ def calibrate(
     policy_tree = policies.policy_tree(params)
     stacked_params = _stacked_params(copy, params)
     targets, unseen = _targets(copy, params, policy_tree, stacked_params)
-    stats = _gather(copy, targets, unseen, stacked_params, calls, kwargs)
+    stats = _gather(copy, targets, unseen, stacked_params, calls, kwargs, max_statistics_bytes)
     options = {
         "hessian_damping": hessian_damping,
         "num_grid_points": num_grid_points,

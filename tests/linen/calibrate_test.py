@@ -14,6 +14,7 @@ from quantization.calibrate_reference import correlated_inputs as _inputs
 from quantization.calibrate_reference import int4_converts_into_dots
 
 import jmp_policy as jp
+from jmp_policy._src import calibration_gather
 from jmp_policy._src.quantization import awq
 
 
@@ -556,3 +557,57 @@ def test_a_scanned_rematerialized_attention_stack_is_calibrated_per_layer(method
     rel = lambda y: float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))  # noqa: E731
     got = jax.jit(jp.linen.apply(model, policy))(q, held)
     assert rel(got) < rel(jp.linen.apply(model, rtn_policy)(rtn, held))
+
+
+def _kernels_of(tree):
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=jp.QuantizedArray.__instancecheck__)
+    return {jax.tree_util.keystr(kp): leaf for kp, leaf in leaves[0]}
+
+
+@pytest.mark.parametrize("model_class", [MLP, ScanMLP])
+def test_a_bound_on_the_statistics_bytes_gathers_layers_in_groups_to_the_same_result(
+    model_class, monkeypatch
+):
+    # max_statistics_bytes=1: every layer (a stack as one) gathered in a pass of its own,
+    # its statistics moved to the host before the next; the kernels are the same.
+    model, x = model_class(), _inputs(256)
+    variables = model.init(jax.random.key(0), x)
+    policies = {"up|mid|layers": "gptq/4/16_from_float32", "head": "awq/4/16_from_float32"}
+    batches = [x[:128], x[128:]]
+    q, report = jp.linen.calibrate(model, policies, variables, batches, return_report=True)
+    groups = []
+    grouping = calibration_gather._groups
+    monkeypatch.setattr(
+        calibration_gather, "_groups", lambda *a: groups.append(grouping(*a)) or groups[-1]
+    )
+    grouped, grouped_report = jp.linen.calibrate(
+        model, policies, variables, batches, return_report=True, max_statistics_bytes=1
+    )
+    layers = ["up", "mid", "head"] if model_class is MLP else ["up", "layers/Dense_0", "head"]
+    assert len(groups) == 1 and sorted(groups[0]) == sorted([p] for p in layers)  # one each
+    assert [r.path for r in grouped_report] == [r.path for r in report]
+    want, got = _kernels_of(q), _kernels_of(grouped)
+    assert want.keys() == got.keys()
+    for key, leaf in want.items():
+        if isinstance(leaf, jp.QuantizedArray):
+            np.testing.assert_array_equal(got[key].dequantize(), leaf.dequantize(), err_msg=key)
+    # a bound every layer fits in: one pass, the same again
+    roomy = jp.linen.calibrate(model, policies, variables, batches, max_statistics_bytes=2**30)
+    for key, leaf in _kernels_of(roomy).items():
+        if isinstance(leaf, jp.QuantizedArray):
+            np.testing.assert_array_equal(leaf.dequantize(), want[key].dequantize())
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (0, ValueError, r"`max_statistics_bytes` must be a positive integer or None.*=0$"),
+        (1.5, TypeError, r"`max_statistics_bytes` must be .*Received: .*1.5"),
+        ("1G", TypeError, r"`max_statistics_bytes` must be .*'1G'"),
+    ],
+)
+def test_a_bad_bound_on_the_statistics_bytes_is_refused_before_any_run(value, error, match):
+    model, x = MLP(), _inputs(16)
+    variables = model.init(jax.random.key(0), x)
+    with pytest.raises(error, match=match):
+        jp.linen.calibrate(model, MAP, variables, [x], max_statistics_bytes=value)

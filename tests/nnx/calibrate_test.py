@@ -404,3 +404,31 @@ def test_attention_output_projection_is_calibrated_over_its_two_input_axes(metho
     rtn = jp.nnx.quantize(model, rtn_policy)
     rel = lambda y: float(jnp.linalg.norm(y - want) / jnp.linalg.norm(want))  # noqa: E731
     assert rel(got) < rel(jp.nnx.apply(rtn, rtn_policy)(held))
+
+
+@pytest.mark.parametrize("scan", [None, True])
+def test_a_bound_on_the_statistics_bytes_gathers_layers_in_groups_to_the_same_result(scan):
+    # max_statistics_bytes=1: every layer (a stack as one) gathered in a pass of its own,
+    # its statistics moved to the host before the next; the kernels are the same.
+    model = MLP(nnx.Rngs(0)) if scan is None else ScanMLP(nnx.Rngs(0), scan=scan)
+    policies = MAP if scan is None else _stack_map("awq")
+    x = _inputs(256)
+    q, report = jp.nnx.calibrate(model, policies, [x[:128], x[128:]], return_report=True)
+    grouped, grouped_report = jp.nnx.calibrate(
+        model, policies, [x[:128], x[128:]], return_report=True, max_statistics_bytes=1
+    )
+    assert [r.path for r in grouped_report] == [r.path for r in report] != []
+    want = nnx.to_pure_dict(nnx.state(q, nnx.Param))
+    got = nnx.to_pure_dict(nnx.state(grouped, nnx.Param))
+    is_q = jp.QuantizedArray.__instancecheck__
+    pairs = zip(
+        jax.tree.leaves(want, is_leaf=is_q), jax.tree.leaves(got, is_leaf=is_q), strict=True
+    )
+    for a, b in pairs:
+        if isinstance(a, jp.QuantizedArray):
+            np.testing.assert_array_equal(b.dequantize(), a.dequantize())
+
+
+def test_a_bad_bound_on_the_statistics_bytes_is_refused_before_any_run():
+    with pytest.raises(TypeError, match=r"`max_statistics_bytes` must be .*=2.0 \(of type float"):
+        jp.nnx.calibrate(MLP(nnx.Rngs(0)), MAP, [_inputs(16)], max_statistics_bytes=2.0)
