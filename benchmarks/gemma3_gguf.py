@@ -23,8 +23,6 @@ does not have.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 
 import flax.linen as nn
 import jax
@@ -135,11 +133,7 @@ def _tokenizer(reader):
     model.normalizer_spec.add_dummy_prefix = False
     model.normalizer_spec.remove_extra_whitespaces = False
     model.normalizer_spec.escape_whitespaces = True
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "tokenizer.model")
-        with open(path, "wb") as f:
-            f.write(model.SerializeToString())
-        return spm.SentencePieceProcessor(model_file=path)
+    return spm.SentencePieceProcessor(model_proto=model.SerializeToString())
 
 
 class RMSNorm(nn.Module):

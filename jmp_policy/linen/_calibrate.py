@@ -57,8 +57,8 @@ def _collect(
                 )
                 return next_fun(*a, **k)
             capture = calibration_gather.capturing_dot_general(path, targets[path])
-            matmul = matmuls.as_einsum(lambda _: capture) if isinstance(mod, nn.Einsum) else capture
-            return run_with(mod, matmul, next_fun, a, k)
+            kind = "einsum" if isinstance(mod, nn.Einsum) else "dot_general"
+            return run_with(mod, matmuls.of_kind(kind, capture), next_fun, a, k)
 
         gather = calibration_gather.gathering(stats, stacked, unseen)
         with gather as gathered, nn.intercept_methods(intercept):

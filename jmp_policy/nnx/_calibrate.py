@@ -16,15 +16,9 @@ from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
 from jmp_policy._src.quantization.calibration_stats import LayerStats
 from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
 from jmp_policy.nnx._modules import check_model, path_of
-from jmp_policy.nnx._quantization import routable, stacked
+from jmp_policy.nnx._quantization import kind_of, replacement, routable, stacked
 
 M = TypeVar("M", bound=nnx.Module)
-
-
-def _seeable(module: Any) -> bool:
-    """Whether calibrate sees the module's matmul (a ``Linear``/``LinearGeneral`` with NNX's
-    own ``dot_general``, an ``Einsum`` with ``jnp.einsum``)."""
-    return isinstance(module, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)) and routable(module)
 
 
 def _stacked_params(model: nnx.Module, params: Any) -> dict[str, int]:
@@ -52,17 +46,12 @@ def _targets(
         policy = policy_tree_leaf(policy_tree, kp)
         if module is None or not calibration.is_calibrated(policy):
             continue
-        if _seeable(modules.get(module)):
+        if routable(modules.get(module)):  # its matmul one calibrate can replace
             targets[module] = tuple(x.shape)[stacked_params.get(path, 0) :]  # one layer's
         else:
             name = type(modules.get(module)).__name__
             unseen[module] = f"its layer is a {name}, whose matmul calibrate does not see"
     return targets, unseen
-
-
-def _returning(value: Any) -> Any:
-    """A function of one argument that returns ``value``."""
-    return lambda _: value
 
 
 def _gather(
@@ -86,13 +75,10 @@ def _gather(
         def run(whole: Any, stats: Mapping[str, LayerStats], args: tuple[Any, ...]) -> Any:
             live = nnx.merge(graphdef, whole)
             for parts, m in nnx.iter_modules(live):
-                path = path_of(parts)
-                if path in some:
+                path, name = path_of(parts), replacement(m)  # "dot_general", "einsum_op"
+                if path in some and name is not None:  # targets are routable
                     capture = calibration_gather.capturing_dot_general(path, some[path])
-                    if isinstance(m, nnx.Einsum):  # its contraction as one dot_general
-                        m.einsum_op = matmuls.as_einsum(_returning(capture))
-                    else:
-                        m.dot_general = capture  # type: ignore[attr-defined]  # a Linear(General)
+                    setattr(m, name, matmuls.of_kind(kind_of(name), capture))
             with calibration_gather.gathering(stats, lead, unseen) as gathered:
                 live(*args, **kwargs)
             return gathered

@@ -81,7 +81,7 @@ class Float8State(nnx.Variable):
     """
 
 
-def _replacement(module: Any) -> str | None:
+def replacement(module: Any) -> str | None:
     """The attribute holding the module's matmul, when routable (NNX's own matmul)."""
     if isinstance(module, nnx.Linear):
         if module.dot_general is jax.lax.dot_general:
@@ -115,9 +115,15 @@ def stacked(module: Any) -> tuple[int, ...]:
     return shape[: max(len(shape) - own, 0)]
 
 
+def kind_of(name: str) -> str:
+    """The matmul kind (:func:`jmp_policy._src.quantization.matmuls.of_kind`) of the
+    attribute :func:`replacement` names."""
+    return "einsum" if name == "einsum_op" else "dot_general"
+
+
 def routable(module: Any) -> bool:
     """Whether a quantized policy reaches the module's matmul (see the module docstring)."""
-    return _replacement(module) is not None
+    return replacement(module) is not None
 
 
 @contextlib.contextmanager
@@ -191,7 +197,7 @@ def quantized_matmuls(
 ) -> Any:
     """The hook extension: quantized layers' matmuls (see the module docstring)."""
     module, policy = call.module, call.resolution.policy
-    name = None if module is None else _replacement(module)
+    name = None if module is None else replacement(module)
     if name is None:
         ahead = (_AHEAD.get() or {}).get(call.path)
         matmuls.own_matmul_in_stack(call.path, ahead, policy.scheme)
@@ -203,7 +209,7 @@ def quantized_matmuls(
         ahead = (_AHEAD.get() or {}).get(call.path)
         if matmuls.dequantized_ahead(call.path, ahead, policy.scheme):
             return next_fn(*args, **kwargs)
-    kind = "einsum" if name == "einsum_op" else "dot_general"
+    kind = kind_of(name)
     whole = _WHOLE.get()
     kernel = None if whole is None else whole.get(call.path)
     stack = None if state is not None else (_SLICED.get() or {}).get(call.path)

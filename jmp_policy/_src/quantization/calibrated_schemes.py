@@ -213,7 +213,7 @@ class AWQScheme(CalibratedScheme):
                 preferred_element_type=out,
             )  # fmt: skip
 
-        return matmuls.as_einsum(lambda _: dot_general) if kind == "einsum" else dot_general
+        return matmuls.of_kind(kind, dot_general)
 
 
 register(GPTQScheme)

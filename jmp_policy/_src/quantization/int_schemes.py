@@ -59,7 +59,7 @@ class Int8Scheme(Scheme):
             matmuls.record(path, "int8 x int8 (both quantized in the step), straight-through")
             return quantized_matmul.int8_dot_general(lhs, rhs, dims, *args, **kw)
 
-        return matmuls.as_einsum(lambda _: qat) if kind == "einsum" else qat
+        return matmuls.of_kind(kind, qat)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

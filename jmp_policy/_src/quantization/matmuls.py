@@ -190,6 +190,13 @@ def kernel_on_the_right(fn: Callable[..., jax.Array], kernel: Any) -> Callable[.
     return dot_general
 
 
+def of_kind(kind: str, dot_general: Callable[..., Any]) -> Callable[..., Any]:
+    """``dot_general`` as the matmul of a layer of ``kind``: itself for ``"dot_general"``
+    (Dense, DenseGeneral), the ``jnp.einsum`` that runs it (:func:`as_einsum`) for
+    ``"einsum"``."""
+    return as_einsum(lambda _: dot_general) if kind == "einsum" else dot_general
+
+
 def as_einsum(dot_general_for: Callable[[Any], Callable[..., Any]]) -> Callable[..., Any]:
     """``jnp.einsum`` for ``(subscripts, input, kernel)`` whose contraction runs through
     ``dot_general_for(kernel)`` with the kernel on the right: a plain contraction as one
