@@ -34,9 +34,10 @@ measured forms; a GPU measures the library's own times).
 
 Needs the CUDA PJRT plugin at jaxlib's version (no CUDA toolkit or driver), best installed
 apart as CI does, since in an environment it makes every process that imports jax print
-CUDA-driver lines: ``pip install --no-deps --target .ci-cuda-plugin jax-cuda12-plugin==V
-jax-cuda12-pjrt==V``, V = ``python -c 'import jaxlib; print(jaxlib.__version__)'``. Run:
-``PYTHONPATH=.ci-cuda-plugin python benchmarks/h100_forms.py [--only REGEX] [--hlo DIR]``.
+CUDA-driver lines (``tests/h100_forms_test.py`` installs it so on its first run): ``pip
+install --no-deps --target .cuda-plugin/V jax-cuda12-plugin==V jax-cuda12-pjrt==V``, V =
+``python -c 'import jaxlib; print(jaxlib.__version__)'``. Run:
+``PYTHONPATH=.cuda-plugin/V python benchmarks/h100_forms.py [--only REGEX] [--hlo DIR]``.
 """
 
 from __future__ import annotations

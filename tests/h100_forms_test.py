@@ -9,11 +9,14 @@ enter their GEMM fusion as s8/s4, with no copy of the weights in a float type; i
 s8 x s8 -> s32; the int8 QAT step and the bf16 control run bf16 GEMMs and no fp8 one. The
 check fails on forms that must fail. Nothing here says how fast any of it runs.
 
-The plugin is a test requirement: without it these tests fail with the command that installs
-it. An installed plugin makes every process that imports jax print CUDA-driver lines on stderr,
-so CI installs it into ``.ci-cuda-plugin`` (``pip install --target``), which only the one
-subprocess that compiles everything (this file run as a script; its JSON shared by the xdist
-workers) puts on its path: the rest of the suite runs as before.
+The plugin is a test requirement that the test installs itself, so that the README's test
+command passes on a fresh clone: at jaxlib's exact version, with ``pip install --no-deps
+--target .cuda-plugin/<jaxlib version>`` (about 480 MB, once per jaxlib; two environments of
+different JAX keep theirs apart). Installed in the environment, the plugin would make every
+process that imports jax print CUDA-driver lines on stderr, so only the one subprocess that
+compiles everything (this file run as a script; its JSON shared by the xdist workers) puts that
+folder on its path: the rest of the suite runs as before. Where the install fails (no network),
+the tests fail with the command to run, never skip.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import h100_compile as hc  # noqa: E402
 import h100_forms  # noqa: E402
 
-PLUGIN_DIR = ROOT / ".ci-cuda-plugin"  # where .ci/run installs the plugin
+PLUGIN_DIR = ROOT / ".cuda-plugin" / jaxlib.__version__  # where the fixture installs it
 PROGRAMS = {p.name: p for p in h100_forms.programs()}
 E4M3, E5M2 = "f8e4m3fn", "f8e5m2"
 
@@ -180,6 +183,22 @@ def _serving_layouts():
     return found
 
 
+def _install_plugin():
+    """Installs the plugin at jaxlib's version into :data:`PLUGIN_DIR` unless it is there;
+    returns why that failed (``None``: it is there)."""
+    marker = PLUGIN_DIR / ".installed"
+    if marker.exists():
+        return None
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    command += ["--no-deps", "--upgrade", "--target", str(PLUGIN_DIR)]
+    command += [f"{name}=={jaxlib.__version__}" for name in hc.PLUGINS]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        return f"Installing the CUDA plugin failed ({' '.join(command)}):\n{result.stderr[-3000:]}"
+    marker.write_text(jaxlib.__version__)
+    return None
+
+
 def _subprocess_env():
     paths = [str(PLUGIN_DIR)] if PLUGIN_DIR.is_dir() else []
     paths += [str(ROOT), os.environ.get("PYTHONPATH", "")]
@@ -200,6 +219,9 @@ def compiled(tmp_path_factory):
     with open(root / "h100_forms.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
+            problem = _install_plugin()
+            if problem:
+                return {"failure": problem}
             result = subprocess.run(
                 [sys.executable, __file__, str(path)],
                 capture_output=True,
@@ -218,8 +240,8 @@ def _usable(compiled):
         pytest.fail(compiled["failure"])
     if compiled["plugin_problem"]:
         pytest.fail(
-            f"{compiled['plugin_problem']} (CI installs it with `pip install --no-deps --target "
-            f"{PLUGIN_DIR.name}`, which only this test's subprocess sees)"
+            f"{compiled['plugin_problem']} (this test installs it with `pip install --no-deps "
+            f"--target {PLUGIN_DIR.relative_to(ROOT)}`, which only its subprocess sees)"
         )
 
 

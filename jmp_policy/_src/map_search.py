@@ -96,10 +96,17 @@ class SearchResult(NamedTuple):
     def __str__(self) -> str:
         names = list(dict.fromkeys(n for row in self.table for n in row.scores))
         width = max([len("layer"), *(len(r.path) for r in self.table)])
-        head = f"{'layer':{width}}  " + "  ".join(f"{n[:18]:>18}" for n in names)
+        # Each column as wide as its policy's whole name (a cut name could be another's).
+        widths = [max(len(n), 9) for n in names]
+        head = f"{'layer':{width}}  " + "  ".join(
+            f"{n:>{w}}" for n, w in zip(names, widths, strict=True)
+        )
         lines = [head + "  choice"]
         for row in self.table:
-            cells = [f"{row.scores[n]:>18.3g}" if n in row.scores else f"{'-':>18}" for n in names]
+            cells = [
+                f"{row.scores[n]:>{w}.3g}" if n in row.scores else f"{'-':>{w}}"
+                for n, w in zip(names, widths, strict=True)
+            ]
             lines.append(f"{row.path:{width}}  " + "  ".join(cells) + f"  {row.choice}")
             lines.append(f"{'':{width}}  {row.why}")
         lines.append(

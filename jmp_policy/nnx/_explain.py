@@ -9,7 +9,7 @@ from flax import nnx
 from jmp_policy._src.calibration_report import format_calibration
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.quantization import matmuls
-from jmp_policy._src.run_report import resolved_rows
+from jmp_policy._src.run_report import resolved_rows, unused_keys_note
 from jmp_policy.nnx._apply import apply_with
 from jmp_policy.nnx._hook import resolver_for
 from jmp_policy.nnx._modules import prepare
@@ -69,6 +69,7 @@ def explain(
     policies, opts = prepare(model, policy_or_map, options)
     resolver = resolver_for(model, policies, opts)
     table = format_rows(resolved_rows(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    table += unused_keys_note(resolver, type(model).__name__)
     if not args:
         return table + calibrated
 

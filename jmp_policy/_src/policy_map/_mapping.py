@@ -28,6 +28,7 @@ def _as_default(default_policy: Any) -> DTypePolicy | None:
         return None
     if isinstance(default_policy, DTypePolicyMap):
         raise ValueError("`default_policy` cannot be a `DTypePolicyMap`.")
+    _values.check_not_paths(default_policy)
     _values.check_config(default_policy, "Invalid `default_policy`")
     try:
         return identifiers.get(default_policy)  # type: ignore[no-any-return]
