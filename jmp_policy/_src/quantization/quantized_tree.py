@@ -129,7 +129,7 @@ def equal(a: Any, b: Any) -> Any:
         return NotImplemented
     leaves_a, tree_a = jax.tree.flatten(a)
     leaves_b, tree_b = jax.tree.flatten(b)
-    if tree_a != tree_b or a.shape != b.shape:
+    if tree_a != tree_b or a.shape != b.shape:  # type: ignore[operator]
         return False
     pairs = list(zip(leaves_a, leaves_b, strict=True))
     if any(isinstance(x, jax.core.Tracer) for x in (*leaves_a, *leaves_b)):
