@@ -195,7 +195,7 @@ def test_flax_restore_into_a_target_of_another_format_is_refused(model):
     _, _, variables = model
     state = serialization.to_state_dict(variables["params"]["int8"]["kernel"])
     target = variables["params"]["channels"]["kernel"]
-    with pytest.raises(ValueError, match=r"of another format: it holds .*'mode': 'int8'"):
+    with pytest.raises(ValueError, match=r"of another format or shape: it holds .*'mode': 'int8'"):
         serialization.from_state_dict(target, state)
     with pytest.raises(ValueError, match=r"without the fields \['scale'\]"):
         serialization.from_state_dict(target, {"values": target.values})
@@ -222,6 +222,9 @@ def test_rebuild_without_settings_says_to_pass_the_metadata():
         jp.rebuild_quantized(plain, {**jp.quantized_metadata({"k": q}), "x": {"mode": "int8"}})
     with pytest.raises(TypeError, match=r"`metadata` must be a mapping.*metadata='int8'"):
         jp.rebuild_quantized(plain, "int8")
+    # a submodule named "values" beside one named "scale" is no quantized kernel
+    modules = {"values": {"kernel": q.values}, "scale": {"kernel": q.scale}}
+    assert jp.rebuild_quantized(modules)["values"]["kernel"] is q.values
     bad = {"k": {"mode": "int4", "block_size": -1, "original_dtype": "float32"}}
     with pytest.raises(ValueError, match=r"kernel at 'k' of `tree`: `values` of a int4"):
         jp.rebuild_quantized(plain, bad)

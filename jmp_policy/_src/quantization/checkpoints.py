@@ -58,6 +58,7 @@ def _is_fields(x: Any) -> bool:
         isinstance(x, Mapping)
         and "values" in x
         and "scale" in x
+        and hasattr(x["values"], "shape")  # not a submodule named "values"
         and all(k in _ARRAYS or k in _SETTINGS for k in x)
     )
 

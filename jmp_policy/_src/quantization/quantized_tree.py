@@ -215,8 +215,8 @@ def _from_state_dict(target: Any, state: Any, data_fields: tuple[str, ...]) -> A
         found["shape"] = [int(d) for d in found["shape"]]
     if any(found[key] != expected[key] for key in found):
         raise ValueError(
-            f"Cannot restore the {kind} {target!r} from a checkpoint of another format: it "
-            f"holds {found}, the target {expected}."
+            f"Cannot restore the {kind} {target!r} from a checkpoint of another format or "
+            f"shape: it holds {found}, the target {expected}."
         )
     leaves = {
         name: serialization.from_state_dict(getattr(target, name), state[name]) for name in names
