@@ -4,6 +4,10 @@ AWQ kernels with float8 state beside them save and restore bit-identically with 
 and restored onto another sharding) and with flax.serialization, and serve the same outputs.
 """
 
+import pathlib
+import subprocess
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -254,3 +258,28 @@ def test_an_eval_shape_of_quantize_is_a_restore_target(tmp_path):
         ckptr.wait_until_finished()
         restored = ckptr.restore(tmp_path / "e", target)
     assert restored == quantized
+
+
+_FLAX_FIRST = """
+from flax import serialization
+import jax.numpy as jnp
+import sys
+import jmp_policy as jp
+q = jp.get("int4/8_from_float32").quantize({"k": jnp.ones((16, 4))})
+assert "jmp_policy.linen" not in sys.modules and "jmp_policy.nnx" not in sys.modules
+print(serialization.from_bytes(q, serialization.to_bytes(q)) == q)
+"""
+
+
+@pytest.mark.heavy(5)
+def test_flax_serialization_knows_the_class_without_the_flax_glue():
+    # The core never imports flax: a QuantizedArray built while flax is loaded registers
+    # the class with flax.serialization itself.
+    result = subprocess.run(
+        [sys.executable, "-c", _FLAX_FIRST],
+        capture_output=True,
+        text=True,
+        cwd=pathlib.Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "True"

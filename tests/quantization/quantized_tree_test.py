@@ -124,8 +124,11 @@ def test_a_stack_built_by_stacking_serves_through_the_scanned_matmul(mode, maybe
     policy = f"{mode}_from_float32"
     by_model = jp.linen.quantize(model, policy, {"params": params}, x)["params"]
     assert built == by_model["layers"]["Dense_0"]["kernel"]
+    variables = {"params": {"layers": {"Dense_0": {"kernel": built}}}}
+    forms = jp.linen.explain(model, policy, variables, x).split("matmuls:")[1]
+    assert "per layer, in the stack's loop" in forms and "dequantized" not in forms
     run = maybe_jit(jp.linen.apply(model, policy))
-    served = run({"params": {"layers": {"Dense_0": {"kernel": built}}}}, x)
+    served = run(variables, x)
     np.testing.assert_array_equal(served, run({"params": by_model}, x))
     floats = {"layers": {"Dense_0": {"kernel": built.dequantize()}}}
     np.testing.assert_allclose(served, model.apply({"params": floats}, x), rtol=1e-5, atol=1e-6)
