@@ -283,3 +283,33 @@ def test_flax_serialization_knows_the_class_without_the_flax_glue():
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "True"
+
+
+def test_an_nnx_models_quantized_state_round_trips(tmp_path):
+    from flax import nnx
+
+    class Mlp(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(256, 16, rngs=rngs)
+            self.down = nnx.Linear(16, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(nnx.relu(self.up(x)))
+
+    policy_map = jp.DTypePolicyMap(
+        "float32", {"up": "int4/128_from_float32", "down": "int8_from_float32"}
+    )
+    model = jp.nnx.quantize(Mlp(nnx.Rngs(0)), policy_map)
+    x = jax.random.normal(jax.random.key(1), (4, 256))
+    graphdef, state = nnx.split(model)
+    assert isinstance(state["up"]["kernel"].get_value(), jp.QuantizedArray)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "nnx", state)
+        ckptr.wait_until_finished()
+        restored = ckptr.restore(
+            tmp_path / "nnx", jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        )
+    _assert_identical(restored, state)
+    again = nnx.merge(graphdef, restored)
+    run = jp.nnx.apply
+    np.testing.assert_array_equal(run(again, policy_map)(x), run(model, policy_map)(x))
