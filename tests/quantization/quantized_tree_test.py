@@ -68,6 +68,8 @@ def test_stacked_leaves_make_a_stacked_quantized_array(mode, maybe_jit):
     assert same == stacked and (same.shape, same.stacked) == ((2, 16, 8), 1)
     made = maybe_jit(jax.vmap(lambda w: _quantize(mode, w)))(ws)
     assert made == stacked
+    fields = (made.values, made.scale, made.mode, made.block_size, made.shape)
+    assert jp.QuantizedArray(*fields, F32, made.stacked) == made  # valid as a user's
     np.testing.assert_array_equal(
         maybe_jit(lambda q: q.dequantize())(stacked),
         jnp.stack([q.dequantize() for q in _layers(stacked)]),
