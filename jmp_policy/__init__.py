@@ -38,6 +38,8 @@ from jmp_policy._src.apply import cast_apply as cast_apply
 from jmp_policy._src.global_state import current_policy as current_policy
 from jmp_policy._src.policy_map import DTypePolicyMap as DTypePolicyMap
 from jmp_policy._src.quantization import QuantizedArray as QuantizedArray
+from jmp_policy._src.quantization.checkpoints import quantized_metadata as quantized_metadata
+from jmp_policy._src.quantization.checkpoints import rebuild_quantized as rebuild_quantized
 from jmp_policy._src.serving_layouts import compile_for_serving as compile_for_serving
 
 # --- serialization ---
@@ -90,6 +92,8 @@ __all__ = [
     # quantization
     "QuantizedArray",
     "compile_for_serving",
+    "quantized_metadata",
+    "rebuild_quantized",
     # serialization
     "deserialize",
     "serialize",

@@ -10,6 +10,7 @@ scaling with flax's TrainState, Flax's own lm1b model, and the errors.
 from __future__ import annotations
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -227,6 +228,14 @@ def test_a_training_step_converts_to_e4m3_and_e5m2_exactly_where_expected():
         ("bfloat16", (64, 32)), ("bfloat16", (32, 32)),  # merge: (64, 2, 16), (2, 16, 32)
     ])  # fmt: skip
     assert {(a, s) for a, b, s in found if b == "float8_e5m2"} == {("bfloat16", (64, 32))}
+    # Compiled, XLA's CPU backend may fuse a convert into each of its consumers rather than
+    # keep one float8 copy: jax 0.10.2 compiles the 9 traced converts to 9, jax 0.12.0.1 to
+    # 14 (each input and output gradient converted again inside the fusion of the gradient
+    # matmul that reads it too; the same 11 dots). Never more than once per float8 matmul
+    # that reads the operand: 3 layers x (forward, two gradients).
+    hlo = jax.jit(step).lower(carry, (x, y)).compile().as_text()
+    compiled = re.findall(r"= (f8e4m3fn|f8e5m2)\[[^\]]*\]\S* convert\(", hlo)
+    assert sum(to.values()) <= len(compiled) <= 2 * 3 * len(HIDDEN), compiled
     # A bfloat16 map: no float8 anywhere.
     step_bf16, _ = train_step(MLP(), hidden_map("mixed_bfloat16"), optimizer)
     bf16_carry = ({"params": variables["params"]}, carry[1])

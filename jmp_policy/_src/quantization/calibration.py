@@ -32,6 +32,7 @@ from jmp_policy._src.quantization import awq
 from jmp_policy._src.quantization import quantized_array as quantization
 from jmp_policy._src.quantization.calibrated_schemes import CalibratedScheme
 from jmp_policy._src.quantization.calibration_stats import LayerStats
+from jmp_policy._src.quantization.quantized_tree import replace
 from jmp_policy._src.tree_paths import leaf_path
 
 
@@ -287,7 +288,7 @@ def stack_layers(layers: list[Any], shape: tuple[int, ...], k: int) -> Any:
     }  # fmt: skip
     if isinstance(layers[0], awq.InputScaledArray):
         fields["input_scale"] = stacked("input_scale")
-    return dataclasses.replace(layers[0], **fields)
+    return replace(layers[0], **fields)
 
 
 def format_report(reports: list[LayerReport]) -> str:

@@ -42,6 +42,7 @@ from jmp_policy._src.quantization.quantized_array import (
     round_to_grid,
 )
 from jmp_policy._src.quantization.quantized_array_checks import check_stacked
+from jmp_policy._src.quantization.quantized_tree import make
 
 BITS = (4, 8)
 DEFAULT_HESSIAN_DAMPING = 0.01
@@ -286,7 +287,7 @@ def gptq_quantize(
             "`hessian_damping` or calibrate on more varied batches.",
             stacklevel=2,
         )
-    return QuantizedArray(
-        values, scales, mode, group if weight_bits == 4 else None, shape,
+    return make(
+        QuantizedArray, values, scales, mode, group if weight_bits == 4 else None, shape,
         np.dtype(kernel.dtype), stacked,
     )  # fmt: skip

@@ -10,7 +10,6 @@ Nothing here knows Flax: :mod:`jmp_policy._src.quantization.matmuls` picks the l
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -27,6 +26,7 @@ from jmp_policy._src.quantization.quantized_matmul import (
     int8_weights_dot,
     normalize_dims,
 )
+from jmp_policy._src.quantization.quantized_tree import replace
 
 # Rows (the product of the input's free dimensions) from which an int8 policy's int8 x int8
 # GEMM replaces the weight-only form: below, a matmul is bound by the weight bytes it reads
@@ -149,7 +149,7 @@ def _as_called(q: QuantizedArray, shape: tuple[int, ...]) -> QuantizedArray | No
         )
     if q.stacked or not _per_channel(q) or isinstance(q, InputScaledArray):
         return None
-    return dataclasses.replace(q, values=q.values.reshape(shape), shape=shape)
+    return replace(q, values=q.values.reshape(shape), shape=shape)
 
 
 def _fast(

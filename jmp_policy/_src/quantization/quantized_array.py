@@ -34,24 +34,27 @@ from jmp_policy._src.quantization.quantized_array_checks import (
     int4_block,
     validate,
 )
+from jmp_policy._src.quantization.quantized_tree import equal, make, register
 from jmp_policy._src.quantization.stacked_axes import stacked_axes_of, warn_maybe_stacked
+from jmp_policy._src.state_pytree import register_with_flax_serialization
 from jmp_policy._src.tree_paths import leaf_path
 
 INT8_MAX = 127.0
 INT4_MAX = 7.0
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["values", "scale"],
-    meta_fields=["mode", "block_size", "shape", "original_dtype", "stacked"],
-)
-@dataclasses.dataclass(frozen=True)
+@register(("values", "scale"))
+@dataclasses.dataclass(frozen=True, eq=False)
 class QuantizedArray:
     """A quantized weight: integer ``values`` and float32 ``scale``, ``real ≈ values * scale``.
 
     A registered pytree: ``values`` and ``scale`` are its children, the rest is static
-    metadata, so it crosses ``jit``, ``tree_map`` and checkpoints whole. Every tree walk
+    metadata, so it crosses ``jit``, ``tree_map`` and checkpoints (orbax,
+    ``flax.serialization``) whole. Its unflatten accepts any leaves and checks nothing (JAX's
+    contract); ``shape`` and ``stacked`` follow the leaves, so ``vmap`` or ``scan`` that stack
+    QuantizedArrays give a stacked one. Constructing one checks its fields (a NaN ``scale``
+    is refused: only ``quantize`` marks a non-finite kernel so). ``==`` compares values
+    (``True`` or ``False``; a bool array under ``jit``); like an array it is unhashable. Every tree walk
     of jmp_policy (``DTypePolicyMap.policy_tree``, ``cast_to_*``, ``explain``, the apply
     wrappers) treats it as one leaf at the kernel's path. ``cast_to_compute`` dequantizes
     it to the compute dtype; ``cast_to_variable`` keeps it quantized. It is not an array:
@@ -101,7 +104,18 @@ class QuantizedArray:
     stacked: int = 0
 
     def __post_init__(self) -> None:
-        validate(self)
+        self._validate(nan_scale=False)
+
+    def _validate(self, *, nan_scale: bool) -> None:
+        """Checks the fields (a NaN scale only where ``nan_scale``: the library's own)."""
+        validate(self, nan_scale=nan_scale)
+        object.__setattr__(self, "original_dtype", np.dtype(self.original_dtype))
+        register_with_flax_serialization()
+
+    def __eq__(self, other: object) -> Any:
+        return equal(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, like an array
 
     @property
     def ndim(self) -> int:
@@ -250,7 +264,7 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
     for _ in range(stacked):  # each stacked layer on its own
         one = jax.vmap(one)
     values, scale = one(x32)
-    return QuantizedArray(values, scale, mode, block, shape, dtype, stacked)
+    return make(QuantizedArray, values, scale, mode, block, shape, dtype, stacked)
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "block"))
@@ -275,14 +289,14 @@ def _empty(
 ) -> QuantizedArray:
     lead = shape[:stacked]
     if mode == "int8":
-        return QuantizedArray(
-            jnp.zeros(shape, jnp.int8), jnp.ones((*lead, shape[-1]), jnp.float32), "int8",
+        return make(
+            QuantizedArray, jnp.zeros(shape, jnp.int8), jnp.ones((*lead, shape[-1]), jnp.float32), "int8",
             None, shape, dtype, stacked,
         )  # fmt: skip
     rows = shape[stacked]
     blocks = 1 if block == -1 or rows == 0 else -(-rows // int(block))  # type: ignore[arg-type]
-    return QuantizedArray(
-        jnp.zeros(shape, jnp.int4), jnp.ones((*lead, blocks, shape[-1]), jnp.float32), "int4",
+    return make(
+        QuantizedArray, jnp.zeros(shape, jnp.int4), jnp.ones((*lead, blocks, shape[-1]), jnp.float32), "int4",
         block, shape, dtype, stacked,
     )  # fmt: skip
 
