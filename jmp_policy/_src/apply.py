@@ -122,7 +122,7 @@ def _map_cast(policy_map: DTypePolicyMap, tree: Any, checked: set[Any]) -> Any:
         if unused:
             found = jax.tree_util.tree_flatten_with_path(trees, is_leaf=is_quantized)[0]
             paths = {leaf_path(key_path[1:]) for key_path, _ in found}
-            paths |= {parent_path(p) for p in paths} - {""}
+            paths |= {parent_path(p) or "" for p in paths} - {""}
             warnings.warn(
                 f"Keys of the DTypePolicyMap match no module or variable of the tree "
                 f"cast_apply received: {unused}. cast_apply resolves a parameter tree by "
