@@ -27,8 +27,12 @@ def _stack(*qs):
     return jax.tree.map(lambda *xs: jnp.stack(xs), *qs)
 
 
+# Ids by kind, not repr: an object's repr holds its address, which differs between the
+# pytest-xdist workers that must collect the same tests.
 @pytest.mark.parametrize(
-    "leaf", ["s", None, 0, object(), jax.ShapeDtypeStruct((3,), jnp.float32)], ids=repr
+    "leaf",
+    ["s", None, 0, object(), jax.ShapeDtypeStruct((3,), jnp.float32)],
+    ids=["str", "None", "int", "object", "ShapeDtypeStruct"],
 )
 @pytest.mark.parametrize("mode", FORMATS)
 def test_unflatten_takes_any_leaf_and_keeps_the_settings(mode, leaf):
