@@ -331,3 +331,20 @@ def test_stacked_axes_keys_use_the_same_patterns():
     assert of("layers/kernel") == 1
     assert of("layers/bias") == 0
     assert of("blocks_12/kernel") == 2
+
+
+def test_a_key_nested_too_deeply_is_refused_when_the_map_is_built():
+    key = "(?:" * 200 + "a" + ")+" * 200 + "b"
+    with pytest.raises(ValueError, match=r"its groups nest 200 deep, more than the 50 levels"):
+        jp.DTypePolicyMap("float32", {key: "bfloat16"})
+    deepest = "(?:" * path_patterns.MAX_NESTING + "a" + ")+" * path_patterns.MAX_NESTING + "b"
+    m = jp.DTypePolicyMap("float32", {deepest: "bfloat16"})  # the bound itself: matched
+    assert m["aab"].name == "bfloat16" and m["ba"].name == "float32"
+
+
+@pytest.mark.parametrize(
+    ("key", "depth"),
+    [("a(b(c))", 2), ("[(]((a))", 2), (r"\(\((a)", 1), ("[]((]a", 0), ("[^]((]", 0), ("", 0)],
+)
+def test_nesting_skips_escapes_and_classes(key, depth):
+    assert path_patterns._nesting(key) == depth

@@ -82,6 +82,37 @@ def _check_skeleton(skeleton: str) -> None:
     parse(skeleton)
 
 
+#: The deepest nesting of groups a pattern may have: compiling and writing a pattern out
+#: recurse once per level, so a deeper one would fail at its first match, not when given.
+MAX_NESTING = 50
+
+
+def _nesting(key: str) -> int:
+    """How deep ``key``'s groups nest (escapes and classes skipped; a verbose comment's
+    parentheses counted, which only overestimates)."""
+    depth = deepest = i = 0
+    in_class = False
+    while i < len(key):
+        c = key[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 1 + (key[i + 1 : i + 2] == "^")
+            i += key[i : i + 1] == "]"  # a class's first "]" is a literal
+            continue
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
+
+
 def _check(key: str) -> tuple[Any, str]:
     """Checks ``key`` (raises ``Invalid``); returns its parse (None where a cached check of
     its skeleton vouched for it) and its literal prefix.
@@ -90,6 +121,11 @@ def _check(key: str) -> tuple[Any, str]:
     exactly when the key is, so the many keys of a large map that differ only in their
     names are parsed once.
     """
+    if "(" in key and (depth := _nesting(key)) > MAX_NESTING:
+        raise Invalid(
+            f"it is nested too deeply: its groups nest {depth} deep, more than the {MAX_NESTING} "
+            "levels a path pattern may have (it could not be compiled when matched)"
+        )
     if not _SKELETON_UNSAFE(key):
         try:
             _check_skeleton(_SKELETON_TOKEN.sub(_skeleton_run, key))
