@@ -31,12 +31,16 @@ found once.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Iterator
-from typing import Any
+import functools
+import threading
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, TypeVar
 
 from jmp_policy._src import dtypes as _dt
 from jmp_policy._src.path_patterns import PathPattern, compile_pattern, is_literal
 from jmp_policy._src.tree_paths import parent_path
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: How the map's messages name a key (see :func:`compile_pattern`).
 KEY = "key {key} of the DTypePolicyMap"
@@ -82,6 +86,17 @@ def path_and_ancestors(path: str) -> Iterator[str]:
         current = parent_path(current) or None
 
 
+def _locked(method: F) -> F:
+    """``method`` run holding its index's lock."""
+
+    @functools.wraps(method)
+    def locked(self: KeyIndex, *args: Any) -> Any:
+        with self.lock:
+            return method(self, *args)
+
+    return locked  # type: ignore[return-value]
+
+
 class KeyIndex:
     """The stored keys of a map, indexed for matching (:meth:`match`,
     :meth:`match_variable`) and resolution (:meth:`resolve`, :meth:`resolve_variable`).
@@ -91,6 +106,11 @@ class KeyIndex:
     """
 
     def __init__(self) -> None:
+        # One lock for the keys and every cache: threads sharing a map look paths up
+        # while others add keys (a lookup fills caches an add clears, and the sorted views
+        # are rebuilt from dicts an add changes). Re-entrant: the map's methods hold it
+        # around the index's.
+        self.lock = threading.RLock()
         self._order: dict[str, int] = {}  # every key, to its insertion rank
         self._next = 0
         # Regular-expression keys, to their checked pattern (compiled on its first match:
@@ -109,6 +129,7 @@ class KeyIndex:
         # Per module path: its resolved key, and whether a key may name one of its variables.
         self._module_keys: dict[str, tuple[str | None, bool]] = {}
 
+    @_locked
     def add(self, key: str) -> None:
         """Adds ``key``; a bad regular expression is a ``ValueError`` naming the key (see
         :mod:`jmp_policy._src.path_patterns`).
@@ -123,6 +144,7 @@ class KeyIndex:
         self._next += 1
         self._changed()
 
+    @_locked
     def remove(self, key: str) -> None:
         """Removes ``key`` (which must be there)."""
         del self._order[key]
@@ -133,6 +155,13 @@ class KeyIndex:
             if not bucket:
                 del self._by_prefix[prefix]
         self._changed()
+
+    def __getstate__(self) -> dict[str, Any]:  # a lock is not copied or pickled
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
 
     def _changed(self) -> None:
         for cache in (
@@ -161,6 +190,7 @@ class KeyIndex:
             "sure each path only matches at most one key of the DTypePolicyMap."
         )
 
+    @_locked
     def match(self, path: str) -> str | None:
         """The key that names ``path`` itself (exact, else one ``fullmatch``), or None."""
         try:
@@ -171,6 +201,7 @@ class KeyIndex:
         self._match_cache[path] = key
         return key
 
+    @_locked
     def match_uncached(self, path: str) -> str | None:
         """:meth:`match` without its cache (for callers that cache their own answers)."""
         if path in self._order:
@@ -187,6 +218,7 @@ class KeyIndex:
             self._raise_ambiguous(path, matches)
         return matches[0] if matches else None
 
+    @_locked
     def _variable_candidates(self, module: str) -> tuple[tuple[str, ...], bool]:
         """Per module path (cached): the regular-expression keys that may name one of its
         variables (their prefix allows it and they do not match the module path), and
@@ -214,6 +246,7 @@ class KeyIndex:
         self._candidate_cache[module] = info
         return info
 
+    @_locked
     def match_variable(self, path: str) -> str | None:
         """The key that names the variable ``path`` itself, or None (see the module doc)."""
         try:
@@ -224,6 +257,7 @@ class KeyIndex:
         self._variable_cache[path] = key
         return key
 
+    @_locked
     def match_variable_uncached(self, path: str, module: str) -> str | None:
         """:meth:`match_variable` without its cache, for ``path`` whose module path is
         ``module`` (tree walks know the module and visit each path once)."""
@@ -237,6 +271,7 @@ class KeyIndex:
             self._raise_ambiguous(path, matches)
         return matches[0] if matches else None
 
+    @_locked
     def resolve(self, path: str) -> str | None:
         """The key that chooses ``path``'s policy: the one naming the path or its nearest
         ancestor (:func:`path_and_ancestors`); None: the default policy."""
@@ -260,6 +295,7 @@ class KeyIndex:
             self._resolve_cache[current] = key
         return key
 
+    @_locked
     def resolve_variable(self, module: str, name: str) -> str | None:
         """The key that chooses the policy of the variable ``name`` of ``module``: one
         naming the variable itself, else the module's (the root's for module ``""``)."""

@@ -48,6 +48,8 @@ class PolicyMap(Protocol):
 
     def _policy_of(self, key: str | None) -> DTypePolicy: ...
 
+    def _variable_policy(self, module: str, name: str) -> DTypePolicy: ...
+
 
 # Leaves of every walk; a QuantizedArray is one leaf at its kernel's path.
 _ARRAY_TYPES = (
@@ -131,8 +133,7 @@ def map_leaves(tree: T, fn: Callable[[str, str, Any], Any]) -> T:
 
 
 def _map_policies(policy_map: PolicyMap, tree: T, fn: Callable[[DTypePolicy, Any], Any]) -> T:
-    policy_of, variable_key = policy_map._policy_of, policy_map._index.resolve_variable
-    return map_leaves(tree, lambda m, n, x: fn(policy_of(variable_key(m, n)), x))
+    return map_leaves(tree, lambda m, n, x: fn(policy_map._variable_policy(m, n), x))
 
 
 def policy_tree(policy_map: PolicyMap, tree: Any) -> Any:
@@ -263,10 +264,9 @@ def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
         )
     stacked_of = quantization.stacked_axes_of(stacked_axes)
     done: list[tuple[str, tuple[int, ...]]] = []
-    policy_of, variable_key = policy_map._policy_of, policy_map._index.resolve_variable
 
     def leaf(module: str, name: str, x: Any) -> Any:
-        policy = policy_of(variable_key(module, name))
+        policy = policy_map._variable_policy(module, name)
         if not _stores_weights(policy):
             return x
         k = stacked_of(path := f"{module}/{name}" if module else name)
