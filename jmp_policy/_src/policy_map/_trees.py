@@ -26,6 +26,7 @@ from jmp_policy._src import explain as explain_rows
 from jmp_policy._src.dtypes import bounded_repr
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.policy_map._index import KeyIndex, path_and_ancestors
+from jmp_policy._src.tree_paths import MAX_TREE_DEPTH, check_depth
 from jmp_policy._src.tree_paths import is_value_suffix as _is_value_suffix
 from jmp_policy._src.tree_paths import key_name as _key_name
 
@@ -74,6 +75,7 @@ def leaves(tree: Any) -> tuple[list[tuple[str, str, Any]], Any]:
     Consecutive leaves share their module's key path, so each module path is joined once,
     not once per leaf.
     """
+    check_depth(tree)
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=quantization.is_quantized)
     out = []
     prev: tuple[Any, ...] | None = None
@@ -87,11 +89,6 @@ def leaves(tree: Any) -> tuple[list[tuple[str, str, Any]], Any]:
             prev = prefix
         out.append((module, _key_name(key_path[-1]) if key_path else "", leaf))
     return out, treedef
-
-
-#: How deep a tree the map's tree methods walk (real models nest a few dozen levels); a
-#: deeper one is a ``ValueError`` saying so, not a ``RecursionError``.
-MAX_TREE_DEPTH = 200
 
 
 def map_leaves(tree: T, fn: Callable[[str, str, Any], Any]) -> T:
