@@ -34,9 +34,11 @@ pattern covers a run of layers and nothing else) and a table per layer.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import re
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -499,8 +501,13 @@ def search(  # long: the passes in their order (gradients, then one per candidat
     base: str,
     jit: bool,
     progress: Callable[[str], None] | None = None,
+    reuse: tuple[Any, ...] | None = None,
 ) -> SearchResult:
-    """The search on ``kernels`` (``{layer path: kernel}``), with the glue's runs."""
+    """The search on ``kernels`` (``{layer path: kernel}``), with the glue's runs.
+
+    ``reuse``: what the glue's runs are functions of besides their inputs (the module,
+    ``loss_fn``, ...), by identity; with it, the jit-compiled passes are kept across calls
+    (:func:`_compiled`), so searching the same model again compiles nothing new."""
     base, policies = check_candidates(candidates, base)
     kind, value = check_budget(budget)
     if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or not batches:
@@ -522,7 +529,14 @@ def search(  # long: the passes in their order (gradients, then one per candidat
     check_no_nan(batches, "search_map")
     say = progress or (lambda _: None)
     targets = frozenset(kernels)
-    wrap = jax.jit if jit else (lambda f: f)
+
+    def wrap(f: Callable[..., Any], *pass_key: Any) -> Callable[..., Any]:
+        if not jit:
+            return f
+        if reuse is None:
+            return jax.jit(f)
+        return _compiled(reuse, (base, tuple(sorted(targets)), *pass_key), f)
+
     base_map = DTypePolicyMap(base)
     fn, params = make_loss(base_map)
 
@@ -545,7 +559,7 @@ def search(  # long: the passes in their order (gradients, then one per candidat
             loss = fn(params, batch)
         return loss, state.ys
 
-    grad = wrap(jax.grad(record, has_aux=True))
+    grad = wrap(jax.grad(record, has_aux=True), "gradients")
     cached = []
     for i, batch in enumerate(batches):
         say(f"gradients: batch {i + 1}/{len(batches)}")
@@ -572,7 +586,7 @@ def search(  # long: the passes in their order (gradients, then one per candidat
                 cand_fn(params, batch)
             return state.scores
 
-        run = wrap(score)
+        run = wrap(score, "score", name, tuple(fits))
         totals: dict[str, float] = {}
         for i, (batch, (ys, gs)) in enumerate(zip(batches, cached, strict=True)):
             say(f"{name}: batch {i + 1}/{len(batches)}")
@@ -593,6 +607,36 @@ def search(  # long: the passes in their order (gradients, then one per candidat
         size = int(np.prod(kernels[p].shape))
         layers.append(_Layer(p, size, options, p in eps, layout[p][1]))
     return _choose(layers, policies, base, kind, value)
+
+
+# (the ids of a search's `reuse` objects, its pass) -> (those objects, the jitted pass)
+_COMPILED: collections.OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = (
+    collections.OrderedDict()
+)
+_COMPILED_LOCK = threading.Lock()
+#: How many jitted passes are kept (each holds its model alive).
+MAX_COMPILED = 64
+
+
+def _compiled(reuse: tuple[Any, ...], pass_key: tuple[Any, ...], f: Callable[..., Any]) -> Any:
+    """``jax.jit(f)``, the same one for the same pass of the same ``reuse`` objects (by
+    identity, kept alive with it so that an id is never another object's; strings by
+    value): jit's own cache then holds each shape's executable, and a second search of a
+    model compiles nothing."""
+    key = (tuple(r if isinstance(r, str) else id(r) for r in reuse), pass_key)
+    with _COMPILED_LOCK:
+        found = _COMPILED.get(key)
+        same = found is not None and all(
+            a is b or isinstance(a, str) for a, b in zip(found[0], reuse, strict=True)
+        )  # a string (options' text) is in the key by value
+        if found is not None and same:
+            _COMPILED.move_to_end(key)
+            return found[1]
+        jitted = jax.jit(f)
+        _COMPILED[key] = (reuse, jitted)
+        if len(_COMPILED) > MAX_COMPILED:
+            _COMPILED.popitem(last=False)
+        return jitted
 
 
 def _finite(score: float, name: str, path: str) -> float:

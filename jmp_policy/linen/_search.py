@@ -133,4 +133,7 @@ def search_map(
         base=base,
         jit=jit,
         progress=progress,
+        # Linen modules are immutable: the same module, loss and options make the same
+        # passes (their jitted forms kept across calls); options by their text.
+        reuse=(module, loss_fn, inputs, repr(sorted(options.items()))),
     )
