@@ -4,6 +4,7 @@ passed on (or dropped) in silence."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Collection
 from typing import Any
@@ -20,6 +21,7 @@ DTYPE_FIELDS = {
 }
 
 
+@functools.lru_cache(maxsize=64)  # a map's config reads one per value: 100,000 signatures
 def constructor_fields(cls: type) -> tuple[str, ...]:
     """The named parameters of ``cls``'s constructor (``self``, ``*args``, ``**kwargs`` aside)."""
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)

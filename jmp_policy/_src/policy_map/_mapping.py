@@ -103,7 +103,11 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             )
         self._policies: dict[str, DTypePolicy] = {}
         self._index = _index.KeyIndex()
+        read: dict[str, DTypePolicy] = {}  # a config read once (a map's config repeats them)
         for key, value in (policy_map or {}).items():
+            if type(value) is dict:
+                text = repr(value)  # JSON-like: equal texts are equal configs
+                value = read.get(text) or read.setdefault(text, _values.as_policy(value, key))
             self[key] = value
 
     # -- the mapping: stored keys ---------------------------------------------------------
