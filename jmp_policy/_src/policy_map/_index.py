@@ -118,6 +118,10 @@ class KeyIndex:
         # cost of building a large map).
         self._regex: dict[str, PathPattern] = {}
         self._by_prefix: dict[str, list[str]] = {}
+        # Keys with no literal prefix but a literal suffix (".*/layers_3/mlp"), by it: a
+        # path tries only those its own end matches.
+        self._by_suffix: dict[str, list[str]] = {}
+        self._suffix_lengths: list[int] = []
         self._prefix_lengths: list[int] = []
         self._sorted_prefixes: list[str] = []
         self._sorted_keys: list[str] = []
@@ -139,7 +143,7 @@ class KeyIndex:
         """
         if not is_literal(key):
             pattern = self._regex[key] = compile_pattern(key, KEY)
-            self._by_prefix.setdefault(pattern.literal_prefix, []).append(key)
+            self._bucket(pattern).setdefault(pattern.literal_text, []).append(key)
         self._order[key] = self._next
         self._next += 1
         self._changed()
@@ -149,12 +153,15 @@ class KeyIndex:
         """Removes ``key`` (which must be there)."""
         del self._order[key]
         if key in self._regex:
-            prefix = self._regex.pop(key).literal_prefix
-            bucket = self._by_prefix[prefix]
-            bucket.remove(key)
-            if not bucket:
-                del self._by_prefix[prefix]
+            pattern = self._regex.pop(key)
+            buckets = self._bucket(pattern)
+            buckets[pattern.literal_text].remove(key)
+            if not buckets[pattern.literal_text]:
+                del buckets[pattern.literal_text]
         self._changed()
+
+    def _bucket(self, pattern: PathPattern) -> dict[str, list[str]]:
+        return self._by_suffix if pattern.literal_suffix else self._by_prefix
 
     def __getstate__(self) -> dict[str, Any]:  # a lock is not copied or pickled
         return {k: v for k, v in self.__dict__.items() if k != "lock"}
@@ -179,6 +186,7 @@ class KeyIndex:
         if not self._stale:
             return
         self._prefix_lengths = sorted({len(p) for p in self._by_prefix})
+        self._suffix_lengths = sorted({len(s) for s in self._by_suffix})
         self._sorted_prefixes = sorted(self._by_prefix)
         self._sorted_keys = sorted(self._order)
         self._stale = False
@@ -214,6 +222,7 @@ class KeyIndex:
             for candidate in self._by_prefix.get(path[:length], ()):
                 if self._regex[candidate].fullmatch(path):
                     matches.append(candidate)
+        matches += self._by_end(path)
         if len(matches) > 1:
             self._raise_ambiguous(path, matches)
         return matches[0] if matches else None
@@ -246,6 +255,18 @@ class KeyIndex:
         self._candidate_cache[module] = info
         return info
 
+    def _by_end(self, path: str) -> list[str]:
+        """The keys indexed by a literal suffix that fullmatch ``path``."""
+        self._refresh()
+        found = []
+        for length in self._suffix_lengths:
+            if length > len(path):
+                break
+            for candidate in self._by_suffix.get(path[len(path) - length :], ()):
+                if self._regex[candidate].fullmatch(path):
+                    found.append(candidate)
+        return found
+
     @_locked
     def match_variable(self, path: str) -> str | None:
         """The key that names the variable ``path`` itself, or None (see the module doc)."""
@@ -264,9 +285,10 @@ class KeyIndex:
         by_name, has_exact = self._variable_candidates(module)
         if has_exact and path in self._order:
             return path
-        if not by_name:
+        ends = [k for k in self._by_end(path) if not self._regex[k].fullmatch(module)]
+        if not by_name and not ends:
             return None
-        matches = [k for k in by_name if self._regex[k].fullmatch(path)]
+        matches = [k for k in by_name if self._regex[k].fullmatch(path)] + ends
         if len(matches) > 1:
             self._raise_ambiguous(path, matches)
         return matches[0] if matches else None
@@ -303,7 +325,8 @@ class KeyIndex:
             module_key, may_name = self._module_keys[module]
         except KeyError:
             by_name, has_exact = self._variable_candidates(module)
-            module_key, may_name = self.resolve(module), bool(by_name or has_exact)
+            may_name = bool(by_name or has_exact or self._by_suffix)
+            module_key = self.resolve(module)
             self._module_keys[module] = module_key, may_name
         if may_name:
             key = self.match_variable_uncached(f"{module}/{name}" if module else name, module)

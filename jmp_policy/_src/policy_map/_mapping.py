@@ -103,10 +103,10 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             )
         self._policies: dict[str, DTypePolicy] = {}
         self._index = _index.KeyIndex()
-        read: dict[str, DTypePolicy] = {}  # a config read once (a map's config repeats them)
+        read: dict[Any, DTypePolicy] = {}  # a name or config read once (maps repeat them)
         for key, value in (policy_map or {}).items():
-            if type(value) is dict:
-                text = repr(value)  # JSON-like: equal texts are equal configs
+            if type(value) is dict or type(value) is str:
+                text = (type(value), repr(value))  # JSON-like: equal texts, equal configs
                 value = read.get(text) or read.setdefault(text, _values.as_policy(value, key))
             self[key] = value
 
