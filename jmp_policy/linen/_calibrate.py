@@ -133,9 +133,13 @@ def calibrate(
         The variables, their ``"params"`` quantized (and the report if asked).
 
     Raises:
-        TypeError: ``module`` is not a Linen module, ``variables`` not a mapping, or
-            ``batches`` not iterable.
-        ValueError: no ``"params"``, or no batch.
+        TypeError: ``module`` is not a Linen module, ``variables`` not a mapping,
+            ``batches`` not iterable (or a string), or ``return_report`` not a bool.
+        ValueError: no ``"params"``, no batch, a batch holding NaN, or a batch the model
+            fails on (naming ``batches[i]``, the model's error chained).
+
+    Warns:
+        UserWarning: a GPTQ/AWQ key of the map chooses the policy of no layer.
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn

@@ -149,9 +149,14 @@ def calibrate(
         The calibrated copy (and the report if asked).
 
     Raises:
-        TypeError: ``model`` is not an ``nnx.Module``, ``batches`` not iterable or
-            ``progress`` neither a bool nor a callable.
-        ValueError: no batch.
+        TypeError: ``model`` is not an ``nnx.Module``, ``batches`` not iterable (or a
+            string), ``progress`` neither a bool nor a callable, or ``return_report`` not
+            a bool.
+        ValueError: no batch, a batch holding NaN, or a batch the model fails on (naming
+            ``batches[i]``, the model's error chained).
+
+    Warns:
+        UserWarning: a GPTQ/AWQ key of the map chooses the policy of no layer.
 
     Examples:
         >>> import jax, jax.numpy as jnp
