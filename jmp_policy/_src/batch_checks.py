@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -96,11 +97,11 @@ def check_no_nan(batches: Any, caller: str) -> None:
     for i, batch in enumerate(batches):
         for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
             dtype = getattr(leaf, "dtype", None)
-            if dtype is None or not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+            if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
                 continue
             if isinstance(leaf, jax.core.Tracer):
                 continue
-            count = int(jax.numpy.isnan(leaf).sum())
+            count = int(jnp.isnan(leaf).sum())
             if count:
                 where = f"batches[{i}]{jax.tree_util.keystr(path)}"
                 raise ValueError(
