@@ -102,7 +102,8 @@ class KeyIndex:
     :meth:`match_variable`) and resolution (:meth:`resolve`, :meth:`resolve_variable`).
 
     The index holds keys only (no policies); its answers are cached per path until the
-    next :meth:`add` or :meth:`remove`.
+    next :meth:`add` or :meth:`remove`. Its public methods hold :attr:`lock`; the
+    ``*_unlocked`` and ``*_uncached`` ones are for callers that hold it.
     """
 
     def __init__(self) -> None:
@@ -209,7 +210,6 @@ class KeyIndex:
         self._match_cache[path] = key
         return key
 
-    @_locked
     def match_uncached(self, path: str) -> str | None:
         """:meth:`match` without its cache (for callers that cache their own answers)."""
         if path in self._order:
@@ -227,7 +227,6 @@ class KeyIndex:
             self._raise_ambiguous(path, matches)
         return matches[0] if matches else None
 
-    @_locked
     def _variable_candidates(self, module: str) -> tuple[tuple[str, ...], bool]:
         """Per module path (cached): the regular-expression keys that may name one of its
         variables (their prefix allows it and they do not match the module path), and
@@ -278,7 +277,6 @@ class KeyIndex:
         self._variable_cache[path] = key
         return key
 
-    @_locked
     def match_variable_uncached(self, path: str, module: str) -> str | None:
         """:meth:`match_variable` without its cache, for ``path`` whose module path is
         ``module`` (tree walks know the module and visit each path once)."""
@@ -295,6 +293,10 @@ class KeyIndex:
 
     @_locked
     def resolve(self, path: str) -> str | None:
+        """The key that chooses ``path``'s policy (see :meth:`resolve_unlocked`)."""
+        return self.resolve_unlocked(path)
+
+    def resolve_unlocked(self, path: str) -> str | None:
         """The key that chooses ``path``'s policy: the one naming the path or its nearest
         ancestor (:func:`path_and_ancestors`); None: the default policy."""
         if type(path) is not str:  # before the cache: `map[[]]` is no bare "unhashable"
@@ -319,6 +321,10 @@ class KeyIndex:
 
     @_locked
     def resolve_variable(self, module: str, name: str) -> str | None:
+        """:meth:`resolve_variable_unlocked`, holding the lock."""
+        return self.resolve_variable_unlocked(module, name)
+
+    def resolve_variable_unlocked(self, module: str, name: str) -> str | None:
         """The key that chooses the policy of the variable ``name`` of ``module``: one
         naming the variable itself, else the module's (the root's for module ``""``)."""
         try:
@@ -326,7 +332,7 @@ class KeyIndex:
         except KeyError:
             by_name, has_exact = self._variable_candidates(module)
             may_name = bool(by_name or has_exact or self._by_suffix)
-            module_key = self.resolve(module)
+            module_key = self.resolve_unlocked(module)
             self._module_keys[module] = module_key, may_name
         if may_name:
             key = self.match_variable_uncached(f"{module}/{name}" if module else name, module)

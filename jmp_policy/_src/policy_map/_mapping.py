@@ -330,11 +330,11 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
     def _variable_policy(self, module: str, name: str) -> DTypePolicy:
         """The policy of the variable ``name`` of ``module`` (the tree methods' lookup)."""
         with self._index.lock:  # the key found and its policy read with no change between
-            return self._policy_of(self._index.resolve_variable(module, name))
+            return self._policy_of(self._index.resolve_variable_unlocked(module, name))
 
     def __getitem__(self, path: str) -> DTypePolicy:
         with self._index.lock:
-            return self._policy_of(self._index.resolve(path))
+            return self._policy_of(self._index.resolve_unlocked(path))
 
     def resolve(self, path: str) -> tuple[DTypePolicy, str | None]:
         """The policy of ``path`` and the key that chose it (``None``: the default).
