@@ -230,6 +230,17 @@ def test_policy_map_bench_quick_prints_the_regex_key_rows():
     assert [row[0] for row in rows] == ["without", "with |"], result.stdout
 
 
+def test_map_key_shapes_bench_quick_prints_every_shape_and_the_config_ratio():
+    result = _run("map_key_shapes_bench.py", "--quick")
+    rows = re.findall(r"^  ([a-z ]+?)\s+([\d.]+)\s+([\d.]+)\s+bfloat16$", result.stdout, re.M)
+    assert [row[0] for row in rows] == [
+        "literal prefix", "alternation", "leading wildcard", "cyrillic class", "backreference"
+    ], result.stdout  # fmt: skip
+    assert re.search(
+        r"10,000-key map: build [\d.]+ s, deserialize [\d.]+ s \([\d.]+x\)", result.stdout
+    )
+
+
 @pytest.mark.heavy(25)
 def test_quantization_bench_quick_prints_the_calibrated_int4_rows():
     result = _run("quantization_bench.py", "--quick", "--calibrated-only")
