@@ -68,23 +68,55 @@ def _short(error: Exception) -> str:
     return message if start < 0 or end < 0 else message[: end + 1]
 
 
+TRAINABLE = (
+    "float32, bfloat16, float16, mixed_bfloat16, mixed_float16, a jmp string such as "
+    "'p=f32,c=bf16,o=f32', or 'int8_from_mixed_bfloat16', 'int4/128_from_mixed_bfloat16', "
+    "'float8_from_mixed_bfloat16' (quantization-aware training)"
+)
+
+
+def _check_trainable(policy: Any, text: str) -> None:
+    """A policy the script can train under: a floating compute dtype, and no format that
+    chooses its weights on calibration inputs (GPTQ, AWQ: ``calibrate`` after training)."""
+    import jax.numpy as jnp
+
+    compute = policy.compute_dtype
+    if compute is None or not jnp.issubdtype(compute, jnp.floating):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} computes in {compute}: training needs a floating compute dtype. "
+            f"Valid choices: {TRAINABLE}."
+        )
+    if policy.quantization_mode and policy.quantization_mode.startswith(("gptq", "awq")):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is calibrated after training (jp.linen.calibrate), not trained under. "
+            f"Valid choices: {TRAINABLE}."
+        )
+
+
 def _policy_name(text: str) -> str:
-    """``--policy``: any name ``jp.get`` reads (an unknown one says "did you mean")."""
+    """``--policy``: any name ``jp.get`` reads (an unknown one says "did you mean") that
+    the script can train under."""
     import jmp_policy as jp
 
     try:
-        jp.get(text)
+        policy = jp.get(text)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(_short(e)) from e
+    _check_trainable(policy, text)
     return text
 
 
 def _policy_map_text(text: str) -> str:
     """``--policy-map``: checked here, so a mistake is one line of ``--help``'s kind."""
+    import jmp_policy as jp
+
     try:
-        parse_policy_map(text, "float32")
+        policy_map = parse_policy_map(text, "float32")
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(_short(e)) from e
+    if isinstance(policy_map, jp.DTypePolicyMap):
+        for key, policy in policy_map.items():
+            _check_trainable(policy, f"{key}={policy.name}")
     return text
 
 

@@ -13,11 +13,11 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-
 def _is_time(cell):
     """A time as ``format_value`` writes one, in whichever unit its size takes ("0.76 ms",
     "1.47 s" on a loaded machine): what a time reads as is never asserted."""
     return re.fullmatch(r"\d[\d,]*(\.\d+)? (ms|s)", cell) is not None
+
 
 def _run(script, *flags):
     result = subprocess.run(
@@ -234,6 +234,17 @@ def test_policy_map_bench_quick_prints_the_regex_key_rows():
     result = _run("policy_map_bench.py", "--quick")
     rows = re.findall(r"^\s+1,000\s+(without|with \|)\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.M)
     assert [row[0] for row in rows] == ["without", "with |"], result.stdout
+
+
+def test_map_key_shapes_bench_quick_prints_every_shape_and_the_config_ratio():
+    result = _run("map_key_shapes_bench.py", "--quick")
+    rows = re.findall(r"^  ([a-z ]+?)\s+([\d.]+)\s+([\d.]+)\s+bfloat16$", result.stdout, re.M)
+    assert [row[0] for row in rows] == [
+        "literal prefix", "alternation", "leading wildcard", "cyrillic class", "backreference"
+    ], result.stdout  # fmt: skip
+    assert re.search(
+        r"10,000-key map: build [\d.]+ s, deserialize [\d.]+ s \([\d.]+x\)", result.stdout
+    )
 
 
 @pytest.mark.heavy(25)

@@ -209,6 +209,19 @@ def test_saved_bytes_counts_the_residuals_not_the_arguments():
             ["--policy-map=head=float33"],
             "argument --policy-map: Cannot interpret the assigned value for key 'head'",
         ),
+        (
+            ["--policy=int8"],  # #46: it ended in a traceback; the valid choices instead
+            "argument --policy: 'int8' computes in int8: training needs a floating compute "
+            "dtype. Valid choices: float32, bfloat16, float16, mixed_bfloat16",
+        ),
+        (
+            ["--policy=gptq/4/128_from_float32"],
+            "argument --policy: 'gptq/4/128_from_float32' is calibrated after training",
+        ),
+        (
+            ["--policy-map=head=int8"],
+            "argument --policy-map: 'head=int8' computes in int8: training needs a floating",
+        ),
     ],
 )
 def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path, flags, message):

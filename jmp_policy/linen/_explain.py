@@ -85,7 +85,7 @@ def explain(
     """
     check_module(module)
     check_variables(variables)
-    calibrated = format_calibration(kwargs.pop("calibration", None))
+    calibrated = format_calibration(kwargs.pop("calibration", None), variables.get("params"))
     policies = floating_policy_or_map(policy_or_map)
     opts = options({k: kwargs.pop(k) for k in OPTION_DEFAULTS if k in kwargs})
     rngs, mutable = kwargs.pop("rngs", None), kwargs.pop("mutable", False)

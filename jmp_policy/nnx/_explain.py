@@ -65,10 +65,12 @@ def explain(
         total                                                               136      104
         bytes: as stored; c.bytes: as the compute reads them (K = 1024, M = 1024 K)
     """
-    calibrated = format_calibration(options.pop("calibration", None))
+    report = options.pop("calibration", None)
     policies, opts = prepare(model, policy_or_map, options)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    calibrated = format_calibration(report, params)
     resolver = resolver_for(model, policies, opts)
-    table = format_rows(resolved_rows(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    table = format_rows(resolved_rows(resolver, params))
     table += unused_keys_note(resolver, type(model).__name__)
     if not args:
         return table + calibrated

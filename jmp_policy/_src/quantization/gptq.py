@@ -62,9 +62,10 @@ def check_bits_and_group(bits: Any, group_size: Any, what: str = "GPTQ") -> int:
         or not isinstance(group_size, int)
         or group_size == 0
         or group_size < -1
+        or group_size > dt.MAX_INT4_BLOCK
     ):
         raise ValueError(
-            "`group_size` must be -1 (per channel) or a positive integer. "
+            f"`group_size` must be -1 (per channel) or from 1 to {dt.MAX_INT4_BLOCK}. "
             f"Received: group_size={group_size!r}"
         )
     if bits == 8 and group_size != -1:
