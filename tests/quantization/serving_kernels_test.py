@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jmp_policy as jp
-from jmp_policy._src.quantization import serving_kernels
+from jmp_policy._src.quantization import matmuls, serving_kernels
 from jmp_policy._src.quantization.kernel_matmul import PALLAS_FORM
 
 D_IN, D_OUT = 72, 34  # not multiples of the kernel's tiles
@@ -162,3 +162,22 @@ def test_gptq_and_awq_kernels_run_the_kernel_awq_dividing_the_inputs_first(gpu_r
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
     table = jp.linen.explain(model, policy, q, X, serving_kernel="pallas")
     assert table.count(PALLAS_FORM) == 2, table
+
+
+def test_compile_for_serving_compiles_the_kernel_of_the_function_it_is_given(gpu_route):
+    model, q = _quantized("int4/32_from_float32")
+    serve = jp.linen.apply(model, "int4/32_from_mixed_bfloat16", serving_kernel="pallas")
+    x = X.astype(jnp.bfloat16)
+    with matmuls.recording() as forms:
+        compiled, placed = jp.compile_for_serving(serve, q, x)
+    assert forms == {
+        "up": f"int4/32 weights: {PALLAS_FORM}",
+        "down": f"int4/32 weights: {PALLAS_FORM}",
+    }
+    y = compiled(placed, x)
+    xla = jp.linen.apply(model, "int4/32_from_mixed_bfloat16", serving_kernel="xla")
+    ref = jax.jit(xla)(q, x)
+    assert y.dtype == ref.dtype == jnp.bfloat16
+    np.testing.assert_allclose(
+        np.asarray(y, np.float32), np.asarray(ref, np.float32), rtol=0.02, atol=0.02
+    )
