@@ -12,7 +12,7 @@ import pytest
 
 from jmp_policy._src.quantization import pallas_matmul as pm
 
-SMALL = pm.Tiles(out=32, step=32, programs=16)
+SMALL = pm.Tiles(out=32, step=32, programs=16, partials=100.0)  # splits at every row count
 
 
 def _operands(rows, k, n, dtype, block, compute=jnp.float32, seed=0):
@@ -86,16 +86,18 @@ def test_vmap_over_a_batch_of_sequences_matches_each_sequence():
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
-def test_the_default_tiles_split_the_input_dimension_of_one_row():
-    """One row of a 1024 x 256 kernel: 2 output blocks of 128, so the input dimension is
-    split until TILES.programs start (8 splits of one 128-row step)."""
-    x, values, scale = _operands(1, 1024, 256, jnp.int8, None)
-    jaxpr = jax.make_jaxpr(lambda x: pm.weight_only_matmul(x, values, scale, interpret=True))(x)
+@pytest.mark.parametrize(("rows", "grid"), [(1, (2, 8)), (16, (2, 4)), (64, (2, 1))])
+def test_the_default_tiles_split_the_input_dimension_less_at_more_rows(rows, grid):
+    """A 1024 x 256 int8 kernel: 2 output blocks of 128, so one row splits the input
+    dimension until TILES.programs start (8 splits of one 128-row step); more rows split
+    it less, their float32 partial sums kept to a quarter of the weight bytes."""
+    x, values, scale = _operands(rows, 1024, 256, jnp.int8, None)
+    fn = lambda x: pm.weight_only_matmul(x, values, scale, interpret=True)  # noqa: E731
+    jaxpr = jax.make_jaxpr(fn)(x)
     grids = [e.params["grid_mapping"].grid for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
-    assert grids == [(2, 8)]
-    y = pm.weight_only_matmul(x, values, scale, interpret=True)
+    assert grids == [grid]
     ref = _reference(x, values, scale, None)
-    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_allclose(np.asarray(fn(x)), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ channel) or an int4 kernel (per channel, or in blocks of rows), the scales appli
 kernel, accumulated in float32, the result in the compute dtype. A decode step multiplies
 a few rows by a large kernel: its time is the weight bytes read, so the kernel splits the
 input dimension (split-K) as well as the output one, so that one row still starts enough
-programs to fill every SM; the partial sums (float32, ``[splits, rows, out]``: small
-beside the weights) are added by XLA after the kernel.
+programs to fill every SM; the partial sums (float32, ``[splits, rows, out]``, kept to a
+quarter of the weight bytes: fewer splits at more rows) are added by XLA after the kernel.
 
 Layout. The weights are read as stored, with no copy: int8 as ``[in, out]``; int4
 (``jnp.int4``, which XLA stores two per byte along the last axis) bitcast to int8
@@ -42,12 +42,15 @@ BLOCK_SIZES = (16, 32, 64, 128, 256)
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """The kernel's tiles: ``out`` output columns (int4: bytes, two columns each) and
-    ``step`` input rows per step of a program's loop, and the ``programs`` to start at
-    least (the split over the input dimension grows until there are that many)."""
+    ``step`` input rows per step of a program's loop, the ``programs`` to start at least
+    (the split over the input dimension grows until there are that many), and the most
+    bytes of float32 partial sums, as a fraction of the weight bytes (``partials``: more
+    rows, fewer splits)."""
 
     out: int = 128
     step: int = 128
     programs: int = 264
+    partials: float = 0.25
 
 
 # Untuned (no GPU has timed the kernel yet): 264 programs is two per SM of an H100 (132).
@@ -58,9 +61,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _steps_per_split(steps: int, blocks: int, tiles: Tiles) -> int:
-    """Steps per split (a power of two): as many splits as start ``tiles.programs``."""
-    want = max(1, -(-tiles.programs // blocks))
+def _steps_per_split(steps: int, blocks: int, tiles: Tiles, most: float) -> int:
+    """Steps per split (a power of two): as many splits as start ``tiles.programs``, at
+    most ``most`` of them."""
+    want = max(1, min(-(-tiles.programs // blocks), int(most)))
     return _pow2(-(-steps // min(steps, want)))
 
 
@@ -159,7 +163,8 @@ def weight_only_matmul(
     step = int(block_size) if blocked else tiles.step  # type: ignore[arg-type]
     out_blocks = -(-cols // tiles.out)
     steps = -(-k // step)
-    per = _steps_per_split(steps, out_blocks, tiles)
+    weight_bytes = k * n * (0.5 if int4 else 1.0)
+    per = _steps_per_split(steps, out_blocks, tiles, tiles.partials * weight_bytes / (4 * m * n))
     splits = -(-steps // per)
     chunk = per * step
     # x and the block scales are small: padded to whole splits (zeros), never read out of range.
@@ -172,17 +177,17 @@ def weight_only_matmul(
     scale_index = (lambda j, s: (s, j)) if blocked else (lambda j, s: (0, j))
     partial = pl.pallas_call(
         functools.partial(_body, plan),
-        out_shape=[jax.ShapeDtypeStruct((splits * rows, cols), jnp.float32) for _ in scales],
+        out_shape=[jax.ShapeDtypeStruct((splits, m, cols), jnp.float32) for _ in scales],
         grid=(out_blocks, splits),
         in_specs=[
             pl.BlockSpec((rows, chunk), lambda j, s: (0, s)),
             pl.BlockSpec((chunk, tiles.out), lambda j, s: (s, j)),
             *(pl.BlockSpec((scale_rows, tiles.out), scale_index) for _ in scales),
         ],
-        out_specs=[pl.BlockSpec((rows, tiles.out), lambda j, s: (s, j)) for _ in scales],
+        out_specs=[pl.BlockSpec((None, rows, tiles.out), lambda j, s: (s, 0, j)) for _ in scales],
         interpret=interpret,
     )(x, w, *scales)
-    ys = [p.reshape(splits, rows, cols).sum(0)[:m] for p in partial]
+    ys = [p.sum(0) for p in partial]
     y = ys[0] if len(ys) == 1 else jnp.stack(ys, axis=-1).reshape(m, n)
     return y.astype(out_dtype)
 
