@@ -366,7 +366,7 @@ def test_int8_and_int4_weights_enter_their_gemm_fusion_as_s8_or_s4(compiled, nam
 
 @pytest.mark.parametrize("name", _names("serving pallas"))
 def test_serving_pallas_runs_one_pallas_kernel_per_layer_reading_the_weights_in_place(
-    compiled, name
+    request, name
 ):
     """``serving_kernel="pallas"`` at batch 1 and 16: each layer is one Pallas (Triton)
     kernel, ``__gpu$xla.gpu.triton``, whose operand is the s8 parameter or a bitcast of the
@@ -377,7 +377,7 @@ def test_serving_pallas_runs_one_pallas_kernel_per_layer_reading_the_weights_in_
             "(its Pallas reads the default device; jax >= 0.11 reads the abstract mesh's)"
         )
     program = PROGRAMS[name]
-    (found,) = _forms(compiled, name).values()
+    (found,) = _forms(request.getfixturevalue("compiled"), name).values()  # after the skip
     assert found.triton == [program.weights] * h100_forms.SERVE_LAYERS, found.describe()
     assert [g for g in found.gemms if g.reads_int_weights] == [], found.describe()
     assert [w for w in found.weight_reads if w.is_copy] == []
