@@ -209,21 +209,36 @@ def test_serving_bench_quick_prints_every_variant_and_form():
     result = _run("serving_bench.py", "--quick")
     lines = result.stdout.splitlines()
     rows = [line for line in lines if line.split()[:1] in (["1"], ["16"], ["256"])]
-    assert len(rows) == 3 * 8
+    assert len(rows) == 3 * 12
     assert "int8 weights: weight-only, scale after" in rows[1]
     assert "int4 weights: weight-only, scale after" in rows[2]
-    assert rows[19].split()[1:4] == ["int8", "x", "int8"] and rows[19].endswith("int8 x int8")
+    assert rows[27].split()[1:4] == ["int8", "x", "int8"] and rows[27].endswith("int8 x int8")
     # compiled by jp.compile_for_serving: the same forms
     assert rows[6].split()[1:5] == ["int4", "w,", "XLA", "layout"], rows[6]
     assert rows[6].endswith("int4 weights: weight-only, scale after")
-    assert rows[23].split()[1:6] == ["int8", "x", "int8,", "XLA", "layout"], rows[23]
-    assert rows[23].endswith("int8 x int8")
+    assert rows[31].split()[1:6] == ["int8", "x", "int8,", "XLA", "layout"], rows[31]
+    assert rows[31].endswith("int8 x int8")
     # int4 in blocks of 128 (GPTQ's storage) and AWQ's: a matmul per block below 64 rows,
     # dequantized and one GEMM from 64 (measured faster there on an H200)
-    for i, form in ((4, "int4 blocks"), (12, "int4 blocks"), (20, "dequantized, one GEMM")):
+    for i, form in ((4, "int4 blocks"), (16, "int4 blocks"), (28, "dequantized, one GEMM")):
         assert rows[i].split()[1] == "int4/128" and rows[i + 1].split()[1] == "awq/4/128"
         assert rows[i].endswith(f"int4/128 weights: {form}"), rows[i]
         assert rows[i + 1].endswith(f"int4/128 weights: {form}"), rows[i + 1]
+    # serving_kernel="pallas" (in Pallas's interpreter off a GPU): the kernel up to 64 rows,
+    # the same errors as XLA's form of the same weights; XLA's forms at 256 rows
+    for batch in (0, 12):
+        for i, label in ((8, "int8"), (9, "int4"), (10, "int4/128"), (11, "int4/128")):
+            row = rows[batch + i]
+            assert row.split()[-1] == "split-K)" and f"{label} weights: Pallas kernel" in row
+
+    def error(row):  # the cell before the form ("<label> weights: ...")
+        cells = row.split()
+        return float(cells[cells.index("weights:") - 2])
+
+    for i, xla in ((8, 1), (9, 2), (10, 4), (11, 5)):
+        assert error(rows[i]) == pytest.approx(error(rows[xla]), abs=2e-4), (rows[i], rows[xla])
+    assert rows[32].endswith("int8 weights: weight-only, scale after")
+    assert rows[34].endswith("int4/128 weights: dequantized, one GEMM")
     # weight bytes per token: int8 about half of bf16's, int4 about a quarter
     numbers = [re.findall(r"\b\d+(?:\.\d+)?(?:e[+-]\d+)?\b", row) for row in rows[:3]]
     per_token = [float(n[3]) for n in numbers]  # batch, time, ratio, bytes, error

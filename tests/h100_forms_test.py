@@ -107,6 +107,8 @@ def compile_everything(path):
         device = hc.h100_sharding().mesh.devices.flat[0]
         out["device"] = [device.device_kind, device.client.runtime_type, jax.default_backend()]
         for name, program in {**PROGRAMS, **MUST_FAIL}.items():
+            if program.group == "serving pallas" and not h100_forms.pallas_lowers():
+                continue  # its test skips, naming jax's limitation
             try:
                 found = h100_forms.forms(program, _modes(program))
                 out["forms"][name] = {m: f.to_json() for m, f in found.items()}
@@ -360,6 +362,37 @@ def test_int8_and_int4_weights_enter_their_gemm_fusion_as_s8_or_s4(compiled, nam
     assert [g.reads_int_weights for g in found.gemms] == [program.weights] * 2, found.describe()
     assert [w for w in found.weight_reads if w.is_copy] == []
     assert h100_forms.problems(program, "default", found) == []
+
+
+@pytest.mark.parametrize("name", _names("serving pallas"))
+def test_serving_pallas_runs_one_pallas_kernel_per_layer_reading_the_weights_in_place(
+    request, name
+):
+    """``serving_kernel="pallas"`` at batch 1 and 16: each layer is one Pallas (Triton)
+    kernel, ``__gpu$xla.gpu.triton``, whose operand is the s8 parameter or a bitcast of the
+    s4 one (no copy), and no GEMM or other kernel reads or copies the integer weights."""
+    if not h100_forms.pallas_lowers():
+        pytest.skip(
+            f"jax {jax.__version__} cannot lower a Pallas kernel for a GPU it does not have "
+            "(its Pallas reads the default device; jax >= 0.11 reads the abstract mesh's)"
+        )
+    program = PROGRAMS[name]
+    (found,) = _forms(request.getfixturevalue("compiled"), name).values()  # after the skip
+    assert found.triton == [program.weights] * h100_forms.SERVE_LAYERS, found.describe()
+    assert [g for g in found.gemms if g.reads_int_weights] == [], found.describe()
+    assert [w for w in found.weight_reads if w.is_copy] == []
+    assert h100_forms.problems(program, "default", found) == []
+
+
+def test_the_pallas_check_fails_on_xlas_form():
+    """A program of XLA's weight-only form fails the Pallas check (it has no Pallas kernel)."""
+    gemm = hc.Gemm("fused", "dot", "bf16", "bf16", "f32", "bf16", "s8")
+    found = h100_forms.Forms([gemm] * 2, [])
+    program = PROGRAMS["serve int8 weights, pallas, batch 1"]
+    assert h100_forms.problems(program, "default", found) == [
+        "expected 2 Pallas kernels reading their s8 weights in place: 2x bf16 x s8->bf16 -> f32",
+        "a GEMM reads the integer weights: 2x bf16 x s8->bf16 -> f32",
+    ]
 
 
 def test_int8_x_int8_is_an_s8_x_s8_to_s32_gemm_in_both_modes(compiled):
