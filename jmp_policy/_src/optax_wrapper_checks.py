@@ -82,8 +82,8 @@ def check_axis_name(axis_name: Any) -> str | tuple[str, ...] | None:
     )
 
 
-def check_inner(inner: Any, function: str = "loss_scaling") -> None:
-    """Raises unless ``inner`` (of ``function``) is an optax transformation."""
+def check_inner(inner: Any) -> None:
+    """Raises unless ``inner`` is an optax transformation (with ``init`` and ``update``)."""
     if callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None)):
         return
     if isinstance(inner, str):
@@ -94,8 +94,7 @@ def check_inner(inner: Any, function: str = "loss_scaling") -> None:
     else:
         hint = ""
     raise TypeError(
-        f"`inner` of `{function}` must be an optax GradientTransformation (such as "
-        f"`optax.adam(1e-3)`). "
+        f"`inner` must be an optax GradientTransformation (such as `optax.adam(1e-3)`). "
         f"Received: inner={inner!r} (of type {type(inner).__name__}){hint}"
     )
 

@@ -94,7 +94,7 @@ def _wrap(
     inner: Any, moment_dtype: Any, name: str
 ) -> tuple[optax.GradientTransformationExtraArgs, Any]:
     """The inner transformation (extra arguments accepted) and the checked moment dtype."""
-    checks.check_inner(inner, name)
+    checks.check_inner(inner)
     dtype = checks.check_moment_dtype(moment_dtype, name)
     if isinstance(inner, optax.MultiSteps):
         inner = inner.gradient_transformation()
