@@ -1,6 +1,6 @@
 """bfloat16 weights without float32 masters (#51): memory and loss against float32 masters.
 
-Trains ``lm_task.py``'s LM (4 blocks, d=128, 2.6M parameters) from one initialisation on the
+Trains ``lm_task.py``'s LM (4 blocks, d=128, 867,328 parameters) from one initialisation on the
 same batches with adam (the task's warmup-cosine schedule, peak 3e-3) in these setups:
 
 - ``f32 masters``: float32 parameters and moments, bf16 compute (``"mixed_bfloat16"``);
@@ -15,12 +15,15 @@ from the arrays with ``jp.tree_bytes``), the held-out loss after training (48 he
 batches, with the paired difference to ``f32 masters`` and its standard error), and the
 training-loss curve (mean over windows of steps).
 
-Run: ``python benchmarks/bf16_training_bench.py [--quick] [--steps N] [--only NAME ...]``.
+Run: ``python benchmarks/bf16_training_bench.py [--quick] [--steps N] [--only NAME ...]
+[--save FILE]``; ``--report FILE ...`` prints the table of runs saved apart (setups run in
+parallel processes).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -74,6 +77,16 @@ def setups(schedule: Any) -> dict[str, tuple[str, optax.GradientTransformation]]
     }
 
 
+NAMES = [
+    "f32 masters",
+    "bf16 nearest",
+    "bf16 + SR",
+    "bf16 + Kahan",
+    "bf16 + SR, bf16 moments",
+    "bf16 + Kahan, bf16 moments",
+]
+
+
 def train(
     policy: str, opt: optax.GradientTransformation, steps: int, log_every: int
 ) -> tuple[Any, Any, list[float], float]:
@@ -107,7 +120,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="12 steps, 2 held-out batches")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--only", nargs="*", default=None, help="setups to run (by name)")
+    parser.add_argument("--save", default=None, help="also write the results to this JSON file")
+    parser.add_argument(
+        "--report", nargs="*", default=None, help="print the table of saved JSON files, no run"
+    )
     args = parser.parse_args(argv)
+    if args.report:
+        merged: dict[str, Any] = {}
+        for path in args.report:
+            with open(path) as f:
+                merged.update(json.load(f))
+        names = [n for n in NAMES if n in merged]
+        results = {n: {**merged[n], "held": np.asarray(merged[n]["held"])} for n in names}
+        report(results, merged[names[0]]["steps"], merged[names[0]]["log_every"])
+        return
     steps = args.steps or (lm_task.QUICK_STEPS if args.quick else lm_task.STEPS)
     log_every = max(steps // 10, 1)
     held = lm_task.held_out_batches(2 if args.quick else lm_task.HELD_OUT)
@@ -125,8 +151,13 @@ def main(argv: list[str] | None = None) -> None:
             "held": lm_task.held_out_losses(apply, params, held),
             "curve": curve,
             "seconds": seconds,
+            "steps": steps,
+            "log_every": log_every,
         }
         print(f"trained {name!r}: {steps} steps in {seconds:.0f} s", flush=True)
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump({n: {**r, "held": r["held"].tolist()} for n, r in results.items()}, f)
     report(results, steps, log_every)
 
 
