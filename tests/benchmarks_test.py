@@ -395,3 +395,18 @@ def test_pretrained_bench_sequences_start_with_bos_and_refuse_a_short_text():
     assert batches[1][0, 1:].tolist() == list(range(31, 38))  # consecutive, not overlapping
     with pytest.raises(ValueError, match="too few tokens for 20 sequences of 8"):
         bench.sequences(ids, 10, 100, 10, 2, 8)
+
+
+@pytest.mark.heavy(90)
+def test_bf16_training_bench_quick_prints_bytes_and_losses_as_ratios(tmp_path):
+    masters, sr = "f32 masters", "bf16 + SR, bf16 moments"
+    saved = tmp_path / "run.json"
+    result = _run("bf16_training_bench.py", "--quick", "--only", masters, sr, "--save", saved)
+    rows: dict[str, list[str]] = {}
+    for line in result.stdout.splitlines():  # the first table: one row per setup
+        rows.setdefault(line[:28].strip(), line[28:].split())
+    # bfloat16 weights and moments against float32's: half the bytes, read from the arrays.
+    assert rows[masters][2] == "1.000x" and rows[sr][2] == "0.500x", result.stdout
+    assert "training loss, mean of each 1 steps" in result.stdout
+    again = _run("bf16_training_bench.py", "--report", saved)
+    assert again.stdout.strip() == result.stdout.split("\n\n", 1)[1].strip()
