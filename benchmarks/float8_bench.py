@@ -270,6 +270,8 @@ def measure(
         results[name] = {
             "temp": compiled.memory_analysis().temp_size_in_bytes,
             "f8_converts": float8_converts(hlo),
+            # What the library asks for, before XLA fuses (and may repeat) the converts.
+            "f8_traced": float8_converts(lowered.as_text(dialect="hlo")),
             "fp8_gemms": fp8,
             "fp8_form": fp8_form_dots(lowered.as_text(dialect="hlo")),
             "gemms": gemms,

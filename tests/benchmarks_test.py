@@ -123,14 +123,14 @@ def test_run_all_quick_prints_values_beside_ratios_in_plain_words():
     error = quantized["output error vs float32's", "int8"]
     assert error[2].endswith("%") and float(error[2][:-1]) < 2 and error[5] == "-"
 
-    # float8: every float8 convert where expected (6 per Dense: input, kernel and output
-    # gradient, each to and from float8), every dot on float8 operands, and training
+    # float8: every float8 convert where expected (3 per Dense in the program jax lowers:
+    # input, kernel and output gradient), every dot on float8 operands, and training
     # tracks bf16's from the same start.
     heading, float8 = sections["float8"]
     assert "MLP block" in heading
     rows = {row[0]: row for row in float8}
-    converts = rows["converts to/from float8"]
-    assert converts[3] == "6 per Dense x 4" and converts[2] == converts[4] == "24"
+    converts = rows["converts to float8 (traced)"]
+    assert converts[3] == "3 per Dense x 4" and converts[2] == converts[4] == "12"
     assert rows["dots on float8 operands"][2:] == ["12", "all dots", "12", "1.000x"]
     # What training leaves of the first loss, float8 beside bf16: both trained, alike.
     loss = next(row for what, row in rows.items() if what.startswith("final / first loss"))
