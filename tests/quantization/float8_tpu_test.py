@@ -59,3 +59,19 @@ def test_no_warning_off_a_tpu_or_on_a_tpu_not_in_the_table(monkeypatch, backend,
         matmuls.record_float8("up", 8192, 4096, 8192, "delayed")
     assert forms["up"] == "float8 (delayed), e4m3 x e4m3 GEMM 8192x4096x8192"
     assert caught == []
+
+
+@pytest.mark.filterwarnings("ignore:The float8 layer")
+def test_explain_marks_each_float8_layer_on_a_tpu_without_float8(monkeypatch):
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    import jmp_policy as jp
+
+    monkeypatch.setattr(matmuls, "tpu_without_float8", lambda: "TPU v6 lite")
+    policy = "float8_current_from_mixed_bfloat16"
+    model, x = nn.Dense(64), jnp.ones((8, 32))
+    variables = jp.linen.init(model, policy)(jax.random.key(0), x)
+    table = jp.linen.explain(model, policy, variables, x)
+    matmul_lines = " ".join(table.split("matmuls:")[1].split())
+    assert "TPU v6 lite has no float8 matmul: bf16 may be faster" in matmul_lines, table
