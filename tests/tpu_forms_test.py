@@ -192,7 +192,9 @@ def test_the_library_knows_which_generations_have_no_float8_mode(compiled):
     from jmp_policy._src.quantization import matmuls
 
     _usable(compiled)
-    without = {compiled["kinds"][t] for t, m in compiled["modes"].items() if m["float8"] > 0.85}
+    without = {
+        compiled["kinds"][t] for t, m in compiled["modes"].items() if m["float8"] > tc.NATIVE_RATIO
+    }
     assert without <= set(matmuls.TPU_WITHOUT_FLOAT8), without
 
 
@@ -289,6 +291,18 @@ def test_the_int8_and_float8_checks_fail_on_a_bf16_matmul(compiled, name):
     (problem,) = tpu_forms.problems(MUST_FAIL[name], found)
     assert problem.startswith(("not s8 x s8 -> s32: bf16 x bf16", "not on float8 operands: bf16"))
     assert tpu_forms.native(MUST_FAIL[name], found, compiled["modes"]["v5e:2x2"]) == "NOT native"
+
+
+def test_the_script_prints_its_help_without_compiling():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tpu_forms.py"), "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("usage: tpu_forms.py")
+    assert "--topology" in result.stdout and "--only" in result.stdout
 
 
 def test_a_generation_without_the_mode_is_named_in_the_table():
