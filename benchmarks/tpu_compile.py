@@ -8,7 +8,7 @@ is the optimized HLO the TPU would run. Nothing runs and nothing is timed.
 
 On a TPU a matmul is a ``convolution`` in the optimized HLO, inside an output fusion whose
 parameters show what it reads (an s8/s4 weight parameter converted inside: the integer
-weights read in place). The HLO of a program is the same for v5e, v5p and v6e; what differs
+weights read in place). Those operand types are the same for v5e, v5p and v6e; what differs
 is how the compiler schedules each convolution, and its cost model writes an estimate into
 the fusion (``"estimated_cycles"``). :func:`matmul_modes` compares those estimates for one
 matmul in bf16, int8 x int8 and float8: a format whose matmul is estimated at no fewer
