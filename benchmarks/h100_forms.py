@@ -94,20 +94,20 @@ class Program:
 # -- Linen -------------------------------------------------------------------------------------
 
 
-def _linen_pair(kind: str) -> Any:
+def _linen_pair(kind: str, width: int, hidden: int) -> Any:
     import flax.linen as nn
 
     def layers() -> tuple[Any, Any]:
         if kind == "Dense":
-            return nn.Dense(HIDDEN, name="up"), nn.Dense(WIDTH, name="down")
+            return nn.Dense(hidden, name="up"), nn.Dense(width, name="down")
         if kind == "DenseGeneral":  # the second contracts two axes
             return (
-                nn.DenseGeneral((2, HIDDEN // 2), name="up"),
-                nn.DenseGeneral(WIDTH, axis=(-2, -1), name="down"),
+                nn.DenseGeneral((2, hidden // 2), name="up"),
+                nn.DenseGeneral(width, axis=(-2, -1), name="down"),
             )
         return (  # Einsum, the second contracting two axes
-            nn.Einsum((WIDTH, 2, HIDDEN // 2), "td,dhi->thi", name="up"),
-            nn.Einsum((2, HIDDEN // 2, WIDTH), "thi,hio->to", name="down"),
+            nn.Einsum((width, 2, hidden // 2), "td,dhi->thi", name="up"),
+            nn.Einsum((2, hidden // 2, width), "thi,hio->to", name="down"),
         )
 
     class Pair(nn.Module):
@@ -119,9 +119,11 @@ def _linen_pair(kind: str) -> Any:
     return Pair()
 
 
-def linen_step(kind: str, policy: Any) -> Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]]:
+def linen_step(
+    kind: str, policy: Any, width: int = WIDTH, hidden: int = HIDDEN, tokens: int = TOKENS
+) -> Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]]:
     """A Linen training step (float8_bench's: ``value_and_grad``, ``split_gradients``, adam)
-    of two ``kind`` layers, ``up`` and ``down``, under ``policy``."""
+    of two ``kind`` layers, ``up`` and ``down``, under ``policy`` (``tokens`` rows)."""
 
     def build() -> tuple[Callable[..., Any], tuple[Any, ...]]:
         import float8_bench
@@ -131,9 +133,9 @@ def linen_step(kind: str, policy: Any) -> Callable[[], tuple[Callable[..., Any],
 
         import jmp_policy as jp
 
-        model = _linen_pair(kind)
+        model = _linen_pair(kind, width, hidden)
         policy_map = jp.DTypePolicyMap("mixed_bfloat16", {"up|down": policy})
-        x = jax.ShapeDtypeStruct((TOKENS, WIDTH), jnp.float32)
+        x = jax.ShapeDtypeStruct((tokens, width), jnp.float32)
         variables = jax.eval_shape(jp.linen.init(model, policy_map), jax.random.key(0), x)
         tx = optax.adam(1e-3)
         opt_state = jax.eval_shape(tx.init, variables["params"])

@@ -38,12 +38,19 @@ JNP_EINSUM = quantized_matmul.JNP_EINSUM
 # time at width 1024, 0.87x and 0.84x at width 2048.
 FLOAT8_MIN_DIM = 2048
 
+# TPU generations (device kinds) whose matmul has no float8 mode: the TPU compiler's cost
+# model puts an e4m3 x e4m3 matmul at bf16's cycles or more (its operands go through a bf16
+# pass), int8 x int8 at 0.50x (v5e, v5p) and 0.76x (v6e). Read from programs compiled without
+# a TPU (`benchmarks/tpu_forms.py`, jax 0.12.0.1, libtpu 0.0.50.1, 2026-11-27); nothing timed.
+TPU_WITHOUT_FLOAT8 = ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v6 lite")
+
 # path -> form, for the model run being explained (None: nobody is recording).
 _FORMS: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
     "jmp_policy_matmul_forms", default=None
 )
 _WARNED: set[tuple[int, int, int]] = set()
 _WARNED_AHEAD: set[tuple[str, tuple[int, ...], str]] = set()
+_WARNED_TPU: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -155,9 +162,32 @@ def record_float8(path: str, m: int, k: int, n: int, scaling: str) -> None:
                 "policy in the map unless you measured a gain; `explain` lists every such layer "
                 "(this warning is given once).",
             )
+    tpu = tpu_without_float8()
+    if tpu:
+        form += f"; {tpu} has no float8 matmul: bf16 may be faster"
+        if not _WARNED_TPU:  # once per process
+            _WARNED_TPU.add(tpu)
+            user_warnings.warn(
+                f"The float8 layer {path or '<root>'!r} runs on a {tpu}, whose matmul has no "
+                "float8 mode: its float8 operands go through a bfloat16 pass (the TPU "
+                "compiler's cost model puts a float8 matmul at bfloat16's cycles or more), "
+                "so float8 is not expected to be faster than bfloat16 there and its "
+                "quantization passes are paid on top. Give float8 layers a bfloat16 (or int8) "
+                "policy on this TPU; `explain` lists every such layer (this warning is given "
+                "once).",
+            )
     if k % 16 or n % 16:
         form += "; dims not multiples of 16: XLA pads them"
     record(path, form)
+
+
+def tpu_without_float8() -> str | None:
+    """The device kind of the default backend's TPU when its matmul has no float8 mode
+    (:data:`TPU_WITHOUT_FLOAT8`), else ``None``."""
+    if jax.default_backend() != "tpu":
+        return None
+    kind = jax.devices()[0].device_kind
+    return kind if kind in TPU_WITHOUT_FLOAT8 else None
 
 
 def shapes(lhs: Any, rhs: Any, dims: Any) -> tuple[int, int, int]:
