@@ -270,7 +270,7 @@ def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
         if not _stores_weights(policy):
             return x
         k = stacked_of(path := f"{module}/{name}" if module else name)
-        if not quantization.quantizable_layers(x, k):
+        if not quantization.quantizable_layers(x, k, path):
             return x
         done.append((path, tuple(x.shape)))
         return policy.scheme.quantize(x, k)

@@ -108,7 +108,7 @@ def quantize_calibrated(
     for (kp, x), policy in zip(flat, policies, strict=True):
         path = leaf_path(kp)
         k = stacked.get(path, 0)
-        if not quantization.quantizable_layers(x, k):
+        if not quantization.quantizable_layers(x, k, path):
             out.append(x)
         elif is_calibrated(policy):
             done = len(reports)

@@ -287,10 +287,19 @@ def _empty(
     )  # fmt: skip
 
 
-def quantizable_layers(x: Any, stacked: int) -> bool:
-    """A quantizable array whose layers (after ``stacked`` leading axes) have rank >= 2:
-    a stacked bias ``[depth, n]`` stays float."""
-    return is_quantizable(x) and x.ndim - stacked >= 2
+def is_bias(path: str) -> bool:
+    """Whether the parameter at ``path`` is a layer's bias (its name is ``bias`` or ends in
+    ``bias``, as Flax, NNX, Equinox and Hugging Face name them): added to a matmul's output,
+    never read by one, so it stays float whatever its rank (an attention projection's
+    ``[heads, head_dim]`` bias)."""
+    return path.rpartition("/")[2].lower().endswith("bias")
+
+
+def quantizable_layers(x: Any, stacked: int, path: str = "") -> bool:
+    """A quantizable array whose layers (after ``stacked`` leading axes) have rank >= 2
+    and that is no bias (:func:`is_bias`): a stacked bias ``[depth, n]`` and a
+    ``DenseGeneral``'s ``[heads, head_dim]`` bias stay float."""
+    return is_quantizable(x) and x.ndim - stacked >= 2 and not is_bias(path)
 
 
 def quantize_tree(tree: Any, quantize_one: Any, stacked_axes: Any = None) -> Any:
@@ -303,7 +312,7 @@ def quantize_tree(tree: Any, quantize_one: Any, stacked_axes: Any = None) -> Any
     def leaf(key_path: Any, x: Any) -> Any:
         path = leaf_path(key_path)
         k = stacked_of(path)
-        if not quantizable_layers(x, k):
+        if not quantizable_layers(x, k, path):
             return x
         done.append((path, tuple(x.shape)))
         return quantize_one(x, k)
