@@ -9,7 +9,7 @@ from flax import nnx
 from jmp_policy._src.calibration_report import format_calibration
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.quantization import matmuls
-from jmp_policy._src.run_report import resolved_rows
+from jmp_policy._src.run_report import float8_not_run, resolved_rows
 from jmp_policy.nnx._apply import apply_with
 from jmp_policy.nnx._hook import resolver_for
 from jmp_policy.nnx._modules import prepare
@@ -68,7 +68,9 @@ def explain(
     calibrated = format_calibration(options.pop("calibration", None))
     policies, opts = prepare(model, policy_or_map, options)
     resolver = resolver_for(model, policies, opts)
-    table = format_rows(resolved_rows(resolver, nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    rows = resolved_rows(resolver, params)
+    table = format_rows(rows)
     if not args:
         return table + calibrated
 
@@ -79,4 +81,5 @@ def explain(
 
     with matmuls.recording() as forms:
         nnx.eval_shape(run, model, *args)
+    float8_not_run(resolver, rows, params, forms)
     return table + format_matmuls(forms) + calibrated
