@@ -13,7 +13,7 @@ from jmp_policy._src import map_search
 from jmp_policy._src.tree_paths import leaf_path
 from jmp_policy.linen._apply import apply_with
 from jmp_policy.linen._modules import check_module, check_params, prepare
-from jmp_policy.linen._quantize import quantize
+from jmp_policy.linen._quantize import quantize, stacks
 
 
 def kernels_of(params: Any) -> dict[str, Any]:
@@ -133,4 +133,9 @@ def search_map(
         base=base,
         jit=jit,
         progress=progress,
+        stacked_at={
+            path[: -len("/kernel")]: at
+            for path, (_, at) in stacks(module, variables, args_of(batches[0]), {}, None).items()
+            if path.endswith("/kernel")
+        },
     )

@@ -261,7 +261,7 @@ def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
             "such as {'mlp/.*': 'int8_from_mixed_bfloat16'} or "
             "{'.*': 'int4/128_from_float32'}."
         )
-    stacked_of = quantization.stacked_axes_of(stacked_axes)
+    stacked_of = quantization.stack_of(stacked_axes)
     done: list[tuple[str, tuple[int, ...]]] = []
     policy_of, variable_key = policy_map._policy_of, policy_map._index.resolve_variable
 
@@ -269,11 +269,11 @@ def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
         policy = policy_of(variable_key(module, name))
         if not _stores_weights(policy):
             return x
-        k = stacked_of(path := f"{module}/{name}" if module else name)
+        k, at = stacked_of(path := f"{module}/{name}" if module else name)
         if not quantization.quantizable_layers(x, k, path):
             return x
         done.append((path, tuple(x.shape)))
-        return policy.scheme.quantize(x, k)
+        return quantization.quantize_stacked(policy.scheme.quantize, x, k, at, path)
 
     result = map_leaves(tree, leaf)
     quantization.warn_maybe_stacked(stacked_axes, done)
