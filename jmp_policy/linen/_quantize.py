@@ -169,8 +169,9 @@ def quantize(
     *args, method=method, **kwargs)`` (``jax.eval_shape``: nothing is computed) records
     the shape each module sees its parameters at. A kernel stored with more axes than its
     layer sees (an ``nn.scan`` or ``nn.vmap`` layer stack: stored ``[depth, in, out]``,
-    seen ``[in, out]``) is quantized per layer: each layer its own scales, int4 blocks
-    along its own input axis, its stacked bias left float. Other collections are
+    seen ``[in, out]``; the stacked axis where the scan's ``variable_axes`` puts it,
+    ``[in, depth, out]`` for ``{"params": 1}``) is quantized per layer: each layer its
+    own scales, int4 blocks along its own input axis, its stacked bias left float. Other collections are
     returned as they are. :func:`jmp_policy.linen.apply` runs the result; a stacked
     layer reads its own slice of the quantized values and scales inside the stack's loop.
 
