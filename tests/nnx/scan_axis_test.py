@@ -125,3 +125,24 @@ def test_an_axis_the_kernels_cannot_tell_is_quantized_whole_with_a_warning():
     want = model(X)
     assert got.shape == X.shape and got.dtype == jnp.float32
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 0.02
+
+
+def test_search_scores_an_axis_1_stack_per_layer():
+    heads = 3
+    model = Stack(heads, nnx.Rngs(0))
+    result = jp.nnx.search_map(
+        model, [X], lambda out, batch: jnp.mean((out - batch) ** 2),
+        budget={"effective_bits": 16}, base="float32", candidates=("int4/16_from_float32",),
+    )  # fmt: skip
+    assert "shared by" not in str(result)
+    rows = {row.path: row for row in result.table}
+    assert set(rows) == {"blocks/qkv", "blocks/out", "blocks/mlp"}
+    for row in rows.values():
+        assert row.why.startswith(f"per stack (scanned: {DEPTH} layers)")
+        assert row.scores["int4/16_from_float32"] > 0
+    q = jp.nnx.quantize(model, "int4/16_from_float32")
+    is_q = lambda a: isinstance(a, jp.QuantizedArray)  # noqa: E731
+    nbytes = sum(
+        a.nbytes for a in jax.tree.leaves(nnx.state(q, nnx.Param), is_leaf=is_q) if is_q(a)
+    )
+    assert result.at({"weight_bytes": nbytes}).weight_bytes == nbytes  # its layers' bytes
