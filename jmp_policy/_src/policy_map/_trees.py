@@ -224,8 +224,7 @@ def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
         stacked_axes: ``None`` (no stacked axes), an int for every leaf, or a mapping
             from path regular expression (matched against a leaf's whole
             ``"/"``-joined path; the first key that matches wins, no match is 0) to
-            an int, or to a pair ``(n, axis)``: ``n`` stacked axes starting at
-            ``axis`` (an ``nn.scan(..., variable_axes={"params": 1})`` stack's).
+            an int, or a pair ``(n, axis)``: ``n`` stacked axes from ``axis``.
 
     Raises:
         ValueError: the map holds no int8 or int4 policy (quantizing would do
