@@ -111,12 +111,20 @@ def compile_for_h100(fn: Any, args: tuple[Any, ...], mode: str = "default") -> s
     return compile_in_modes(fn, args, (mode,))[mode]
 
 
-def compile_in_modes(fn: Any, args: tuple[Any, ...], modes: Any) -> dict[str, str]:
-    """:func:`compile_for_h100` in each of ``modes``, traced and lowered once."""
+def compile_in_modes(
+    fn: Any, args: tuple[Any, ...], modes: Any, abstract_mesh: bool = False
+) -> dict[str, str]:
+    """:func:`compile_for_h100` in each of ``modes``, traced and lowered once; with
+    ``abstract_mesh``, traced inside the H100 mesh's abstract mesh, as a program holding a
+    Pallas kernel needs (its Triton lowering asks which GPU it targets; jax >= 0.11)."""
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"`mode` must be one of {sorted(MODES)}, got {mode!r}.")
-    lowered = jax.jit(fn).lower(*args)
+    if abstract_mesh:
+        with jax.sharding.use_abstract_mesh(h100_sharding().mesh.abstract_mesh):
+            lowered = jax.jit(fn).lower(*args)
+    else:
+        lowered = jax.jit(fn).lower(*args)
     return {m: lowered.compile(compiler_options=MODES[m] or None).as_text() for m in modes}
 
 
@@ -339,6 +347,8 @@ def weight_reads(hlo: str, min_elements: int) -> list[WeightRead]:
         for op in ops.values():
             if op.opcode in _MOVES | {"parameter", "get-tuple-element", "tuple"} or _is_gemm(op):
                 continue
+            if TRITON_CALL in op.attributes:  # a Pallas kernel: triton_kernels reads those
+                continue
             if any(c in with_gemm for c in _called(op)):
                 continue
             reads = [_source(comps, name, o, nested=False) for o in op.operands]
@@ -346,6 +356,30 @@ def weight_reads(hlo: str, min_elements: int) -> list[WeightRead]:
             if ints:
                 copy = op.size >= min_elements
                 result.append(WeightRead(name, op.name, ints[0].dtype, op.dtype, op.shape, copy))
+    return result
+
+
+TRITON_CALL = '"__gpu$xla.gpu.triton"'  # how a Pallas (Triton) kernel appears in the program
+
+
+def triton_kernels(hlo: str, min_elements: int) -> list[str]:
+    """Per Pallas (Triton) kernel of the program, the integer weights it reads
+    (``"s8"``/``"s4"``, an operand of at least ``min_elements`` elements or the array it is
+    a bitcast of: read in place), ``"copy"`` when such an operand is a copy, else ``""``."""
+    comps = computations(hlo)
+    result = []
+    for name, ops in comps.items():
+        for op in ops.values():
+            if op.opcode != "custom-call" or TRITON_CALL not in op.attributes:
+                continue
+            read = ""
+            for operand in op.operands:
+                direct = ops.get(operand)
+                source = _source(comps, name, operand, nested=False)
+                if source and source.dtype in ("s8", "s4") and source.size >= min_elements:
+                    moved = direct is not None and direct.opcode not in ("parameter", "bitcast")
+                    read = "copy" if moved else source.dtype
+            result.append(read)
     return result
 
 

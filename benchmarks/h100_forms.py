@@ -24,6 +24,10 @@ Programs (compile time does not depend on the sizes, but some forms do):
   the weights in a float type. 4096, not less: below about that size XLA turns a one-row
   matmul into a multiply and a reduction, and after a first layer writes the multiply's
   kernel-sized result, bf16 weights as well (a small layer's form, not the weights');
+* the same serving at batch 1 and 16 with ``serving_kernel="pallas"`` (jax >= 0.11, whose
+  Pallas lowering takes a GPU without one): native when each layer is one Pallas kernel
+  (``__gpu$xla.gpu.triton``) reading its s8/s4 weights in place (int4 through a bitcast),
+  and no GEMM reads them;
 * int8 x int8 (int8 weights under ``"int8_from_mixed_bfloat16"``) at 256 rows: native when
   every GEMM is s8 x s8 -> s32;
 * the control: the Linen Dense step under ``"mixed_bfloat16"``, bf16 GEMMs and no fp8 one.
@@ -34,9 +38,10 @@ measured forms; a GPU measures the library's own times).
 
 Needs the CUDA PJRT plugin at jaxlib's version (no CUDA toolkit or driver), best installed
 apart as CI does, since in an environment it makes every process that imports jax print
-CUDA-driver lines: ``pip install --no-deps --target .ci-cuda-plugin jax-cuda12-plugin==V
-jax-cuda12-pjrt==V``, V = ``python -c 'import jaxlib; print(jaxlib.__version__)'``. Run:
-``PYTHONPATH=.ci-cuda-plugin python benchmarks/h100_forms.py [--only REGEX] [--hlo DIR]``.
+CUDA-driver lines (``tests/h100_forms_test.py`` installs it so on its first run): ``pip
+install --no-deps --target .cuda-plugin/V jax-cuda12-plugin==V jax-cuda12-pjrt==V``, V =
+``python -c 'import jaxlib; print(jaxlib.__version__)'``. Run:
+``PYTHONPATH=.cuda-plugin/V python benchmarks/h100_forms.py [--only REGEX] [--hlo DIR]``.
 """
 
 from __future__ import annotations
@@ -63,12 +68,22 @@ STEP_GEMMS = 3 * LAYERS - 1  # forward and two gradients each; the input needs n
 F8 = {"delayed": "float8_from_mixed_bfloat16", "current": "float8_current_from_mixed_bfloat16"}
 
 
+def pallas_lowers() -> bool:
+    """Whether this JAX lowers a Pallas (Triton) kernel for a GPU it does not have: from
+    jax 0.11 (its abstract mesh names the target device); jax 0.10's Pallas asks the
+    default device, a CPU here."""
+    import jax
+
+    return tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     """A program to compile for an H100 and the forms it should reach."""
 
     name: str
-    # "float8", "int8 QAT", "serving", "serving dequantized", "int8 x int8" or "control"
+    # "float8", "int8 QAT", "serving", "serving dequantized", "serving pallas", "int8 x int8"
+    # or "control"
     group: str
     build: Callable[[], tuple[Callable[..., Any], tuple[Any, ...]]]  # fn and its arguments
     gemms: int  # the GEMMs (or matrix-vector products) the program makes
@@ -188,9 +203,12 @@ def nnx_step(kind: str, policy: Any) -> Callable[[], tuple[Callable[..., Any], t
 # -- serving -----------------------------------------------------------------------------------
 
 
-def serving(stored: str, policy: str, batch: int) -> Callable[[], tuple[Any, tuple[Any, ...]]]:
+def serving(
+    stored: str, policy: str, batch: int, kernel: str = "auto"
+) -> Callable[[], tuple[Any, tuple[Any, ...]]]:
     """serving_bench's stack of Dense layers (no bias), its kernels quantized under
-    ``stored``, run forward at ``batch`` under ``policy``."""
+    ``stored``, run forward at ``batch`` under ``policy`` (``kernel``: the
+    ``serving_kernel`` option)."""
 
     def build() -> tuple[Callable[..., Any], tuple[Any, ...]]:
         import jax
@@ -206,7 +224,8 @@ def serving(stored: str, policy: str, batch: int) -> Callable[[], tuple[Any, tup
         one = jax.ShapeDtypeStruct((1, SERVE_DIM), jnp.float32)
         params = jax.eval_shape(model.init, jax.random.key(0), one)["params"]
         quantized = jax.eval_shape(jp.get(stored).quantize, params)
-        return jp.linen.apply(model, policy), hc.on_h100(({"params": quantized}, x))
+        serve = jp.linen.apply(model, policy, serving_kernel=kernel)
+        return serve, hc.on_h100(({"params": quantized}, x))
 
     return build
 
@@ -236,6 +255,15 @@ def programs() -> list[Program]:
             # (measured faster there on an H200 than the matmul per block).
             group = "serving" if label != "int4/128" or batch < 128 else "serving dequantized"
             result.append(Program(name, group, build, SERVE_LAYERS, weights, elements))
+    for label, stored, weights in (
+        ("int8", "int8_from_float32", "s8"),
+        ("int4", "int4_from_float32", "s4"),
+        ("int4/128", "int4/128_from_float32", "s4"),
+    ):
+        for batch in (1, 16):
+            build = serving(stored, "mixed_bfloat16", batch, "pallas")
+            name = f"serve {label} weights, pallas, batch {batch}"
+            result.append(Program(name, "serving pallas", build, SERVE_LAYERS, weights, elements))
     build = serving("int8_from_float32", "int8_from_mixed_bfloat16", 256)
     result.append(
         Program("serve int8 x int8, batch 256", "int8 x int8", build, SERVE_LAYERS, "s8", elements)
@@ -254,9 +282,12 @@ class Forms:
 
     gemms: list[hc.Gemm]
     weight_reads: list[hc.WeightRead]  # serving: the non-GEMM kernels reading the weights
+    # serving: per Pallas kernel, the weights it reads in place (hc.triton_kernels)
+    triton: list[str] = dataclasses.field(default_factory=list)
 
     def describe(self) -> str:
         cells = [g.describe() for g in self.gemms] + [w.describe() for w in self.weight_reads]
+        cells += [f"Pallas kernel reading {t or 'no weights'}" for t in self.triton]
         return hc.count(cells) or "no GEMM"
 
     def to_json(self) -> dict[str, Any]:
@@ -265,7 +296,8 @@ class Forms:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Forms:
         reads = [{**w, "out_shape": tuple(w["out_shape"])} for w in data["weight_reads"]]
-        return cls([hc.Gemm(**g) for g in data["gemms"]], [hc.WeightRead(**w) for w in reads])
+        gemms = [hc.Gemm(**g) for g in data["gemms"]]
+        return cls(gemms, [hc.WeightRead(**w) for w in reads], data.get("triton", []))
 
 
 def forms(
@@ -277,7 +309,7 @@ def forms(
         # Widths below 4096 warn that float8 may not pay there; the forms are the question here.
         warnings.filterwarnings("ignore", message=r"The float8 layer .* runs a")
         fn, args = program.build()
-        hlos = hc.compile_in_modes(fn, args, modes)
+        hlos = hc.compile_in_modes(fn, args, modes, program.group == "serving pallas")
     found = {}
     for mode, hlo in hlos.items():
         if hlo_dir is not None:
@@ -285,7 +317,8 @@ def forms(
             slug = re.sub(r"[^\w]+", "_", program.name).strip("_")
             (hlo_dir / f"{slug}.{mode}.hlo.txt").write_text(hlo)
         reads = hc.weight_reads(hlo, program.weight_elements) if program.weights else []
-        found[mode] = Forms(hc.gemms(hlo), reads)
+        triton = hc.triton_kernels(hlo, program.weight_elements) if program.weights else []
+        found[mode] = Forms(hc.gemms(hlo), reads, triton)
     return found
 
 
@@ -323,6 +356,17 @@ def problems(program: Program, mode: str, found: Forms) -> list[str]:
             )
         if len(gemms) != program.gemms or any((g.lhs, g.rhs) != ("bf16", "bf16") for g in gemms):
             out.append(f"expected {program.gemms} bf16 GEMMs: {found.describe()}")
+    elif program.group == "serving pallas":  # each layer: a Pallas kernel reading them
+        if found.triton != [program.weights] * program.gemms:
+            out.append(
+                f"expected {program.gemms} Pallas kernels reading their {program.weights} "
+                f"weights in place: {found.describe()}"
+            )
+        if any(g.reads_int_weights for g in gemms):
+            out.append(f"a GEMM reads the integer weights: {found.describe()}")
+        for w in found.weight_reads:
+            if w.is_copy:
+                out.append(f"a copy of the weights: {w.describe()} ({w.name} in {w.computation})")
     else:  # serving: each layer reads its integer weights inside its GEMM or reduction
         for w in found.weight_reads:
             if w.is_copy:
@@ -392,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, bad = [], []
     for program in programs():
         if args.only and not re.search(args.only, program.name):
+            continue
+        if program.group == "serving pallas" and not pallas_lowers():
+            print(f"skipped {program.name}: Pallas lowers for a GPU without one from jax 0.11")
             continue
         results = forms(program, tuple(hc.MODES), args.hlo)
         rows.append(row(program, results))

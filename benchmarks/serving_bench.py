@@ -1,7 +1,7 @@
 """Serving with quantized weights: 8 Dense layers, bf16 weights against int8 and int4.
 
 A stack of ``--layers`` Dense layers of ``--dim`` x ``--dim`` (no bias), run forward under
-``jp.linen.apply`` at batch 1, 16 and 256, jitted, eight ways, side by side in one run:
+``jp.linen.apply`` at batch 1, 16, 64 and 256, jitted, twelve ways, side by side in one run:
 
 * ``bf16``: the weights stored in bfloat16, ``"mixed_bfloat16"`` (the reference);
 * ``int8 w``: ``map.quantize`` int8 weights (per output channel) under
@@ -19,14 +19,19 @@ A stack of ``--layers`` Dense layers of ``--dim`` x ``--dim`` (no bias), run for
 * ``int4 w, XLA layout`` and ``int8 x int8, XLA layout``: the same as ``int4 w`` and
   ``int8 x int8``, compiled by ``jp.compile_for_serving``, which lets XLA choose the
   weights' device layout (for an H100 it stores these kernels ``[out, in]``, so the GEMM
-  needs no transpose of them).
+  needs no transpose of them);
+* ``int8 w, pallas``, ``int4 w, pallas``, ``int4/128, pallas`` and ``awq/4/128, pallas``:
+  the same weights with ``serving_kernel="pallas"``: on a GPU, up to 64 rows, the library's
+  Pallas kernel (at more rows XLA's form, as the row without it). Off a GPU these rows are
+  skipped, except under ``--quick``, where the kernel runs in Pallas's interpreter (its
+  forms and errors only: an interpreter's time means nothing).
 
 For each: the median time over ``--repeats`` interleaved runs and its ratio to bf16, the
 weight bytes read per token (all layers' stored weight bytes over the batch), the form
 ``explain`` reports for the first layer, and the largest relative error of the output
 against bf16 weights. A CPU has no fast int8/int4 paths and upcasts bf16: there only the
 bytes, the forms and the errors mean something; time it on a GPU:
-``JAX_PLATFORMS=cuda python benchmarks/serving_bench.py --dim 8192``.
+``JAX_PLATFORMS=cuda python benchmarks/serving_bench.py --dim 4096`` and ``--dim 8192``.
 
 Run: ``python benchmarks/serving_bench.py [--quick]``.
 """
@@ -37,6 +42,7 @@ import argparse
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import flax.linen as nn
@@ -45,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmp_policy as jp
-from jmp_policy._src.quantization import matmuls
+from jmp_policy._src.quantization import matmuls, serving_kernels
 from jmp_policy._src.quantization.awq import InputScaledArray
 
 
@@ -75,23 +81,30 @@ def awq_storage(params: Any) -> Any:
 
 
 XLA_LAYOUT = ", XLA layout"  # a variant compiled by jp.compile_for_serving
+PALLAS = ", pallas"  # a variant run with serving_kernel="pallas"
 
 
 def variants(params: Any) -> dict[str, tuple[Any, str]]:
     """name -> (params, policy); a name ending in :data:`XLA_LAYOUT` is compiled by
-    ``jp.compile_for_serving``."""
+    ``jp.compile_for_serving``, one ending in :data:`PALLAS` runs the Pallas kernel."""
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
     int8 = jp.get("int8_from_float32").quantize(params)
     int4 = jp.get("int4_from_float32").quantize(params)
+    int4_128 = jp.get("int4/128_from_float32").quantize(params)
+    awq = awq_storage(params)
     return {
         "bf16": (bf16, "mixed_bfloat16"),
         "int8 w": (int8, "mixed_bfloat16"),
         "int4 w": (int4, "mixed_bfloat16"),
         "int8 x int8": (int8, "int8_from_mixed_bfloat16"),
-        "int4/128": (jp.get("int4/128_from_float32").quantize(params), "mixed_bfloat16"),
-        "awq/4/128": (awq_storage(params), "awq/4/128_from_mixed_bfloat16"),
+        "int4/128": (int4_128, "mixed_bfloat16"),
+        "awq/4/128": (awq, "awq/4/128_from_mixed_bfloat16"),
         "int4 w" + XLA_LAYOUT: (int4, "mixed_bfloat16"),
         "int8 x int8" + XLA_LAYOUT: (int8, "int8_from_mixed_bfloat16"),
+        "int8 w" + PALLAS: (int8, "mixed_bfloat16"),
+        "int4 w" + PALLAS: (int4, "mixed_bfloat16"),
+        "int4/128" + PALLAS: (int4_128, "mixed_bfloat16"),
+        "awq/4/128" + PALLAS: (awq, "awq/4/128_from_mixed_bfloat16"),
     }
 
 
@@ -100,8 +113,13 @@ def weight_bytes(params: Any) -> int:
     return sum(int(leaf.nbytes) for leaf in leaves)
 
 
+def on_gpu() -> bool:
+    return jax.devices()[0].platform == "gpu"
+
+
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     model = Stack(args.dim, args.layers)
+    interpret = not on_gpu()  # the Pallas rows: in the interpreter (--quick) or skipped
     x0 = jnp.ones((1, args.dim), jnp.float32)
     params = model.init(jax.random.key(0), x0)["params"]
     rows = []
@@ -109,15 +127,19 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         x = jax.random.normal(jax.random.key(batch), (batch, args.dim)).astype(jnp.bfloat16)
         runs, info = {}, {}
         for name, (p, policy) in variants(params).items():
-            serve = jp.linen.apply(model, policy)
+            pallas = name.endswith(PALLAS)
+            if pallas and interpret and not args.quick:
+                continue
+            serve = jp.linen.apply(model, policy, serving_kernel="pallas" if pallas else "auto")
             fn = jax.jit(serve)
-            with matmuls.recording() as forms:
-                fn.lower({"params": p}, x)
             variables = {"params": p}
-            if name.endswith(XLA_LAYOUT):
-                compiled, variables = jp.compile_for_serving(serve, variables, x)
-            else:
-                compiled = fn.lower(variables, x).compile()
+            with serving_kernels.interpreted() if pallas and interpret else nullcontext():
+                with matmuls.recording() as forms:
+                    fn.lower(variables, x)
+                if name.endswith(XLA_LAYOUT):
+                    compiled, variables = jp.compile_for_serving(serve, variables, x)
+                else:
+                    compiled = fn.lower(variables, x).compile()
             if os.environ.get("BENCH_HLO_DIR"):  # the optimized program, to read its GEMMs
                 slug = name.replace(" ", "_").replace("/", "_")
                 path = os.path.join(os.environ["BENCH_HLO_DIR"], f"serve_{batch}_{slug}.hlo")
@@ -179,11 +201,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CI)")
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
     if args.quick:
         args.dim, args.layers, args.repeats = 256, 2, 3  # 256: two int4 blocks of 128
+        args.batches = [1, 16, 256]
     return args
 
 
@@ -197,6 +220,10 @@ def main(argv: list[str] | None = None) -> None:
         print(
             "CPU timings: XLA's CPU backend has no fast int8/int4 GEMMs and upcasts bf16, "
             "so only the bytes, forms and errors carry over to a GPU."
+        )
+        print(
+            "The Pallas rows run the kernel in Pallas's interpreter (--quick) or are skipped: "
+            "time them on a GPU."
         )
     print(format_table(measure(args)))
 

@@ -38,6 +38,8 @@ from jmp_policy._src.apply import cast_apply as cast_apply
 from jmp_policy._src.global_state import current_policy as current_policy
 from jmp_policy._src.policy_map import DTypePolicyMap as DTypePolicyMap
 from jmp_policy._src.quantization import QuantizedArray as QuantizedArray
+from jmp_policy._src.quantization.checkpoints import quantized_metadata as quantized_metadata
+from jmp_policy._src.quantization.checkpoints import rebuild_quantized as rebuild_quantized
 from jmp_policy._src.serving_layouts import compile_for_serving as compile_for_serving
 
 # --- serialization ---
@@ -56,9 +58,16 @@ from jmp_policy._src.optax_wrapper import get_loss_scale as get_loss_scale
 from jmp_policy._src.optax_wrapper import loss_scaling as loss_scaling
 from jmp_policy._src.optax_wrapper import scaled_value_and_grad as scaled_value_and_grad
 
+# --- 16-bit weights without float32 masters ---
+from jmp_policy._src.rounded_updates import KahanSummationState as KahanSummationState
+from jmp_policy._src.rounded_updates import StochasticRoundingState as StochasticRoundingState
+from jmp_policy._src.rounded_updates import kahan_summation as kahan_summation
+from jmp_policy._src.rounded_updates import stochastic_rounding as stochastic_rounding
+
 # --- diagnostics ---
 from jmp_policy._src.diagnostics.table import format_report as format_report
 from jmp_policy._src.diagnostics.dtype_profile import dtype_profile as dtype_profile
+from jmp_policy._src.diagnostics.tree_bytes import tree_bytes as tree_bytes
 
 __version__ = "0.1.0"
 
@@ -90,6 +99,8 @@ __all__ = [
     # quantization
     "QuantizedArray",
     "compile_for_serving",
+    "quantized_metadata",
+    "rebuild_quantized",
     # serialization
     "deserialize",
     "serialize",
@@ -103,9 +114,15 @@ __all__ = [
     "loss_scaling",
     "scaled_value_and_grad",
     "select_tree",
+    # 16-bit weights without float32 masters
+    "KahanSummationState",
+    "StochasticRoundingState",
+    "kahan_summation",
+    "stochastic_rounding",
     # diagnostics
     "dtype_profile",
     "format_report",
+    "tree_bytes",
 ]
 
 _LAZY_SUBMODULES = ("linen", "nnx")

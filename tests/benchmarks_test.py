@@ -13,6 +13,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _is_time(cell):
+    """A time as ``format_value`` writes one, in whichever unit its size takes ("0.76 ms",
+    "1.47 s" on a loaded machine): what a time reads as is never asserted."""
+    return re.fullmatch(r"\d[\d,]*(\.\d+)? (ms|s)", cell) is not None
+
+
 def _run(script, *flags):
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *flags],
@@ -76,7 +82,7 @@ def test_run_all_quick_prints_values_beside_ratios_in_plain_words():
     temp = by_hand["XLA temp memory"]
     assert temp[2] == temp[4] and temp[2].endswith(("KB", "MB")) and temp[5] == "1.000x"
     for row in ("step time", "trace time"):
-        assert by_hand[row][2].endswith(" ms") and by_hand[row][4].endswith(" ms")
+        assert _is_time(by_hand[row][2]) and _is_time(by_hand[row][4]), by_hand[row]
     # Against float32: the activations the step keeps, read from its trace (16-bit on any
     # device, where XLA's CPU temp bytes are not), and timings labelled CPU on a CPU.
     f32 = {row[0]: row for row in linen if row[3] == "float32"}
@@ -103,11 +109,11 @@ def test_run_all_quick_prints_values_beside_ratios_in_plain_words():
         "whole tree (20,000 variables)",
     ]
     assert all(row[1] == "jp.DTypePolicyMap" and row[3].startswith("Keras") for row in policy_map)
-    assert all(row[2].endswith(" ms") for row in policy_map)
+    assert all(_is_time(row[2]) for row in policy_map), policy_map
     if "Keras not installed" in heading:
         assert all(row[4:] == ["-", "-"] for row in policy_map)
     else:
-        assert all(row[4].endswith(("ms", " s")) and row[5].endswith("x") for row in policy_map)
+        assert all(_is_time(row[4]) and row[5].endswith("x") for row in policy_map), policy_map
 
     _, quantization = sections["quantization"]
     quantized = {(row[0], row[1]): row for row in quantization}
@@ -203,21 +209,36 @@ def test_serving_bench_quick_prints_every_variant_and_form():
     result = _run("serving_bench.py", "--quick")
     lines = result.stdout.splitlines()
     rows = [line for line in lines if line.split()[:1] in (["1"], ["16"], ["256"])]
-    assert len(rows) == 3 * 8
+    assert len(rows) == 3 * 12
     assert "int8 weights: weight-only, scale after" in rows[1]
     assert "int4 weights: weight-only, scale after" in rows[2]
-    assert rows[19].split()[1:4] == ["int8", "x", "int8"] and rows[19].endswith("int8 x int8")
+    assert rows[27].split()[1:4] == ["int8", "x", "int8"] and rows[27].endswith("int8 x int8")
     # compiled by jp.compile_for_serving: the same forms
     assert rows[6].split()[1:5] == ["int4", "w,", "XLA", "layout"], rows[6]
     assert rows[6].endswith("int4 weights: weight-only, scale after")
-    assert rows[23].split()[1:6] == ["int8", "x", "int8,", "XLA", "layout"], rows[23]
-    assert rows[23].endswith("int8 x int8")
+    assert rows[31].split()[1:6] == ["int8", "x", "int8,", "XLA", "layout"], rows[31]
+    assert rows[31].endswith("int8 x int8")
     # int4 in blocks of 128 (GPTQ's storage) and AWQ's: a matmul per block below 64 rows,
     # dequantized and one GEMM from 64 (measured faster there on an H200)
-    for i, form in ((4, "int4 blocks"), (12, "int4 blocks"), (20, "dequantized, one GEMM")):
+    for i, form in ((4, "int4 blocks"), (16, "int4 blocks"), (28, "dequantized, one GEMM")):
         assert rows[i].split()[1] == "int4/128" and rows[i + 1].split()[1] == "awq/4/128"
         assert rows[i].endswith(f"int4/128 weights: {form}"), rows[i]
         assert rows[i + 1].endswith(f"int4/128 weights: {form}"), rows[i + 1]
+    # serving_kernel="pallas" (in Pallas's interpreter off a GPU): the kernel up to 64 rows,
+    # the same errors as XLA's form of the same weights; XLA's forms at 256 rows
+    for batch in (0, 12):
+        for i, label in ((8, "int8"), (9, "int4"), (10, "int4/128"), (11, "int4/128")):
+            row = rows[batch + i]
+            assert row.split()[-1] == "split-K)" and f"{label} weights: Pallas kernel" in row
+
+    def error(row):  # the cell before the form ("<label> weights: ...")
+        cells = row.split()
+        return float(cells[cells.index("weights:") - 2])
+
+    for i, xla in ((8, 1), (9, 2), (10, 4), (11, 5)):
+        assert error(rows[i]) == pytest.approx(error(rows[xla]), abs=2e-4), (rows[i], rows[xla])
+    assert rows[32].endswith("int8 weights: weight-only, scale after")
+    assert rows[34].endswith("int4/128 weights: dequantized, one GEMM")
     # weight bytes per token: int8 about half of bf16's, int4 about a quarter
     numbers = [re.findall(r"\b\d+(?:\.\d+)?(?:e[+-]\d+)?\b", row) for row in rows[:3]]
     per_token = [float(n[3]) for n in numbers]  # batch, time, ratio, bytes, error
@@ -228,6 +249,17 @@ def test_policy_map_bench_quick_prints_the_regex_key_rows():
     result = _run("policy_map_bench.py", "--quick")
     rows = re.findall(r"^\s+1,000\s+(without|with \|)\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.M)
     assert [row[0] for row in rows] == ["without", "with |"], result.stdout
+
+
+def test_map_key_shapes_bench_quick_prints_every_shape_and_the_config_ratio():
+    result = _run("map_key_shapes_bench.py", "--quick")
+    rows = re.findall(r"^  ([a-z ]+?)\s+([\d.]+)\s+([\d.]+)\s+bfloat16$", result.stdout, re.M)
+    assert [row[0] for row in rows] == [
+        "literal prefix", "alternation", "leading wildcard", "cyrillic class", "backreference"
+    ], result.stdout  # fmt: skip
+    assert re.search(
+        r"10,000-key map: build [\d.]+ s, deserialize [\d.]+ s \([\d.]+x\)", result.stdout
+    )
 
 
 @pytest.mark.heavy(25)
@@ -363,3 +395,18 @@ def test_pretrained_bench_sequences_start_with_bos_and_refuse_a_short_text():
     assert batches[1][0, 1:].tolist() == list(range(31, 38))  # consecutive, not overlapping
     with pytest.raises(ValueError, match="too few tokens for 20 sequences of 8"):
         bench.sequences(ids, 10, 100, 10, 2, 8)
+
+
+@pytest.mark.heavy(90)
+def test_bf16_training_bench_quick_prints_bytes_and_losses_as_ratios(tmp_path):
+    masters, sr = "f32 masters", "bf16 + SR, bf16 moments"
+    saved = tmp_path / "run.json"
+    result = _run("bf16_training_bench.py", "--quick", "--only", masters, sr, "--save", saved)
+    rows: dict[str, list[str]] = {}
+    for line in result.stdout.splitlines():  # the first table: one row per setup
+        rows.setdefault(line[:28].strip(), line[28:].split())
+    # bfloat16 weights and moments against float32's: half the bytes, read from the arrays.
+    assert rows[masters][2] == "1.000x" and rows[sr][2] == "0.500x", result.stdout
+    assert "training loss, mean of each 1 steps" in result.stdout
+    again = _run("bf16_training_bench.py", "--report", saved)
+    assert again.stdout.strip() == result.stdout.split("\n\n", 1)[1].strip()

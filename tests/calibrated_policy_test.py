@@ -78,7 +78,10 @@ def test_names_work_in_a_map_and_round_trip_it():
             r"AWQ only supports 4-bit weights here.*8 bits are not supported",
         ),
         ("gptq/4_from_float32", r"Expected format 'gptq/<weight_bits>/<group_size>'"),
-        ("gptq/4/0_from_float32", r"group_size in mode.*'gptq/4/0'"),
+        (
+            "gptq/4/0_from_float32",
+            r"<group_size> -1 \(per channel\) or from 1 to 65536.*'gptq/4/0'",
+        ),
         ("awq/x/128_from_float32", r"must be integers.*'awq/x/128'"),
         ("gptq/4/128_from_int8_from_float32", r"float source policy"),
     ],

@@ -4,6 +4,7 @@ field, list the accepted ones and quote the config, never passing it on or dropp
 import copy
 import re
 
+import jax.numpy as jnp
 import pytest
 
 import jmp_policy as jp
@@ -105,3 +106,28 @@ def test_nested_map_value_with_unknown_field_is_rejected():
     }
     with pytest.raises(ValueError, match=r"Unknown field 'nam' in a DTypePolicy `config`"):
         jp.DTypePolicyMap.from_config(config)
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"name": "float32", "compute_dtype": "float16"}, "compute_dtype"),
+        ({"name": "mixed_bfloat16", "output_dtype": "float32"}, "output_dtype"),
+        ({"name": "float32", "variable_dtype": "float16"}, "variable_dtype"),
+        ({"name": "bfloat16", "param_dtype": "float32"}, "param_dtype"),
+    ],
+)
+def test_a_config_whose_name_and_dtype_fields_disagree_is_refused(config, field):
+    # Keras reads the name alone (its DTypePolicy takes no dtype field): a `compute_dtype`
+    # beside 'float32' turned it into 'p=f32,c=f16' in silence.
+    for read in (jp.DTypePolicy.from_config, lambda c: jp.deserialize(
+        {"class_name": "DTypePolicy", "config": c, "module": "keras"}
+    )):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"'name' and '{field}' disagree.*Received: config="):
+            read(dict(config))
+
+
+def test_a_config_whose_dtype_fields_agree_with_its_name_is_that_policy():
+    config = {"name": "mixed_bfloat16", "compute_dtype": "bfloat16", "variable_dtype": "float32"}
+    assert jp.DTypePolicy.from_config(config) == jp.DTypePolicy("mixed_bfloat16")
+    assert jp.DTypePolicy.from_config({"compute_dtype": "float16"}).compute_dtype == jnp.float16

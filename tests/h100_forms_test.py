@@ -9,11 +9,14 @@ enter their GEMM fusion as s8/s4, with no copy of the weights in a float type; i
 s8 x s8 -> s32; the int8 QAT step and the bf16 control run bf16 GEMMs and no fp8 one. The
 check fails on forms that must fail. Nothing here says how fast any of it runs.
 
-The plugin is a test requirement: without it these tests fail with the command that installs
-it. An installed plugin makes every process that imports jax print CUDA-driver lines on stderr,
-so CI installs it into ``.ci-cuda-plugin`` (``pip install --target``), which only the one
-subprocess that compiles everything (this file run as a script; its JSON shared by the xdist
-workers) puts on its path: the rest of the suite runs as before.
+The plugin is a test requirement that the test installs itself, so that the README's test
+command passes on a fresh clone: at jaxlib's exact version, with ``pip install --no-deps
+--target .cuda-plugin/<jaxlib version>`` (about 480 MB, once per jaxlib; two environments of
+different JAX keep theirs apart). Installed in the environment, the plugin would make every
+process that imports jax print CUDA-driver lines on stderr, so only the one subprocess that
+compiles everything (this file run as a script; its JSON shared by the xdist workers) puts that
+folder on its path: the rest of the suite runs as before. Where the install fails (no network),
+the tests fail with the command to run, never skip.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import h100_compile as hc  # noqa: E402
 import h100_forms  # noqa: E402
 
-PLUGIN_DIR = ROOT / ".ci-cuda-plugin"  # where .ci/run installs the plugin
+PLUGIN_DIR = ROOT / ".cuda-plugin" / jaxlib.__version__  # where the fixture installs it
 PROGRAMS = {p.name: p for p in h100_forms.programs()}
 E4M3, E5M2 = "f8e4m3fn", "f8e5m2"
 
@@ -104,6 +107,8 @@ def compile_everything(path):
         device = hc.h100_sharding().mesh.devices.flat[0]
         out["device"] = [device.device_kind, device.client.runtime_type, jax.default_backend()]
         for name, program in {**PROGRAMS, **MUST_FAIL}.items():
+            if program.group == "serving pallas" and not h100_forms.pallas_lowers():
+                continue  # its test skips, naming jax's limitation
             try:
                 found = h100_forms.forms(program, _modes(program))
                 out["forms"][name] = {m: f.to_json() for m, f in found.items()}
@@ -180,6 +185,22 @@ def _serving_layouts():
     return found
 
 
+def _install_plugin():
+    """Installs the plugin at jaxlib's version into :data:`PLUGIN_DIR` unless it is there;
+    returns why that failed (``None``: it is there)."""
+    marker = PLUGIN_DIR / ".installed"
+    if marker.exists():
+        return None
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    command += ["--no-deps", "--upgrade", "--target", str(PLUGIN_DIR)]
+    command += [f"{name}=={jaxlib.__version__}" for name in hc.PLUGINS]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        return f"Installing the CUDA plugin failed ({' '.join(command)}):\n{result.stderr[-3000:]}"
+    marker.write_text(jaxlib.__version__)
+    return None
+
+
 def _subprocess_env():
     paths = [str(PLUGIN_DIR)] if PLUGIN_DIR.is_dir() else []
     paths += [str(ROOT), os.environ.get("PYTHONPATH", "")]
@@ -200,6 +221,9 @@ def compiled(tmp_path_factory):
     with open(root / "h100_forms.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.exists():
+            problem = _install_plugin()
+            if problem:
+                return {"failure": problem}
             result = subprocess.run(
                 [sys.executable, __file__, str(path)],
                 capture_output=True,
@@ -218,8 +242,8 @@ def _usable(compiled):
         pytest.fail(compiled["failure"])
     if compiled["plugin_problem"]:
         pytest.fail(
-            f"{compiled['plugin_problem']} (CI installs it with `pip install --no-deps --target "
-            f"{PLUGIN_DIR.name}`, which only this test's subprocess sees)"
+            f"{compiled['plugin_problem']} (this test installs it with `pip install --no-deps "
+            f"--target {PLUGIN_DIR.relative_to(ROOT)}`, which only its subprocess sees)"
         )
 
 
@@ -338,6 +362,37 @@ def test_int8_and_int4_weights_enter_their_gemm_fusion_as_s8_or_s4(compiled, nam
     assert [g.reads_int_weights for g in found.gemms] == [program.weights] * 2, found.describe()
     assert [w for w in found.weight_reads if w.is_copy] == []
     assert h100_forms.problems(program, "default", found) == []
+
+
+@pytest.mark.parametrize("name", _names("serving pallas"))
+def test_serving_pallas_runs_one_pallas_kernel_per_layer_reading_the_weights_in_place(
+    request, name
+):
+    """``serving_kernel="pallas"`` at batch 1 and 16: each layer is one Pallas (Triton)
+    kernel, ``__gpu$xla.gpu.triton``, whose operand is the s8 parameter or a bitcast of the
+    s4 one (no copy), and no GEMM or other kernel reads or copies the integer weights."""
+    if not h100_forms.pallas_lowers():
+        pytest.skip(
+            f"jax {jax.__version__} cannot lower a Pallas kernel for a GPU it does not have "
+            "(its Pallas reads the default device; jax >= 0.11 reads the abstract mesh's)"
+        )
+    program = PROGRAMS[name]
+    (found,) = _forms(request.getfixturevalue("compiled"), name).values()  # after the skip
+    assert found.triton == [program.weights] * h100_forms.SERVE_LAYERS, found.describe()
+    assert [g for g in found.gemms if g.reads_int_weights] == [], found.describe()
+    assert [w for w in found.weight_reads if w.is_copy] == []
+    assert h100_forms.problems(program, "default", found) == []
+
+
+def test_the_pallas_check_fails_on_xlas_form():
+    """A program of XLA's weight-only form fails the Pallas check (it has no Pallas kernel)."""
+    gemm = hc.Gemm("fused", "dot", "bf16", "bf16", "f32", "bf16", "s8")
+    found = h100_forms.Forms([gemm] * 2, [])
+    program = PROGRAMS["serve int8 weights, pallas, batch 1"]
+    assert h100_forms.problems(program, "default", found) == [
+        "expected 2 Pallas kernels reading their s8 weights in place: 2x bf16 x s8->bf16 -> f32",
+        "a GEMM reads the integer weights: 2x bf16 x s8->bf16 -> f32",
+    ]
 
 
 def test_int8_x_int8_is_an_s8_x_s8_to_s32_gemm_in_both_modes(compiled):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jmp_policy._src.int_arguments import accepted_ints, check_int
+from jmp_policy._src.int_arguments import accepted_ints, check_int, int_from_text
 
 
 @pytest.mark.parametrize("value", [1, 5, 8, np.int8(3), np.uint64(8), np.int64(1)])
@@ -42,3 +42,17 @@ def test_accepted_ints_words():
     assert accepted_ints(0) == "a non-negative integer"
     assert accepted_ints(-1) == "an integer >= -1"
     assert accepted_ints(1, 10) == "an integer from 1 to 10"
+
+
+@pytest.mark.parametrize(("text", "value"), [("128", 128), ("-1", -1), ("0", 0), ("65536", 65536)])
+def test_int_from_text_reads_ascii_digits_within_the_bounds(text, value):
+    out = int_from_text(text, -1, 65536)
+    assert out == value and type(out) is int
+
+
+_NOT_READ = ["\uff11\uff12\uff18", "12_8", "+128", " 128", "128 ", "0128", "-0", "", "-", "1e3"]
+
+
+@pytest.mark.parametrize("text", [*_NOT_READ, "\u0663", "65537", "-2", "9" * 20, "9" * 10_000])
+def test_int_from_text_refuses_what_int_would_read_or_the_bounds_refuse(text):
+    assert int_from_text(text, -1, 65536) is None

@@ -593,3 +593,39 @@ def test_at_keeps_a_stack_per_stack(scan_setup):
     first = jp.linen.search_map(model, variables, batches, _loss, budget={"effective_bits": 16})
     row = _rows(first.at({"effective_bits": 5}))["layers/mlp"]
     assert (row.unit, row.choice) == ("per stack (scanned: 3 layers)", INT4)
+
+
+@pytest.fixture
+def backend_compiles():
+    """The XLA compilations that run while the test does (JAX's monitoring events)."""
+    seen = []
+
+    def listen(name, duration, **kwargs):
+        if "backend_compile" in name:
+            seen.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    yield seen
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_searching_the_same_model_again_compiles_nothing(backend_compiles):
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4, name="head")(nn.relu(nn.Dense(64, name="up")(x)))
+
+    model, x = MLP(), jax.random.normal(jax.random.key(0), (16, 32))
+    variables = model.init(jax.random.key(1), x)
+    other = jax.tree.map(lambda a: a * 2, variables)  # new weights, same shapes
+    first = jp.linen.search_map(model, variables, [x], _loss, budget={"effective_bits": 8})
+    compiled = len(backend_compiles)
+    assert compiled > 0  # the passes of the first search
+    again = jp.linen.search_map(model, other, [x], _loss, budget={"effective_bits": 8})
+    assert len(backend_compiles) == compiled  # every pass reused (it recompiled all of them)
+    assert [r.path for r in again.table] == [r.path for r in first.table]
+    assert again.table[0].scores != first.table[0].scores  # computed on the new weights
+    jp.linen.search_map(model, variables, [x[:8]], _loss, budget={"effective_bits": 8})
+    assert len(backend_compiles) > compiled  # another batch shape: compiled for it
+    key = [k for k, (reuse, _) in map_search._COMPILED.items() if reuse[0] is model]
+    assert key and len(map_search._COMPILED) <= map_search.MAX_COMPILED

@@ -84,3 +84,23 @@ def test_get_of_a_dtype_the_grammar_has_no_name_for_is_a_value_error():
         jp.get(np.longdouble)
     assert "identifier=" in str(info.value)
     assert jp.get(np.int32) == jp.DTypePolicy("int32")
+
+
+@pytest.mark.parametrize("mode", ["gptq/4/{}", "awq/4/{}", "gptq/{}/-1", "int4/{}"])
+@pytest.mark.parametrize(
+    "number", ["\uff11\uff12\uff18", "12_8", "+8", "08", "99999999999999999999"]
+)
+def test_every_modes_numbers_are_ascii_digits_within_bounds_refused_at_the_name(mode, number):
+    name = mode.format(number) + "_from_float32"
+    with pytest.raises(ValueError) as info:
+        jp.get(name)
+    message = str(info.value)
+    assert f"Received: name={name!r}" in message or f"identifier={name!r}" in message
+    assert "ASCII digits" in message and ("65536" in message or "4 or 8" in message)
+    assert "block_size" not in message  # the name is at fault, not an argument never passed
+
+
+def test_a_group_of_20_digits_is_refused_by_the_name_not_later_by_calibrate():
+    with pytest.raises(ValueError, match=r"from 1 to 65536.*'gptq/4/99999999999999999999'"):
+        jp.DTypePolicyMap("float32", {"a": "gptq/4/99999999999999999999_from_float32"})
+    assert jp.get("gptq/4/65536_from_float32").name == "gptq/4/65536_from_float32"  # the bound

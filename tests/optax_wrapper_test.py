@@ -479,11 +479,19 @@ def test_float16_training_with_dynamic_scaling_matches_float32_and_without_under
     assert loss_f32 < 0.5 * initial
     assert abs(loss_dyn - loss_f32) / loss_f32 < 0.05
     assert zeros_dyn < 0.01
-    # Without loss scaling float16 gradients underflow to zero and training stalls.
-    # Measured here: float32 0.0094, float16 + dynamic 0.0095, float16 alone 0.051 with a
-    # quarter of the gradients flushed to zero (against under 0.01% with loss scaling).
+    # Without loss scaling float16 gradients underflow to zero and training stalls: a fifth
+    # or more of the gradients are flushed to zero (under 1% with loss scaling) and the loss
+    # ends at least twice float32's and dynamic scaling's. Measured: float32 0.0094, float16 +
+    # dynamic 0.0095 on jax 0.10.2 and 0.12.0.1; float16 alone 0.051 on 0.10.2 and 0.027 on
+    # 0.12.0.1, with the same compiled program: how far a stalled run ends hangs on the last
+    # bits of float16 arithmetic, and XLA's CPU backend changed those. jax 0.10.2's kept float32
+    # between the float16 operations of a fusion (`(a * b) * c` rounded once), 0.12's rounds
+    # each to float16 as IEEE arithmetic does (18,580 of the 63,488 finite float16 values of
+    # `a` give another result; checked against NumPy's float16). The library's program is
+    # the same on both; the stall is the property, not its depth.
     assert zeros_raw > 0.2
-    assert loss_raw > 3 * loss_f32
+    assert loss_raw > 2 * loss_f32
+    assert loss_raw > 2 * loss_dyn
     assert _all_finite_np(state)
 
 

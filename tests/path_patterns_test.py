@@ -331,3 +331,59 @@ def test_stacked_axes_keys_use_the_same_patterns():
     assert of("layers/kernel") == 1
     assert of("layers/bias") == 0
     assert of("blocks_12/kernel") == 2
+
+
+def test_a_key_nested_too_deeply_is_refused_when_the_map_is_built():
+    key = "(?:" * 200 + "a" + ")+" * 200 + "b"
+    with pytest.raises(ValueError, match=r"its groups nest 200 deep, more than the 50 levels"):
+        jp.DTypePolicyMap("float32", {key: "bfloat16"})
+    deepest = "(?:" * path_patterns.MAX_NESTING + "a" + ")+" * path_patterns.MAX_NESTING + "b"
+    m = jp.DTypePolicyMap("float32", {deepest: "bfloat16"})  # the bound itself: matched
+    assert m["aab"].name == "bfloat16" and m["ba"].name == "float32"
+
+
+@pytest.mark.parametrize(
+    ("key", "depth"),
+    [("a(b(c))", 2), ("[(]((a))", 2), (r"\(\((a)", 1), ("[]((]a", 0), ("[^]((]", 0), ("", 0)],
+)
+def test_nesting_skips_escapes_and_classes(key, depth):
+    assert path_patterns._nesting(key) == depth
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["[z-a]/x", "(a)\\2/x", "[]/x", "(a)\\12", "[\\]]x", "[]]x", "[^]]x", "[(]x)", "(a)\\1x",
+     "\\0x", "\\012x", "[a-\\d]x", "x[", "[\u0430-\u044f]+/layers_3", "[[a]]x", "(a)(b)(c)\\3\\2\\1"],
+)  # fmt: skip
+def test_keys_with_classes_and_backreferences_are_valid_exactly_when_python_says(key):
+    try:
+        re.compile(key)
+    except re.error:
+        with pytest.raises(ValueError, match="is not a valid regular expression"):
+            compile_pattern(key, KEY)
+    else:
+        assert compile_pattern(key, KEY).fullmatch("x") == bool(re.fullmatch(key, "x"))
+
+
+def test_many_keys_of_one_shape_with_a_class_or_backreference_are_parsed_once(monkeypatch):
+    # #46: 20,000 Cyrillic-class keys took 20 s to build, each parsed by Python's parser.
+    parsed = []
+    inner = path_patterns.parse
+    path_patterns._check_skeleton.cache_clear()
+    monkeypatch.setattr(path_patterns, "parse", lambda key: parsed.append(key) or inner(key))
+    keys = {f"[\u0430-\u044f]+/layers_{i}": "bfloat16" for i in range(1_000)}
+    keys.update({f"(a)\\1/block_{i}": "float16" for i in range(1_000)})
+    m = jp.DTypePolicyMap("float32", keys)
+    assert len(parsed) <= 2  # one skeleton per shape
+    assert m["\u0441\u043b\u043e\u0439/layers_7"].name == "bfloat16"
+    assert m["aa/block_3"].name == "float16" and m["ab/block_3"].name == "float32"
+
+
+@pytest.mark.parametrize(
+    ("key", "suffix"),
+    [(".*/layers_3/mlp", "/layers_3/mlp"), ("(a)\\1/x", "/x"), ("[\u0430-\u044f]+/l_7", "/l_7"),
+     (".*\\.txt", "txt"), (".*\\d", ""), (".*a|b", ""), ("(?i).*ab", ""), (".*\\x41b", ""),
+     (".*\\012ab", "ab"), (".*\\\\x", "x"), (".*ab$", ""), (".*a{2}bc", "bc"), (".*a+", "")],
+)  # fmt: skip
+def test_plain_suffix_is_text_every_match_ends_with(key, suffix):
+    assert path_patterns.plain_suffix(key) == suffix

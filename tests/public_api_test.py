@@ -38,6 +38,8 @@ DOCUMENTED = [
     "current_policy",
     # Quantized policies
     "QuantizedArray",
+    "quantized_metadata",
+    "rebuild_quantized",
     # Diagnostics
     "format_report",
     "dtype_profile",

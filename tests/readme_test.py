@@ -125,7 +125,10 @@ def test_ci_runs_the_readmes_test_command_in_parallel():
     root = README.parent
     command = re.search(r'pip install -e "\.\[test\]" && (python -m pytest.*)', README.read_text())
     assert command and command[1] == "python -m pytest -q -n auto"
-    assert command[1] in (root / ".ci" / "run").read_text().splitlines()
+    # .ci/run runs it in each of its environments (oldest and current), install and suite.
+    ci = [line.strip() for line in (root / ".ci" / "run").read_text().splitlines()]
+    assert command[1] in ci and 'pip install -e ".[test]"' in ci
+    assert 'run_environment oldest "$oldest"' in ci and 'run_environment current "$current"' in ci
     assert '"pytest-xdist>=' in (root / "pyproject.toml").read_text()  # in the `test` extra
     minutes = re.search(
         r"takes (?:about|under) (\d+) minutes on 2 (?:quiet )?cores", README.read_text()

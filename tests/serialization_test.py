@@ -652,3 +652,21 @@ def test_serialize_keras_format_rejects_what_keras_cannot_represent(make, match)
 def test_serialize_unknown_format_raises_value_error():
     with pytest.raises(ValueError, match=r"`format`.*'jmp_policy', 'keras'.*format='tf'"):
         jp.serialize(jp.DTypePolicy("float32"), format="tf")
+
+
+def test_a_maps_config_reads_each_distinct_policy_config_once(monkeypatch):
+    # #46: a 100,000-key map took 8x its build time to read back (a signature inspected
+    # and a config parsed per value); equal configs are now read once.
+    from jmp_policy._src import identifiers
+
+    keys = {f"blocks_{i}/.*" if i % 2 else f"blocks_{i}": ("bfloat16", "float16")[i % 2]
+            for i in range(1_000)}  # fmt: skip
+    expected = jp.DTypePolicyMap("float32", keys)
+    config = jp.serialize(expected)
+    reads = []
+    inner = identifiers.read_policy
+    monkeypatch.setattr(identifiers, "read_policy", lambda *a: reads.append(a) or inner(*a))
+    back = jp.deserialize(config)
+    assert len(reads) == 3  # the default and the two values' configs
+    assert back["blocks_3/x"] is back["blocks_5/y"]  # one policy object for equal configs
+    assert back == expected

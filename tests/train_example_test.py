@@ -209,6 +209,19 @@ def test_saved_bytes_counts_the_residuals_not_the_arguments():
             ["--policy-map=head=float33"],
             "argument --policy-map: Cannot interpret the assigned value for key 'head'",
         ),
+        (
+            ["--policy=int8"],  # #46: it ended in a traceback; the valid choices instead
+            "argument --policy: 'int8' computes in int8: training needs a floating compute "
+            "dtype. Valid choices: float32, bfloat16, float16, mixed_bfloat16",
+        ),
+        (
+            ["--policy=gptq/4/128_from_float32"],
+            "argument --policy: 'gptq/4/128_from_float32' is calibrated after training",
+        ),
+        (
+            ["--policy-map=head=int8"],
+            "argument --policy-map: 'head=int8' computes in int8: training needs a floating",
+        ),
     ],
 )
 def test_command_line_mistakes_are_one_line_and_exit_code_2(tmp_path, flags, message):
@@ -328,3 +341,23 @@ def test_help_does_not_trace_the_model(monkeypatch):
     monkeypatch.setattr(train, "module_names", traced)
     monkeypatch.setattr(train.jax, "eval_shape", traced)
     assert "head, hidden_0, hidden_1, norm" in train.make_parser().format_help()
+
+
+@pytest.mark.parametrize("flags", [["--help"], ["--steps=0"], ["--lr=nan"]])
+def test_help_and_bad_flags_answer_before_jax_and_the_plotting_libraries_load(flags):
+    """``--help`` and a mistyped number answer from ``train_cli`` alone: jax, Flax,
+    scikit-learn and matplotlib (30-40 s to import on a loaded 2-core machine) never load."""
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['train.py', *{flags!r}]\n"
+        "try:\n"
+        f"    runpy.run_path({str(SCRIPT)!r}, run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "heavy = ('jax', 'flax', 'sklearn', 'matplotlib', 'jmp_policy')\n"
+        "print(code, sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert result.stdout.splitlines()[-1] == f"{0 if flags == ['--help'] else 2} []"

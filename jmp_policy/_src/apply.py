@@ -11,8 +11,10 @@ import jax
 
 from jmp_policy._src import global_state, interception
 from jmp_policy._src.options import Options, floating_policy_or_map
-from jmp_policy._src.policy_map import DTypePolicyMap
+from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path, parent_path
+from jmp_policy._src.quantization import is_quantized
 from jmp_policy._src.resolution import Resolver
+from jmp_policy._src.run_report import closest_paths
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -118,11 +120,14 @@ def _map_cast(policy_map: DTypePolicyMap, tree: Any, checked: set[Any]) -> Any:
         trees = list(tree.values()) if variables else [tree]
         unused = [k for k in policy_map if all(k in policy_map.unused_keys(t) for t in trees)]
         if unused:
+            found = jax.tree_util.tree_flatten_with_path(trees, is_leaf=is_quantized)[0]
+            paths = {leaf_path(key_path[1:]) for key_path, _ in found}
+            paths |= {parent_path(p) or "" for p in paths} - {""}
             warnings.warn(
                 f"Keys of the DTypePolicyMap match no module or variable of the tree "
                 f"cast_apply received: {unused}. cast_apply resolves a parameter tree by "
                 "path (a Flax Linen variables dict by module path, its collections "
-                "skipped): check the keys for typos. To run each submodule of a Flax "
+                f"skipped): check the keys for typos: {closest_paths(unused, sorted(paths))}. To run each submodule of a Flax "
                 "model under its own policy (its inputs and compute, not only its "
                 "parameters), use `jmp_policy.linen.apply(model, policy_map)` (NNX: "
                 "`jmp_policy.nnx.apply`).",

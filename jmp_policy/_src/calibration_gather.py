@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jmp_policy._src import context, interception, traced_records
+from jmp_policy._src.batch_checks import blaming
 from jmp_policy._src.int_arguments import check_int
 from jmp_policy._src.quantization.calibration import rows_for_kernel
 from jmp_policy._src.quantization.calibration_stats import LayerStats
@@ -233,15 +234,17 @@ def gather(
     ``max_bytes`` (a layer larger than that alone), one pass per group, each group's moved
     to host memory (NumPy) before the next: the device then holds one group's at a time."""
     run = make_run(targets)
-    shapes = jax.eval_shape(run, operand, {}, calls[0])
+    with blaming("batches[0]", calls[0], "calibrate"):
+        shapes = jax.eval_shape(run, operand, {}, calls[0])
     groups = _groups(shapes, max_bytes)
     gathered: dict[str, LayerStats] = {}
     for group in groups:
         part = run if len(groups) == 1 else make_run({p: targets[p] for p in group})
         stats = zero_stats({p: shapes[p] for p in group})
         part_jit = jax.jit(part)
-        for args in calls:
-            stats = part_jit(operand, stats, args)
+        for i, args in enumerate(calls):
+            with blaming(f"batches[{i}]", args, "calibrate"):
+                stats = part_jit(operand, stats, args)
         gathered.update(stats if len(groups) == 1 else jax.device_get(stats))
     return gathered
 

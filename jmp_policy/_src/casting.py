@@ -15,6 +15,7 @@ import numpy as np
 
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src import quantization
+from jmp_policy._src.tree_paths import check_depth
 
 T = TypeVar("T")
 
@@ -31,6 +32,7 @@ def cast_leaf(x: Any, dtype: np.dtype) -> Any:
 
 def cast_tree(tree: T, dtype: np.dtype) -> T:
     """Casts every leaf of ``tree`` by the casting rule (QuantizedArrays kept whole)."""
+    check_depth(tree)
     return jax.tree.map(lambda x: cast_leaf(x, dtype), tree, is_leaf=quantization.is_quantized)
 
 
@@ -43,6 +45,7 @@ def compute_leaf(x: Any, dtype: np.dtype) -> Any:
 
 def compute_tree(tree: T, dtype: np.dtype) -> T:
     """Every leaf of ``tree`` to a compute dtype (:func:`compute_leaf`)."""
+    check_depth(tree)
     return jax.tree.map(lambda x: compute_leaf(x, dtype), tree, is_leaf=quantization.is_quantized)
 
 

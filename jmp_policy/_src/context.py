@@ -40,18 +40,31 @@ CALL: contextvars.ContextVar[RunningCall | None] = contextvars.ContextVar(
 )
 
 
-try:  # JAX's current trace, to tell a module called inside a transform of its own.
+try:
     from jax._src import core as _jax_core
+except ImportError:  # pragma: no cover - a JAX without it: current_trace says so when used
+    _jax_core = None  # type: ignore[assignment]
 
-    def current_trace() -> Any:
-        """JAX's current trace (``None`` where this JAX version does not say)."""
-        return _jax_core.trace_ctx.trace
 
-except (ImportError, AttributeError):  # pragma: no cover - other JAX versions
+def current_trace() -> Any:
+    """JAX's current trace, to tell a call made inside a transform of its own (calibration's
+    and the search's guard against a foreign trace).
 
-    def current_trace() -> Any:
-        """JAX's current trace (``None`` where this JAX version does not say)."""
-        return None
+    Read from JAX's internals (``jax._src.core.trace_ctx.trace``, where jax 0.4.36 to 0.12
+    keep it; Flax reads the same): on a JAX that moved it this raises a ``RuntimeError``
+    naming the JAX version at first use, rather than turning the guard off.
+    """
+    try:
+        return _jax_core.trace_ctx.trace  # type: ignore[union-attr]
+    except AttributeError as e:
+        import jax
+
+        raise RuntimeError(
+            "jmp_policy reads JAX's current trace from `jax._src.core.trace_ctx.trace`, "
+            f"which jax {jax.__version__} does not have ({e}): this JAX version is newer "
+            "than jmp_policy knows. Install a jax that jmp_policy supports (pyproject.toml "
+            "says which), or a jmp_policy release that knows this one."
+        ) from e
 
 
 def global_policy_or_none() -> Any:

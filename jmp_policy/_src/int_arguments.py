@@ -1,12 +1,14 @@
 """An integer argument checked against its bounds: the one check behind every count, length
 and axis number the package takes (``num_grid_points``, ``amax_history_length``,
-``block_size``, ``stacked``, ``in_axes``, ``every``...).
+``block_size``, ``stacked``, ``in_axes``, ``every``...), and the one parser of the numbers a
+name writes (``"int4/128"``, ``"gptq/4/128"``).
 
 It imports nothing of ``jmp_policy``, so any module may use it.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -57,3 +59,29 @@ def check_int(
     if value < low or (high is not None and value > high):
         raise ValueError(message)
     return int(value)
+
+
+# ASCII digits only (int() also reads full-width digits, "12_8", "+8" and " 8 "), no leading 0.
+_INT_TEXT = re.compile(r"0|-?[1-9][0-9]*")
+
+
+def int_from_text(text: str, low: int, high: int) -> int | None:
+    """The integer ``text`` writes when it is one from ``low`` to ``high``, else ``None``.
+
+    The one reader of the numbers in names: ASCII digits with an optional ``-``, no ``+``,
+    ``_``, spaces, leading zeros or other scripts' digits, and never longer than the bounds
+    allow (so a 10,000-digit text is not converted).
+
+    Examples:
+        >>> int_from_text("128", -1, 65536), int_from_text("-1", -1, 65536)
+        (128, -1)
+        >>> int_from_text("\\uff11\\uff12\\uff18", -1, 65536), int_from_text("12_8", -1, 65536)
+        (None, None)
+        >>> int_from_text("99999999999999999999", -1, 65536), int_from_text("0128", 0, 999)
+        (None, None)
+    """
+    longest = max(len(str(low)), len(str(high)))
+    if not isinstance(text, str) or len(text) > longest or not _INT_TEXT.fullmatch(text):
+        return None
+    value = int(text)
+    return value if low <= value <= high else None

@@ -40,6 +40,7 @@ import numpy as np
 from jmp_policy._src import casting, global_state
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.options import Options
+from jmp_policy._src.quantization import serving_kernels
 from jmp_policy._src.resolution import Resolution
 
 # ext(call, next_fn, args, kwargs) -> outputs
@@ -308,13 +309,14 @@ _LOOPS = ThreadPatch(jax.lax, {"scan": _scan, "while_loop": _while_loop, "fori_l
 
 @contextlib.contextmanager
 def model_run(options: Options | None = None) -> Iterator[None]:
-    """The context of one wrapped model run: the loop-carry rule and, when ``options``
-    exclude modules from autocasting, the origins of cast inputs (kept only then: eagerly,
-    they hold every cast input alive until the run ends)."""
+    """The context of one wrapped model run: the loop-carry rule, the ``serving_kernel``
+    option and, when ``options`` exclude modules from autocasting, the origins of cast
+    inputs (kept only then: eagerly, they hold every cast input alive until the run ends)."""
     track = options is not None and bool(options.exclude_types or options.exclude_patterns)
     token = _ORIGINS.set({} if track else None)
+    kernel = "auto" if options is None else options.serving_kernel
     try:
-        with loop_carries():
+        with loop_carries(), serving_kernels.using(kernel):
             yield
     finally:
         _ORIGINS.reset(token)

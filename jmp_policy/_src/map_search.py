@@ -34,9 +34,11 @@ pattern covers a run of layers and nothing else) and a table per layer.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import re
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -46,6 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import context, interception, map_choice, traced_records
+from jmp_policy._src import dtypes as dt
+from jmp_policy._src.batch_checks import blaming, check_bool, check_no_nan
 from jmp_policy._src.policy_map import DTypePolicyMap
 from jmp_policy._src.policy_names import get_policy
 
@@ -96,10 +100,17 @@ class SearchResult(NamedTuple):
     def __str__(self) -> str:
         names = list(dict.fromkeys(n for row in self.table for n in row.scores))
         width = max([len("layer"), *(len(r.path) for r in self.table)])
-        head = f"{'layer':{width}}  " + "  ".join(f"{n[:18]:>18}" for n in names)
+        # Each column as wide as its policy's whole name (a cut name could be another's).
+        widths = [max(len(n), 9) for n in names]
+        head = f"{'layer':{width}}  " + "  ".join(
+            f"{n:>{w}}" for n, w in zip(names, widths, strict=True)
+        )
         lines = [head + "  choice"]
         for row in self.table:
-            cells = [f"{row.scores[n]:>18.3g}" if n in row.scores else f"{'-':>18}" for n in names]
+            cells = [
+                f"{row.scores[n]:>{w}.3g}" if n in row.scores else f"{'-':>{w}}"
+                for n, w in zip(names, widths, strict=True)
+            ]
             lines.append(f"{row.path:{width}}  " + "  ".join(cells) + f"  {row.choice}")
             lines.append(f"{'':{width}}  {row.why}")
         lines.append(
@@ -188,18 +199,27 @@ def check_candidates(candidates: Any, base: Any) -> tuple[str, dict[str, Any]]:
                 "policy (the base, no quantization) or a quantized policy such as "
                 f"{list(DEFAULT_CANDIDATES[1:])!r}."
             ) from e
-        if name != base and _scheme(policy) is None and name in out:
+        # A candidate is an option a layer may take: the base (a float policy, always
+        # one, so naming it changes nothing) or a quantized policy.
+        if name != base and _scheme(policy) is None and policy == out.get(base):
             continue
         if name != base and _scheme(policy) is None:
             raise ValueError(
                 f"`candidates` holds {name!r}, a float policy: the only unquantized option "
-                f"is `base` ({base!r}). Give quantized policy names (or set `base`)."
+                f"is `base` ({base!r}). Give quantized policy names (or set `base`). "
+                f"Received: candidates={candidates!r}"
             )
         if name == base and _scheme(policy) is not None:
             raise ValueError(
                 f"`base` must be a float policy (no quantization). Received: base={base!r}"
             )
         out.setdefault(name, policy)
+    if len(out) == 1:
+        raise ValueError(
+            f"`candidates` holds no quantized policy: {base!r} is `base`, which every layer "
+            "may keep, so there is nothing to choose. Give quantized policy names such as "
+            f"{list(DEFAULT_CANDIDATES[1:])!r}. Received: candidates={candidates!r}"
+        )
     return base, out
 
 
@@ -475,6 +495,11 @@ def _tapping(state: _State) -> Iterator[_State]:
 
 # -- the search ---------------------------------------------------------------------------
 
+_HINT = (
+    "Each batch is given to `inputs` (default: the model's one argument), and the model's "
+    "outputs with the batch to `loss_fn`: check their shapes and dtypes."
+)
+
 # make_loss(policy_map) -> (fn(params, batch) -> scalar loss, params for that map)
 MakeLoss = Callable[[DTypePolicyMap], tuple[Callable[[Any, Any], Any], Any]]
 
@@ -489,23 +514,45 @@ def search(  # long: the passes in their order (gradients, then one per candidat
     base: str,
     jit: bool,
     progress: Callable[[str], None] | None = None,
-    stacked_at: Mapping[str, int] | None = None,
+    stacked_at: Mapping[str, int] | Callable[[], Mapping[str, int]] | None = None,
+    reuse: tuple[Any, ...] | None = None,
 ) -> SearchResult:
-    """The search on ``kernels`` (``{layer path: kernel}``), with the glue's runs;
+    """The search on ``kernels`` (``{layer path: kernel}``), with the glue's runs.
+
     ``stacked_at``: layer path -> the axis its stacked kernel's layer axes start at (absent:
-    0, leading)."""
+    0, leading), or a function giving it, called once the batches are checked and the model
+    ran on the first. ``reuse``: what the glue's runs are functions of besides their inputs (the
+    module, ``loss_fn``, ...), by identity; with it, the jit-compiled passes are kept across
+    calls (:func:`_compiled`), so searching the same model again compiles nothing new."""
     base, policies = check_candidates(candidates, base)
     kind, value = check_budget(budget)
     if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or not batches:
+        shown = f"of type {type(batches).__name__}"
+        if isinstance(batches, (str, bytes, Sequence)):
+            shown = f"={dt.bounded_repr(batches)}"
         raise TypeError(
-            "`batches` must be a non-empty list of calibration batches. "
-            f"Received: batches of type {type(batches).__name__}"
+            f"`batches` must be a non-empty list of calibration batches. Received: batches{shown}"
+        )
+    check_bool(jit, "jit", "compile the passes")
+    if progress is not None and not callable(progress):
+        raise TypeError(
+            "`progress` must be None or a callable given a message before each pass (print, "
+            f"or a tqdm bar's set_description). Received: progress={progress!r} "
+            f"(of type {type(progress).__name__})"
         )
     if not kernels:
         raise ValueError("The model has no layer with a kernel: there is nothing to search.")
+    check_no_nan(batches, "search_map")
     say = progress or (lambda _: None)
     targets = frozenset(kernels)
-    wrap = jax.jit if jit else (lambda f: f)
+
+    def wrap(f: Callable[..., Any], *pass_key: Any) -> Callable[..., Any]:
+        if not jit:
+            return f
+        if reuse is None:
+            return jax.jit(f)
+        return _compiled(reuse, (base, tuple(sorted(targets)), *pass_key), f)
+
     base_map = DTypePolicyMap(base)
     fn, params = make_loss(base_map)
 
@@ -517,10 +564,11 @@ def search(  # long: the passes in their order (gradients, then one per candidat
         stacks.update(state.stacks)
         return state.ys
 
-    seen = jax.eval_shape(shapes, params, batches[0])
+    with blaming("batches[0]", batches[0], "search_map", _HINT):
+        seen = jax.eval_shape(shapes, params, batches[0])
     eps = {p: [jnp.zeros(s.shape, s.dtype) for s in v] for p, v in seen.items()}
     scored = sorted(eps)
-    at = stacked_at or {}
+    at = (stacked_at() if callable(stacked_at) else stacked_at) or {}
     layout = {p: _stacking(kernels[p], stacks.get(p, Loops()), at.get(p, 0)) for p in kernels}
     # (stacked axes, the table's unit, the axis they start at)
 
@@ -529,11 +577,12 @@ def search(  # long: the passes in their order (gradients, then one per candidat
             loss = fn(params, batch)
         return loss, state.ys
 
-    grad = wrap(jax.grad(record, has_aux=True))
+    grad = wrap(jax.grad(record, has_aux=True), "gradients")
     cached = []
     for i, batch in enumerate(batches):
         say(f"gradients: batch {i + 1}/{len(batches)}")
-        gs, ys = grad(eps, params, batch)
+        with blaming(f"batches[{i}]", batch, "search_map", _HINT):
+            gs, ys = grad(eps, params, batch)
         cached.append((ys, gs))
 
     scores: dict[str, dict[str, float]] = {p: {} for p in kernels}
@@ -555,14 +604,16 @@ def search(  # long: the passes in their order (gradients, then one per candidat
                 cand_fn(params, batch)
             return state.scores
 
-        run = wrap(score)
+        run = wrap(score, "score", name, tuple(fits))
         totals: dict[str, float] = {}
         for i, (batch, (ys, gs)) in enumerate(zip(batches, cached, strict=True)):
             say(f"{name}: batch {i + 1}/{len(batches)}")
-            for p, s in run(cand_params, batch, ys, gs).items():
+            with blaming(f"batches[{i}]", batch, "search_map", _HINT):
+                out = run(cand_params, batch, ys, gs)
+            for p, s in out.items():
                 totals[p] = totals.get(p, 0.0) + float(s) / len(batches)
         for p in fits:
-            scores[p][name] = totals.get(p, 0.0)
+            scores[p][name] = _finite(totals.get(p, 0.0), name, p)
     layers = []
     for p in kernels:
         options = []
@@ -574,6 +625,47 @@ def search(  # long: the passes in their order (gradients, then one per candidat
         size = int(np.prod(kernels[p].shape))
         layers.append(_Layer(p, size, options, p in eps, layout[p][1]))
     return _choose(layers, policies, base, kind, value)
+
+
+# (the ids of a search's `reuse` objects, its pass) -> (those objects, the jitted pass)
+_COMPILED: collections.OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], Any]] = (
+    collections.OrderedDict()
+)
+_COMPILED_LOCK = threading.Lock()
+#: How many jitted passes are kept (each holds its model alive).
+MAX_COMPILED = 64
+
+
+def _compiled(reuse: tuple[Any, ...], pass_key: tuple[Any, ...], f: Callable[..., Any]) -> Any:
+    """``jax.jit(f)``, the same one for the same pass of the same ``reuse`` objects (by
+    identity, kept alive with it so that an id is never another object's; strings by
+    value): jit's own cache then holds each shape's executable, and a second search of a
+    model compiles nothing."""
+    key = (tuple(r if isinstance(r, str) else id(r) for r in reuse), pass_key)
+    with _COMPILED_LOCK:
+        found = _COMPILED.get(key)
+        same = found is not None and all(
+            a is b or isinstance(a, str) for a, b in zip(found[0], reuse, strict=True)
+        )  # a string (options' text) is in the key by value
+        if found is not None and same:
+            _COMPILED.move_to_end(key)
+            return found[1]
+        jitted = jax.jit(f)
+        _COMPILED[key] = (reuse, jitted)
+        if len(_COMPILED) > MAX_COMPILED:
+            _COMPILED.popitem(last=False)
+        return jitted
+
+
+def _finite(score: float, name: str, path: str) -> float:
+    """A layer's score, refused when not finite (a NaN loss would choose any candidate)."""
+    if not np.isfinite(score):
+        raise ValueError(
+            f"search_map: the score of {name!r} on layer {path!r} is {score} (the loss or "
+            "its gradient on the batches is not finite): check `loss_fn` and `batches` "
+            "(the base policy's loss must be finite)."
+        )
+    return score
 
 
 def _stacking(kernel: Any, loops: Loops, at: int = 0) -> tuple[int, str, int]:

@@ -248,7 +248,7 @@ def _split_quantized(name: str, argument: str) -> tuple[str, str] | None:
         # "float8_e4m3fn" is a dtype name, not a quantized name without its "_from_".
         tokens = schemes.tokens()
         if mode not in (*dt.DTYPE_NAMES, *tokens) and re.match(
-            rf"({'|'.join(map(re.escape, tokens))})(/-?\d+)*_", mode
+            rf"({'|'.join(map(re.escape, tokens))})(/-?[0-9]+)*_", mode
         ):
             raise ValueError(
                 "Cannot convert `policy` into a valid pair (`mode`, `source_name`): a quantized "

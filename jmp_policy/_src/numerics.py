@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jmp_policy._src.tree_paths import check_depth
+
 T = TypeVar("T")
 
 
@@ -113,6 +115,7 @@ def all_finite(tree: Any) -> jax.Array:
         >>> jp.all_finite([jnp.ones(3), jnp.array([1.0, jnp.nan])])
         Array(False, dtype=bool)
     """
+    check_depth(tree)
     result = jnp.array(True)
     for x in jax.tree.leaves(tree):
         if is_float_leaf(x):
@@ -145,6 +148,8 @@ def select_tree(pred: jax.Array, on_true: T, on_false: T) -> T:
         {'a': Array([0., 0.], dtype=float32)}
     """
     pred = scalar_bool(pred, "pred")
+    check_depth(on_true, "on_true")
+    check_depth(on_false, "on_false")
     true_def = jax.tree.structure(on_true)
     false_def = jax.tree.structure(on_false)
     if true_def != false_def:  # type: ignore[operator]

@@ -1,4 +1,5 @@
-"""The checks of :func:`~jmp_policy.loss_scaling`'s arguments and its float16 warning."""
+"""The checks of the optax wrappers' arguments, and :func:`~jmp_policy.loss_scaling`'s
+float16 warning."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_policy._src.dtypes import DTYPE_NAMES, bounded_repr, did_you_mean, dtype_or_none
 from jmp_policy._src.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -120,3 +122,40 @@ def warn_float16(paths: list[str]) -> None:
         UserWarning,
         stacklevel=user_stacklevel(),
     )
+
+
+_MOMENT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def check_moment_dtype(moment_dtype: Any, function: str) -> np.dtype:
+    """``moment_dtype`` of ``function`` as a NumPy dtype: a float of 16 bits or more."""
+    dtype = dtype_or_none(moment_dtype)
+    if dtype is None or dtype.name not in _MOMENT_DTYPES:
+        hint = did_you_mean(moment_dtype, DTYPE_NAMES) if isinstance(moment_dtype, str) else ""
+        error = TypeError if dtype is None and not isinstance(moment_dtype, str) else ValueError
+        raise error(
+            f"`moment_dtype` of `{function}` must be a float dtype of 16 bits or more: one of "
+            f"{', '.join(_MOMENT_DTYPES)} (a name, a NumPy or jnp dtype).{hint} Received: "
+            f"moment_dtype={bounded_repr(moment_dtype)} (of type {type(moment_dtype).__name__})"
+        )
+    return dtype
+
+
+def resolve_key(key: Any) -> tuple[jax.Array, Any]:
+    """``stochastic_rounding``'s ``key`` as (raw ``uint32`` key data, the key's impl)."""
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        key = jax.random.key(int(key))
+    elif isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.shape == (2,):
+        key = jax.random.wrap_key_data(jnp.asarray(key))  # a raw `jax.random.PRNGKey(0)`
+    if not (isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)):
+        raise TypeError(
+            "`key` of `stochastic_rounding` must be a PRNG key (`jax.random.key(0)`, or a raw "
+            f"`jax.random.PRNGKey(0)`) or an int seed. Received: key={bounded_repr(key)} "
+            f"(of type {type(key).__name__})"
+        )
+    if key.shape != ():
+        raise ValueError(
+            "`key` of `stochastic_rounding` must be one key, of shape (); pick one "
+            f"(`keys[0]`). Received: key of shape {key.shape}: {bounded_repr(key)}"
+        )
+    return jax.random.key_data(key), jax.random.key_impl(key)

@@ -18,6 +18,7 @@ from jmp_policy._src import global_state, identifiers
 from jmp_policy._src.path_patterns import PathPattern, compile_pattern
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.policy_map import DTypePolicyMap
+from jmp_policy._src.quantization import serving_kernels
 
 MODULE_DTYPE_MODES = ("respect", "override")
 
@@ -47,6 +48,7 @@ class Options:
     exclude_types: tuple[type, ...] = ()
     exclude_patterns: tuple[PathPattern, ...] = ()
     extensions: tuple[Callable[..., Any], ...] = ()
+    serving_kernel: str = "auto"
 
     def excluded(self, path: str, cls: type | None) -> bool:
         """Whether ``autocast_exclude`` names this module (by class or by path)."""
@@ -170,6 +172,7 @@ OPTION_DEFAULTS: Mapping[str, Any] = {
     "type_policies": None,
     "module_dtype": "respect",
     "autocast_exclude": (),
+    "serving_kernel": "auto",
 }
 
 
@@ -207,6 +210,7 @@ def make_options(
         module_dtype=module_dtype,
         exclude_types=exclude_types,
         exclude_patterns=patterns,
+        serving_kernel=serving_kernels.check(values["serving_kernel"]),
     )
 
 

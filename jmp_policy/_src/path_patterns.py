@@ -53,13 +53,16 @@ MATCH_TIMEOUT_S = 0.02
 _META_SEARCH = re.compile(r"[.^$*+?{}\[\]\\|()]").search
 _META = frozenset(".^$*+?{}[]\\|()")
 _QUANTIFIERS = frozenset("*?{")
-# Keys whose skeleton is not enough to check them: classes (`[z-a]`), escapes whose
-# validity depends on what follows (`\x`, `\N{...}`, backreferences), and groups other
-# than `(?:`, `(?=` and `(?!` (names, flags, conditions, lookbehinds, whose width counts).
-_SKELETON_UNSAFE = re.compile(r"\[|\\[xuUN0-9]|\(\?(?![:=!])").search
-# An escape, a brace (copied as they are), a structural group opening, or a run of literals
-# (replaced by "a": its text cannot change whether the key is valid).
-_SKELETON_TOKEN = re.compile(r"(\\.|\{[^}]*\}|\(\?[:=!])|[^.^$*+?{}\[\]\\|()]+", re.S)
+# Keys whose skeleton is not enough to check them: escapes whose validity depends on what
+# follows (`\x`, `\N{...}`), and groups other than `(?:`, `(?=` and `(?!` (names, flags,
+# conditions, lookbehinds, whose width counts).
+_SKELETON_UNSAFE = re.compile(r"\\[xuUN]|\(\?(?![:=!])").search
+# An escape (a backreference or octal escape with all its digits), a brace, a class (copied
+# as they are: `[z-a]` and `\12` decide validity), a structural group opening, or a run of
+# literals (replaced by "a": its text cannot change whether the key is valid).
+_SKELETON_TOKEN = re.compile(
+    r"(\\[0-9]+|\\.|\{[^}]*\}|\(\?[:=!]|\[\^?\]?(?:\\.|[^\]\\])*\])|[^.^$*+?{}\[\]\\|()]+", re.S
+)
 _ESCAPE = re.compile(r"\\.", re.S)
 _INNERMOST_GROUP = re.compile(r"\([^()]*\)")
 
@@ -82,6 +85,37 @@ def _check_skeleton(skeleton: str) -> None:
     parse(skeleton)
 
 
+#: The deepest nesting of groups a pattern may have: compiling and writing a pattern out
+#: recurse once per level, so a deeper one would fail at its first match, not when given.
+MAX_NESTING = 50
+
+
+def _nesting(key: str) -> int:
+    """How deep ``key``'s groups nest (escapes and classes skipped; a verbose comment's
+    parentheses counted, which only overestimates)."""
+    depth = deepest = i = 0
+    in_class = False
+    while i < len(key):
+        c = key[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 1 + (key[i + 1 : i + 2] == "^")
+            i += key[i : i + 1] == "]"  # a class's first "]" is a literal
+            continue
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
+
+
 def _check(key: str) -> tuple[Any, str]:
     """Checks ``key`` (raises ``Invalid``); returns its parse (None where a cached check of
     its skeleton vouched for it) and its literal prefix.
@@ -90,15 +124,48 @@ def _check(key: str) -> tuple[Any, str]:
     exactly when the key is, so the many keys of a large map that differ only in their
     names are parsed once.
     """
+    if key.count("(") > MAX_NESTING and (depth := _nesting(key)) > MAX_NESTING:
+        raise Invalid(
+            f"it is nested too deeply: its groups nest {depth} deep, more than the {MAX_NESTING} "
+            "levels a path pattern may have (it could not be compiled when matched)"
+        )
     if not _SKELETON_UNSAFE(key):
         try:
             _check_skeleton(_SKELETON_TOKEN.sub(_skeleton_run, key))
         except Invalid:
             pass  # parsed below, for the key's own message
         else:
+            if "[" in key and "|" in key:  # a class may hide a group's parenthesis
+                return None, ""
             return None, _plain_prefix(key)
     parsed = parse(key)
     return parsed, leading_literals(parsed)
+
+
+_FLAGS_OR_NAMES = re.compile(r"\(\?[^:=!]").search
+
+
+def plain_suffix(key: str) -> str:
+    """Text every match of ``key`` ends with (``".*/layers_3/mlp"`` -> ``"/layers_3/mlp"``),
+    read off its end; ``""`` when unsure (an alternation, flags, a hex or named escape),
+    which only costs speed: the map indexes its keys with no literal prefix by it.
+
+    >>> plain_suffix(".*/layers_3/mlp"), plain_suffix("(a)\\\\1/x"), plain_suffix("a|b")
+    ('/layers_3/mlp', '/x', '')
+    """
+    if "|" in key or _FLAGS_OR_NAMES(key):
+        return ""
+    i = len(key)
+    while i and key[i - 1] not in _META:
+        i -= 1
+    run, slashes = key[i:], 0
+    while i - slashes and key[i - slashes - 1] == "\\":
+        slashes += 1
+    if slashes % 2:  # the run's first character is escaped: not a literal
+        if run[:1] in ("x", "u", "U", "N"):
+            return ""
+        run = run[1:].lstrip("0123456789") if run[:1].isdigit() else run[1:]
+    return run
 
 
 def _plain_prefix(key: str) -> str:
@@ -134,15 +201,25 @@ class PathPattern:
     'regex'
     """
 
-    __slots__ = ("_engine", "_matcher", "_parsed", "key", "literal_prefix", "what")
+    __slots__ = (
+        "_engine", "_matcher", "_parsed", "key", "literal_prefix", "literal_suffix", "what"
+    )  # fmt: skip
 
     def __init__(self, key: str, what: str, parsed: Any, prefix: str) -> None:
         self.key = key
         self.what = what  # "key {key} of the DTypePolicyMap": how messages name it
         self._parsed = parsed
         self.literal_prefix = prefix
+        # What every match ends with, for a key with no literal prefix ("" when none).
+        self.literal_suffix = "" if prefix else plain_suffix(key)
         self._matcher: Any = None
         self._engine = ""
+
+    @property
+    def literal_text(self) -> str:
+        """What the map indexes the key by: its literal suffix if it has only that, else
+        its literal prefix (maybe ``""``)."""
+        return self.literal_suffix or self.literal_prefix
 
     @property
     def engine(self) -> str:

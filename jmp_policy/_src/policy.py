@@ -262,6 +262,10 @@ class DTypePolicy:
         """
         example = "{'name': 'mixed_bfloat16'}"
         kwargs = config_fields.constructor_kwargs(cls, config, example, ignored=("loss_scale",))
+        if kwargs.get("name") is not None and set(kwargs) & set(config_fields.DTYPE_FIELDS):
+            policy = cls(kwargs["name"])  # the name names the policy: fields must agree
+            config_fields.check_named_dtypes(policy, kwargs, config)
+            return policy
         try:
             return cls(**kwargs)
         except TypeError as e:

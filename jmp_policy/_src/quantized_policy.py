@@ -13,6 +13,7 @@ from jmp_policy._src.quantization import float8
 from jmp_policy._src.quantization.float8_scheme import DEFAULT_AMAX_HISTORY_LENGTH, Float8Scheme
 from jmp_policy._src.quantization.int_schemes import Int4Scheme
 from jmp_policy._src.quantization.quantized_array_checks import int4_block
+from jmp_policy._src.tree_paths import check_depth
 
 _DEFAULT_INT4_BLOCK = 128
 
@@ -155,6 +156,7 @@ class QuantizedDTypePolicy(DTypePolicy):
                 f"Policy {self.name!r} does not store quantized weights: float8 scales "
                 "inputs and kernels at compute time. Only int8 and int4 policies quantize."
             )
+        check_depth(tree)
         return quantization.quantize_tree(tree, self._scheme.quantize, stacked_axes)  # type: ignore[no-any-return]
 
     def _rebuild_from(self, source: DTypePolicy) -> QuantizedDTypePolicy:

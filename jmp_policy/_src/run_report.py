@@ -38,7 +38,7 @@ def _first_time(policy_map: DTypePolicyMap, model: str, keys: list[str]) -> bool
     return True
 
 
-def _closest(keys: list[str], paths: list[str]) -> str:
+def closest_paths(keys: list[str], paths: list[str]) -> str:
     """``'haed' (closest module paths: 'head')`` for each key that has near paths."""
     parts = []
     for key in keys:
@@ -113,18 +113,28 @@ def warn_once(
             "`attention_softmax_in_fp32`) is as in a model built in that dtype; an NNX "
             "module keeps what its `__init__` derived from the dtype it was built with.",
         )
-    unused = resolver.unused_keys()
-    if unused and "keys" not in warned:
+    if "keys" not in warned and resolver.unused_keys():
         warned.add("keys")
-        policy_map = resolver.policy_or_map
-        if isinstance(policy_map, DTypePolicyMap) and not _first_time(policy_map, model, unused):
-            return
-        paths = [p for p in resolver.infos if p]
+        unused_keys_note(resolver, model)
+
+
+def unused_keys_note(resolver: Resolver, model: str) -> str:
+    """The map's keys that chose nothing in this run, each with the closest module paths
+    (``"keys that resolve nothing: 'haed' (closest module paths: 'head')"``; ``""`` when
+    every key chose something); warns once per map, model and keys (``apply``, ``init`` and
+    ``explain`` together)."""
+    unused = resolver.unused_keys()
+    if not unused:
+        return ""
+    closest = closest_paths(unused, [p for p in resolver.infos if p])
+    policy_map = resolver.policy_or_map
+    if not isinstance(policy_map, DTypePolicyMap) or _first_time(policy_map, model, unused):
         warn(
             f"Keys of the DTypePolicyMap resolve no module or variable of {model}: "
-            f"{unused}. Check them for typos: {_closest(unused, paths)}. "
+            f"{unused}. Check them for typos: {closest}. "
             "`DTypePolicyMap.unused_keys(params)` lists them for a parameter tree.",
         )
+    return f"\nkeys that resolve nothing: {closest}"
 
 
 def resolved_rows(resolver: Resolver, params: Any) -> list[ExplainRow]:

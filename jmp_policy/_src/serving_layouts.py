@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
+from jmp_policy._src.batch_checks import blaming
+
 LAYOUTS = ("auto", "keep")
 
 
@@ -92,7 +94,9 @@ def serving_lowering(
     formats = jax.tree.map(lambda leaf: _format(leaf, layouts), variables)
     if layouts == "auto":  # jit takes Layout.AUTO for abstract values only
         variables = jax.tree.map(_abstract, variables)
-    return _lower(fn, formats, variables, args)
+    hint = "`args` must be example inputs of `fn(variables, *args)`, of its shapes and dtypes."
+    with blaming("args", args, "compile_for_serving", hint):
+        return _lower(fn, formats, variables, args)
 
 
 def _lower(fn: Callable[..., Any], formats: Any, variables: Any, args: tuple[Any, ...]) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
@@ -19,7 +20,8 @@ import numpy as np
 C = TypeVar("C", bound=type)
 T = TypeVar("T")
 
-_registered: list[type] = []  # every state class, for flax.serialization
+# Every pytree class of the library, with its flax.serialization state-dict functions.
+_registered: dict[type, tuple[Callable[..., Any], Callable[..., Any]]] = {}
 _flax_registered: set[type] = set()
 
 
@@ -66,9 +68,18 @@ def register_state(cls: C) -> C:
         )
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
-    _registered.append(cls)
-    register_with_flax_serialization()
+    register_flax_state(cls, _to_state_dict, _from_state_dict)
     return cls
+
+
+def register_flax_state(
+    cls: type, to_state_dict: Callable[..., Any], from_state_dict: Callable[..., Any]
+) -> None:
+    """Has ``flax.serialization`` turn ``cls`` into a state dict with ``to_state_dict`` and
+    back with ``from_state_dict``, now if flax is loaded, else once it is (see
+    :func:`register_with_flax_serialization`)."""
+    _registered[cls] = (to_state_dict, from_state_dict)
+    register_with_flax_serialization()
 
 
 def replace_leaves(obj: T, **leaves: Any) -> T:
@@ -151,17 +162,18 @@ def register_with_flax_serialization() -> None:
     state class: its array fields become a dict, the settings come from the restore target.
 
     ``import jmp_policy`` does not import flax, so this runs whenever flax may have arrived:
-    when a class is registered, when a state is built (every ``__post_init__``) and when an
-    optimizer state is initialised; a set lookup once it has run.
+    when a class is registered, when a state or a ``QuantizedArray`` is built, when an
+    optimizer state is initialised and when ``jmp_policy.linen`` or ``jmp_policy.nnx`` is
+    imported; a length comparison once it has run.
     """
     if len(_flax_registered) == len(_registered):
         return
     serialization = sys.modules.get("flax.serialization")
     if serialization is None:
         return
-    for cls in _registered:
+    for cls, (to_state_dict, from_state_dict) in list(_registered.items()):
         if cls not in _flax_registered:
             serialization.register_serialization_state(
-                cls, _to_state_dict, _from_state_dict, override=True
+                cls, to_state_dict, from_state_dict, override=True
             )
             _flax_registered.add(cls)

@@ -52,3 +52,43 @@ def parent_path(path: str) -> str | None:
     if not path:
         return None
     return path.rpartition("/")[0]
+
+
+#: How deep a tree the library's tree functions walk (real models nest a few dozen
+#: levels). JAX's own flattening fails past about a thousand levels with a
+#: ``RecursionError`` that leaves the interpreter unusable, so a deeper tree is refused
+#: before JAX sees it.
+MAX_TREE_DEPTH = 200
+
+
+def check_depth(tree: Any, argument: str = "tree") -> None:
+    """A ``ValueError`` naming ``argument`` when ``tree``'s dicts, lists and tuples nest
+    more than :data:`MAX_TREE_DEPTH` levels (an iterative walk: no recursion of its own).
+
+    Examples:
+        >>> deep = 1
+        >>> for _ in range(300):
+        ...     deep = [deep]
+        >>> check_depth(deep, "params")
+        Traceback (most recent call last):
+        ...
+        ValueError: `params` is nested more than 200 levels deep (dicts, lists or tuples), past the limit of the tree functions (JAX's flattening fails on much deeper trees). Received: a list at depth 200 that holds more
+    """
+    stack = [(tree, 0)]
+    containers = (dict, list, tuple)
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, containers):
+            continue
+        if depth >= MAX_TREE_DEPTH:
+            raise ValueError(
+                f"`{argument}` is nested more than {MAX_TREE_DEPTH} levels deep (dicts, lists "
+                "or tuples), past the limit of the tree functions (JAX's flattening fails on "
+                f"much deeper trees). Received: a {type(node).__name__} at depth {depth} "
+                "that holds more"
+            )
+        stack.extend((c, depth + 1) for c in _children(node))
+
+
+def _children(node: Any) -> Any:
+    return node.values() if isinstance(node, dict) else node

@@ -39,6 +39,7 @@ Examples:
 
 from __future__ import annotations
 
+from jmp_policy._src import state_pytree as _state_pytree
 from jmp_policy.linen._apply import apply as apply
 from jmp_policy.linen._calibrate import calibrate as calibrate
 from jmp_policy.linen._diagnose import diagnose as diagnose
@@ -60,6 +61,10 @@ __all__ = [
     "search_map",
     "split_gradients",
 ]
+
+# flax is loaded now: teach flax.serialization jmp_policy's pytree classes (QuantizedArray,
+# the loss scales), which the core registers lazily, never importing flax itself.
+_state_pytree.register_with_flax_serialization()
 
 
 def __dir__() -> list[str]:

@@ -89,7 +89,10 @@ def apply(
             matches its path (see ``NORM_FLOAT32``). ``module_dtype``: ``"respect"`` (the
             default: a module's own ``dtype=`` wins) or ``"override"`` (the policy wins
             everywhere). ``autocast_exclude``: module classes and/or path regular
-            expressions whose modules receive their inputs uncast.
+            expressions whose modules receive their inputs uncast. ``serving_kernel``:
+            ``"auto"`` (the default; XLA's matmul until a GPU measures the Pallas kernel
+            faster), ``"pallas"`` (int8/int4 weights at up to 64 rows on a GPU run the
+            library's Pallas kernel) or ``"xla"``.
 
     Returns:
         A function with ``module.apply``'s signature.
@@ -98,7 +101,8 @@ def apply(
         TypeError: ``module`` is not a Linen module, ``method``, ``type_policies``,
             ``autocast_exclude`` or ``variables`` has the wrong type.
         ValueError: ``policy_or_map`` names no policy or a non-floating one, ``method``
-            names no method, or ``module_dtype`` is neither "respect" nor "override".
+            names no method, ``module_dtype`` is neither "respect" nor "override", or
+            ``serving_kernel`` is none of "auto", "pallas" and "xla".
 
     Examples:
         >>> import jax

@@ -9,9 +9,10 @@ import flax.linen as nn
 import jax
 
 from jmp_policy._src import calibration_gather, global_state, quantization
+from jmp_policy._src.batch_checks import blaming, check_bool, check_no_nan
 from jmp_policy._src.options import as_policy_or_map
 from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path
-from jmp_policy._src.quantization import calibration, matmuls
+from jmp_policy._src.quantization import calibration, calibration_checks, matmuls
 from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
 from jmp_policy._src.quantization.calibration_stats import LayerStats
 from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
@@ -132,9 +133,13 @@ def calibrate(
         The variables, their ``"params"`` quantized (and the report if asked).
 
     Raises:
-        TypeError: ``module`` is not a Linen module, ``variables`` not a mapping, or
-            ``batches`` not iterable.
-        ValueError: no ``"params"``, or no batch.
+        TypeError: ``module`` is not a Linen module, ``variables`` not a mapping,
+            ``batches`` not iterable (or a string), or ``return_report`` not a bool.
+        ValueError: no ``"params"``, no batch, a batch holding NaN, or a batch the model
+            fails on (naming ``batches[i]``, the model's error chained).
+
+    Warns:
+        UserWarning: a GPTQ/AWQ key of the map chooses the policy of no layer.
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -152,10 +157,12 @@ def calibrate(
     """
     check_module(module)
     check_params(variables, "calibrate")
-    calibration.check_settings(hessian_damping, num_grid_points, clip_search)
+    calibration_checks.check_settings(hessian_damping, num_grid_points, clip_search)
     calibration_gather.check_max_bytes(max_statistics_bytes)
-    calls = calibration.check_batches(batches)
-    progress = calibration.check_progress(progress)
+    calls = calibration_checks.check_batches(batches)
+    progress = calibration_checks.check_progress(progress)
+    check_bool(return_report, "return_report", "also return the per-layer report")
+    check_no_nan(calls, "calibrate")
     policies = as_policy_or_map(policy_or_map)
     if policies is None:
         policies = global_state.dtype_policy()
@@ -163,8 +170,10 @@ def calibrate(
         policies = DTypePolicyMap(policies)
     params = variables["params"]
     policy_tree = policies.policy_tree(params)
+    calibration_checks.warn_unmatched(policies, params, policy_tree)
     targets = _targets(params, policy_tree)
-    stacked = stacks(module, variables, calls[0], kwargs, method)
+    with blaming("batches[0]", calls[0], "calibrate"):
+        stacked = stacks(module, variables, calls[0], kwargs, method)
     lead = {p: stacked.get(f"{p}/kernel", (0, 0))[0] for p in targets}
     targets = {p: _layer(s, stacked.get(f"{p}/kernel", (0, 0))) for p, s in targets.items()}
     stats: dict[str, LayerStats] = {}

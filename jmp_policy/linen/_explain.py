@@ -14,7 +14,7 @@ from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.options import OPTION_DEFAULTS, floating_policy_or_map
 from jmp_policy._src.quantization import matmuls
 from jmp_policy._src.resolution import Resolver
-from jmp_policy._src.run_report import float8_not_run, resolved_rows
+from jmp_policy._src.run_report import float8_not_run, resolved_rows, unused_keys_note
 from jmp_policy.linen._apply import apply_call
 from jmp_policy.linen._modules import (
     check_method,
@@ -85,7 +85,7 @@ def explain(
     """
     check_module(module)
     check_variables(variables)
-    calibrated = format_calibration(kwargs.pop("calibration", None))
+    calibrated = format_calibration(kwargs.pop("calibration", None), variables.get("params"))
     policies = floating_policy_or_map(policy_or_map)
     opts = options({k: kwargs.pop(k) for k in OPTION_DEFAULTS if k in kwargs})
     rngs, mutable = kwargs.pop("rngs", None), kwargs.pop("mutable", False)
@@ -110,4 +110,5 @@ def explain(
     params = variables.get("params", {})
     rows = resolved_rows(resolver, params)
     float8_not_run(resolver, rows, params, forms)
-    return format_rows(rows) + format_matmuls(forms) + calibrated
+    unused = unused_keys_note(resolver, type(module).__name__)
+    return format_rows(rows) + unused + format_matmuls(forms) + calibrated

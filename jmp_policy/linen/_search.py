@@ -57,7 +57,9 @@ def search_map(
     layers)``); a map cannot give the layers of one stack different policies. Layers
     under ``nn.remat`` (also ``nn.scan`` of ``nn.remat``) are scored as without it;
     layers inside another transform (``shard_map``) are not scored, keep ``base``, and
-    the table says so. Deterministic.
+    the table says so. Deterministic. The jit-compiled passes are kept for the module,
+    ``loss_fn``, ``inputs`` and options given (by identity): searching the same model
+    again (new weights, another budget) compiles nothing new for batches of the same shapes.
 
     Args:
         module: a ``flax.linen`` Module instance.
@@ -84,7 +86,8 @@ def search_map(
     Raises:
         TypeError, ValueError: a candidate name is not a quantized policy name (quoted),
             ``budget`` is not one of the forms above, or no choice meets it (the message
-            names the cheapest possible).
+            names the cheapest possible); a batch holds NaN, or the model fails on one
+            (naming ``batches[i]``, the model's error chained).
 
     Examples:
         >>> import jax
@@ -133,9 +136,12 @@ def search_map(
         base=base,
         jit=jit,
         progress=progress,
-        stacked_at={
+        stacked_at=lambda: {  # once `batches` is checked
             path[: -len("/kernel")]: at
             for path, (_, at) in stacks(module, variables, args_of(batches[0]), {}, None).items()
             if path.endswith("/kernel")
         },
+        # Linen modules are immutable: the same module, loss and options make the same
+        # passes (their jitted forms kept across calls); options by their text.
+        reuse=(module, loss_fn, inputs, repr(sorted(options.items()))),
     )

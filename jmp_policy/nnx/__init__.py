@@ -36,6 +36,7 @@ Examples:
 
 from __future__ import annotations
 
+from jmp_policy._src import state_pytree as _state_pytree
 from jmp_policy.nnx._apply import apply as apply
 from jmp_policy.nnx._calibrate import calibrate as calibrate
 from jmp_policy.nnx._diagnose import diagnose as diagnose
@@ -59,6 +60,10 @@ __all__ = [
     "search_map",
     "split_gradients",
 ]
+
+# flax is loaded now: teach flax.serialization jmp_policy's pytree classes (QuantizedArray,
+# the loss scales), which the core registers lazily, never importing flax itself.
+_state_pytree.register_with_flax_serialization()
 
 
 def __dir__() -> list[str]:

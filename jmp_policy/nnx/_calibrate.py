@@ -9,9 +9,10 @@ import jax
 from flax import nnx
 
 from jmp_policy._src import calibration_gather, global_state, user_warnings
+from jmp_policy._src.batch_checks import check_bool, check_no_nan
 from jmp_policy._src.options import as_policy_or_map
 from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path
-from jmp_policy._src.quantization import calibration, matmuls
+from jmp_policy._src.quantization import calibration, calibration_checks, matmuls
 from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
 from jmp_policy._src.quantization.calibration_stats import LayerStats
 from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
@@ -162,9 +163,14 @@ def calibrate(
         The calibrated copy (and the report if asked).
 
     Raises:
-        TypeError: ``model`` is not an ``nnx.Module``, ``batches`` not iterable or
-            ``progress`` neither a bool nor a callable.
-        ValueError: no batch.
+        TypeError: ``model`` is not an ``nnx.Module``, ``batches`` not iterable (or a
+            string), ``progress`` neither a bool nor a callable, or ``return_report`` not
+            a bool.
+        ValueError: no batch, a batch holding NaN, or a batch the model fails on (naming
+            ``batches[i]``, the model's error chained).
+
+    Warns:
+        UserWarning: a GPTQ/AWQ key of the map chooses the policy of no layer.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -185,10 +191,12 @@ def calibrate(
         (256, 8)
     """
     check_model(model)
-    calibration.check_settings(hessian_damping, num_grid_points, clip_search)
+    calibration_checks.check_settings(hessian_damping, num_grid_points, clip_search)
     calibration_gather.check_max_bytes(max_statistics_bytes)
-    calls = calibration.check_batches(batches)
-    progress = calibration.check_progress(progress)
+    calls = calibration_checks.check_batches(batches)
+    progress = calibration_checks.check_progress(progress)
+    check_bool(return_report, "return_report", "also return the per-layer report")
+    check_no_nan(calls, "calibrate")
     policies = as_policy_or_map(policy_or_map)
     if policies is None:
         policies = global_state.dtype_policy()
@@ -198,6 +206,7 @@ def calibrate(
     state = nnx.state(copy, nnx.Param)
     params = nnx.to_pure_dict(state)
     policy_tree = policies.policy_tree(params)
+    calibration_checks.warn_unmatched(policies, params, policy_tree)
     stacked_params = _stacked_params(copy, params)
     targets, unseen = _targets(copy, params, policy_tree, stacked_params)
     stats = _gather(copy, targets, unseen, stacked_params, calls, kwargs, max_statistics_bytes)

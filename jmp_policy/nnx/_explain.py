@@ -9,7 +9,7 @@ from flax import nnx
 from jmp_policy._src.calibration_report import format_calibration
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.quantization import matmuls
-from jmp_policy._src.run_report import float8_not_run, resolved_rows
+from jmp_policy._src.run_report import float8_not_run, resolved_rows, unused_keys_note
 from jmp_policy.nnx._apply import apply_with
 from jmp_policy.nnx._hook import resolver_for
 from jmp_policy.nnx._modules import prepare
@@ -65,12 +65,13 @@ def explain(
         total                                                               136      104
         bytes: as stored; c.bytes: as the compute reads them (K = 1024, M = 1024 K)
     """
-    calibrated = format_calibration(options.pop("calibration", None))
+    report = options.pop("calibration", None)
     policies, opts = prepare(model, policy_or_map, options)
-    resolver = resolver_for(model, policies, opts)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    calibrated = format_calibration(report, params)
+    resolver = resolver_for(model, policies, opts)
     rows = resolved_rows(resolver, params)
-    table = format_rows(rows)
+    table = format_rows(rows) + unused_keys_note(resolver, type(model).__name__)
     if not args:
         return table + calibrated
 

@@ -10,6 +10,7 @@ scaling with flax's TrainState, Flax's own lm1b model, and the errors.
 from __future__ import annotations
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -227,6 +228,14 @@ def test_a_training_step_converts_to_e4m3_and_e5m2_exactly_where_expected():
         ("bfloat16", (64, 32)), ("bfloat16", (32, 32)),  # merge: (64, 2, 16), (2, 16, 32)
     ])  # fmt: skip
     assert {(a, s) for a, b, s in found if b == "float8_e5m2"} == {("bfloat16", (64, 32))}
+    # Compiled, XLA's CPU backend may fuse a convert into each of its consumers rather than
+    # keep one float8 copy: jax 0.10.2 compiles the 9 traced converts to 9, jax 0.12.0.1 to
+    # 14 (each input and output gradient converted again inside the fusion of the gradient
+    # matmul that reads it too; the same 11 dots). Never more than once per float8 matmul
+    # that reads the operand: 3 layers x (forward, two gradients).
+    hlo = jax.jit(step).lower(carry, (x, y)).compile().as_text()
+    compiled = re.findall(r"= (f8e4m3fn|f8e5m2)\[[^\]]*\]\S* convert\(", hlo)
+    assert sum(to.values()) <= len(compiled) <= 2 * 3 * len(HIDDEN), compiled
     # A bfloat16 map: no float8 anywhere.
     step_bf16, _ = train_step(MLP(), hidden_map("mixed_bfloat16"), optimizer)
     bf16_carry = ({"params": variables["params"]}, carry[1])
@@ -324,14 +333,23 @@ def test_current_scaling_ends_near_bfloat16_on_the_mlp():
     assert abs(float(losses[-1]) - float(losses_bf16[-1])) <= 0.05 * float(losses_bf16[0])
 
 
-def test_at_a_large_learning_rate_current_scaling_tracks_bf16_where_delayed_diverges():
+def test_at_a_large_learning_rate_delayed_scaling_holds_stale_scales_and_ends_worse():
     """The CPU reproduction of the H100 case (adam at lr 1e-3, width 8192): at lr 0.1 on
-    benchmarks/float8_bench.py's MLP stack (width 64) delayed scaling with its default
-    1,024-step amax history ends far above bfloat16's loss; current scaling, each tensor by
-    its own amax, stays with it, and so does delayed scaling with a history of one step:
-    what diverges is the history's maximum, which holds the scale of a jump long after
-    the tensors have shrunk again (the H200 trace: the gradients' scales held at the
-    step-1 jump's amax)."""
+    benchmarks/float8_bench.py's MLP stack (width 64), delayed scaling with its default
+    1,024-step amax history keeps the scale of the early steps' jump long after the tensors
+    have shrunk again (the H200 trace: the gradients' scales held at the step-1 jump's amax),
+    and ends above bfloat16's loss and above delayed scaling with a one-step history; current
+    scaling, each tensor by its own amax, stays with bfloat16, and so does the one-step
+    history.
+
+    How far the 1,024-step runs end above hangs on the last bits of the arithmetic (the runs
+    are chaotic at this learning rate): the mean over these 4 initialisations was 8.5x
+    bfloat16's loss on jax 0.10.2 and 1.1x on 0.12.0.1, whose XLA CPU rounds each bfloat16
+    operation of a fusion to bfloat16 where 0.10.2's kept float32 between them (see
+    tests/optax_wrapper_test.py's float16 test). What both show, and this test states: the
+    held scales (every layer's gradient amax history ends 8-31x above its latest amax),
+    and the ordering of the final losses.
+    """
     import sys
     from pathlib import Path
 
@@ -345,6 +363,7 @@ def test_at_a_large_learning_rate_current_scaling_tracks_bf16_where_delayed_dive
     # The mean over 4 initialisations of the mean loss of the last 10 of 60 steps (one
     # run is chaotic at this learning rate; the mean is not).
     final = dict.fromkeys(("float8", "f8_cur", "bf16", "history_1"), 0.0)
+    held = []  # per run and layer of the 1,024-step history: its maximum over its latest amax
     policies = {
         **bench.VARIANTS,
         "history_1": jp.DTypePolicyMap(
@@ -373,9 +392,20 @@ def test_at_a_large_learning_rate_current_scaling_tracks_bf16_where_delayed_dive
             for i in range(60):
                 variables, opt_state, loss = step(variables, opt_state, x, y)
                 final[name] += float(loss) / 40 if i >= 50 else 0.0
+            if name == "float8":
+                for layer in jax.tree.leaves(
+                    variables[COLLECTION],
+                    is_leaf=lambda t: isinstance(t, dict) and "output_grad_amax_history" in t,
+                ):
+                    history = np.asarray(layer["output_grad_amax_history"])
+                    held.append(float(history.max() / history[0]))
     assert abs(final["f8_cur"] - final["bf16"]) < 0.1 * final["bf16"], final
-    assert final["float8"] > 2 * final["bf16"], final  # delayed scaling diverged
-    assert final["history_1"] < 1.2 * final["bf16"], final  # not with a one-step history
+    assert final["history_1"] < 1.2 * final["bf16"], final  # a one-step history tracks bf16
+    # The 1,024-step history: every layer's gradient scale still the early jump's (its
+    # latest amax 8-31x below the history's maximum, measured), and its runs end higher.
+    assert len(held) == 4 * 2 * args.layers and min(held) > 4, held
+    assert final["float8"] > 1.1 * final["history_1"], final
+    assert final["float8"] > final["bf16"], final
 
 
 # -- loss scaling ------------------------------------------------------------------------------

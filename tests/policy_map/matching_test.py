@@ -315,3 +315,60 @@ def test_root_variables_under_jit_and_grad_keep_their_stored_dtype():
 
     grads = jax.jit(jax.grad(loss))(_vit_tree())
     assert jax.tree.map(lambda g: g.dtype, grads) == jax.tree.map(lambda x: x.dtype, _vit_tree())
+
+
+# -- keys indexed by their literal suffix (#46) ---------------------------------------------
+
+_PIECES = [".*", "[a-c]+", "(a|b)", "(a)\\1", "\\d", "\\.", "x", "/", "mlp", "a", "\\\\", "$"]
+
+
+def _brute_match(keys, path):
+    if path in keys:  # an exact key wins
+        return path
+    found = [k for k in keys if re.fullmatch(k, path)]
+    return found[0] if len(found) == 1 else ("ambiguous" if found else None)
+
+
+def _brute_variable(keys, path):
+    if path in keys:
+        return path
+    module = path.rpartition("/")[0]
+    found = [k for k in keys if re.fullmatch(k, path) and not re.fullmatch(k, module)]
+    return found[0] if len(found) == 1 else ("ambiguous" if found else None)
+
+
+def _answer(call, path):
+    try:
+        return call(path)
+    except ValueError as e:
+        assert "matches multiple" in str(e)
+        return "ambiguous"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_keys_without_a_literal_prefix_match_as_python_re_does(seed):
+    rng = np.random.default_rng(seed)
+    keys = set()
+    while len(keys) < 6:
+        key = "".join(rng.choice(_PIECES, size=rng.integers(1, 5)))
+        try:
+            re.compile(key)
+        except re.error:
+            continue
+        keys.add(key)
+    m = jp.DTypePolicyMap("float32", dict.fromkeys(sorted(keys), "bfloat16"))
+    words = ["a", "b", "aa", "x", "mlp", "1", ".", "\\", "c/mlp", "a.x"]
+    for _ in range(60):
+        path = "/".join(rng.choice(words, size=rng.integers(1, 4)))
+        assert _answer(m.match, path) == _brute_match(sorted(keys), path), (keys, path)
+        want = _brute_variable(sorted(keys), path)
+        assert _answer(m.match_variable, path) == want, (keys, path)
+
+
+def test_twenty_thousand_leading_wildcard_keys_compile_only_those_a_path_ends_like():
+    keys = {f".*/layers_{i}/mlp": "bfloat16" for i in range(20_000)}
+    m = jp.DTypePolicyMap("float32", keys)
+    assert m["decoder/layers_7/mlp"].name == "bfloat16"
+    assert m["decoder/layers_7/attn"].name == "float32"
+    compiled = [k for k, p in m._index._regex.items() if p._matcher is not None]
+    assert compiled == [".*/layers_7/mlp"]  # one key compiled, not 20,000

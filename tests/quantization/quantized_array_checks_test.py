@@ -90,8 +90,17 @@ def test_nan_scale_is_kept_as_a_non_finite_kernel_makes_it():
     kernel = jnp.array([[1.0, jnp.nan], [2.0, 3.0]])
     q = jp.QuantizedDTypePolicy("int8", "float32").quantize({"kernel": kernel})["kernel"]
     assert np.isnan(np.asarray(q.scale)[1]) and np.asarray(q.scale)[0] > 0
-    rebuilt = jp.QuantizedArray(q.values, q.scale, "int8", None, (2, 2), F32)
+    rebuilt = jax.tree.map(lambda x: x, q)  # tree operations keep it as it is
     assert np.isnan(np.asarray(rebuilt.dequantize())[:, 1]).all()
+    assert rebuilt == q  # NaN scales compare equal where both are NaN
+
+
+@pytest.mark.parametrize("scale", [[1.0, np.nan], [np.nan, np.nan]])
+def test_a_users_nan_scale_is_refused_naming_scale(scale):
+    # Only `quantize` marks a non-finite kernel's channel with a NaN scale (#46).
+    values = jnp.ones((2, 2), jnp.int8)
+    with pytest.raises(ValueError, match=r"`scale` must be finite and positive.*=nan"):
+        jp.QuantizedArray(values, jnp.asarray(scale, jnp.float32), "int8", None, (2, 2), F32)
 
 
 def test_zero_scale_is_accepted_in_an_all_zero_array():

@@ -31,12 +31,16 @@ found once.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Iterator
-from typing import Any
+import functools
+import threading
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, TypeVar
 
 from jmp_policy._src import dtypes as _dt
 from jmp_policy._src.path_patterns import PathPattern, compile_pattern, is_literal
 from jmp_policy._src.tree_paths import parent_path
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: How the map's messages name a key (see :func:`compile_pattern`).
 KEY = "key {key} of the DTypePolicyMap"
@@ -82,15 +86,32 @@ def path_and_ancestors(path: str) -> Iterator[str]:
         current = parent_path(current) or None
 
 
+def _locked(method: F) -> F:
+    """``method`` run holding its index's lock."""
+
+    @functools.wraps(method)
+    def locked(self: KeyIndex, *args: Any) -> Any:
+        with self.lock:
+            return method(self, *args)
+
+    return locked  # type: ignore[return-value]
+
+
 class KeyIndex:
     """The stored keys of a map, indexed for matching (:meth:`match`,
     :meth:`match_variable`) and resolution (:meth:`resolve`, :meth:`resolve_variable`).
 
     The index holds keys only (no policies); its answers are cached per path until the
-    next :meth:`add` or :meth:`remove`.
+    next :meth:`add` or :meth:`remove`. Its public methods hold :attr:`lock`; the
+    ``*_unlocked`` and ``*_uncached`` ones are for callers that hold it.
     """
 
     def __init__(self) -> None:
+        # One lock for the keys and every cache: threads sharing a map look paths up
+        # while others add keys (a lookup fills caches an add clears, and the sorted views
+        # are rebuilt from dicts an add changes). Re-entrant: the map's methods hold it
+        # around the index's.
+        self.lock = threading.RLock()
         self._order: dict[str, int] = {}  # every key, to its insertion rank
         self._next = 0
         # Regular-expression keys, to their checked pattern (compiled on its first match:
@@ -98,6 +119,10 @@ class KeyIndex:
         # cost of building a large map).
         self._regex: dict[str, PathPattern] = {}
         self._by_prefix: dict[str, list[str]] = {}
+        # Keys with no literal prefix but a literal suffix (".*/layers_3/mlp"), by it: a
+        # path tries only those its own end matches.
+        self._by_suffix: dict[str, list[str]] = {}
+        self._suffix_lengths: list[int] = []
         self._prefix_lengths: list[int] = []
         self._sorted_prefixes: list[str] = []
         self._sorted_keys: list[str] = []
@@ -109,6 +134,7 @@ class KeyIndex:
         # Per module path: its resolved key, and whether a key may name one of its variables.
         self._module_keys: dict[str, tuple[str | None, bool]] = {}
 
+    @_locked
     def add(self, key: str) -> None:
         """Adds ``key``; a bad regular expression is a ``ValueError`` naming the key (see
         :mod:`jmp_policy._src.path_patterns`).
@@ -118,21 +144,32 @@ class KeyIndex:
         """
         if not is_literal(key):
             pattern = self._regex[key] = compile_pattern(key, KEY)
-            self._by_prefix.setdefault(pattern.literal_prefix, []).append(key)
+            self._bucket(pattern).setdefault(pattern.literal_text, []).append(key)
         self._order[key] = self._next
         self._next += 1
         self._changed()
 
+    @_locked
     def remove(self, key: str) -> None:
         """Removes ``key`` (which must be there)."""
         del self._order[key]
         if key in self._regex:
-            prefix = self._regex.pop(key).literal_prefix
-            bucket = self._by_prefix[prefix]
-            bucket.remove(key)
-            if not bucket:
-                del self._by_prefix[prefix]
+            pattern = self._regex.pop(key)
+            buckets = self._bucket(pattern)
+            buckets[pattern.literal_text].remove(key)
+            if not buckets[pattern.literal_text]:
+                del buckets[pattern.literal_text]
         self._changed()
+
+    def _bucket(self, pattern: PathPattern) -> dict[str, list[str]]:
+        return self._by_suffix if pattern.literal_suffix else self._by_prefix
+
+    def __getstate__(self) -> dict[str, Any]:  # a lock is not copied or pickled
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
 
     def _changed(self) -> None:
         for cache in (
@@ -150,6 +187,7 @@ class KeyIndex:
         if not self._stale:
             return
         self._prefix_lengths = sorted({len(p) for p in self._by_prefix})
+        self._suffix_lengths = sorted({len(s) for s in self._by_suffix})
         self._sorted_prefixes = sorted(self._by_prefix)
         self._sorted_keys = sorted(self._order)
         self._stale = False
@@ -161,6 +199,7 @@ class KeyIndex:
             "sure each path only matches at most one key of the DTypePolicyMap."
         )
 
+    @_locked
     def match(self, path: str) -> str | None:
         """The key that names ``path`` itself (exact, else one ``fullmatch``), or None."""
         try:
@@ -183,6 +222,7 @@ class KeyIndex:
             for candidate in self._by_prefix.get(path[:length], ()):
                 if self._regex[candidate].fullmatch(path):
                     matches.append(candidate)
+        matches += self._by_end(path)
         if len(matches) > 1:
             self._raise_ambiguous(path, matches)
         return matches[0] if matches else None
@@ -214,6 +254,19 @@ class KeyIndex:
         self._candidate_cache[module] = info
         return info
 
+    def _by_end(self, path: str) -> list[str]:
+        """The keys indexed by a literal suffix that fullmatch ``path``."""
+        self._refresh()
+        found = []
+        for length in self._suffix_lengths:
+            if length > len(path):
+                break
+            for candidate in self._by_suffix.get(path[len(path) - length :], ()):
+                if self._regex[candidate].fullmatch(path):
+                    found.append(candidate)
+        return found
+
+    @_locked
     def match_variable(self, path: str) -> str | None:
         """The key that names the variable ``path`` itself, or None (see the module doc)."""
         try:
@@ -230,14 +283,20 @@ class KeyIndex:
         by_name, has_exact = self._variable_candidates(module)
         if has_exact and path in self._order:
             return path
-        if not by_name:
+        ends = [k for k in self._by_end(path) if not self._regex[k].fullmatch(module)]
+        if not by_name and not ends:
             return None
-        matches = [k for k in by_name if self._regex[k].fullmatch(path)]
+        matches = [k for k in by_name if self._regex[k].fullmatch(path)] + ends
         if len(matches) > 1:
             self._raise_ambiguous(path, matches)
         return matches[0] if matches else None
 
+    @_locked
     def resolve(self, path: str) -> str | None:
+        """The key that chooses ``path``'s policy (see :meth:`resolve_unlocked`)."""
+        return self.resolve_unlocked(path)
+
+    def resolve_unlocked(self, path: str) -> str | None:
         """The key that chooses ``path``'s policy: the one naming the path or its nearest
         ancestor (:func:`path_and_ancestors`); None: the default policy."""
         if type(path) is not str:  # before the cache: `map[[]]` is no bare "unhashable"
@@ -260,14 +319,20 @@ class KeyIndex:
             self._resolve_cache[current] = key
         return key
 
+    @_locked
     def resolve_variable(self, module: str, name: str) -> str | None:
+        """:meth:`resolve_variable_unlocked`, holding the lock."""
+        return self.resolve_variable_unlocked(module, name)
+
+    def resolve_variable_unlocked(self, module: str, name: str) -> str | None:
         """The key that chooses the policy of the variable ``name`` of ``module``: one
         naming the variable itself, else the module's (the root's for module ``""``)."""
         try:
             module_key, may_name = self._module_keys[module]
         except KeyError:
             by_name, has_exact = self._variable_candidates(module)
-            module_key, may_name = self.resolve(module), bool(by_name or has_exact)
+            may_name = bool(by_name or has_exact or self._by_suffix)
+            module_key = self.resolve_unlocked(module)
             self._module_keys[module] = module_key, may_name
         if may_name:
             key = self.match_variable_uncached(f"{module}/{name}" if module else name, module)

@@ -28,6 +28,7 @@ def _as_default(default_policy: Any) -> DTypePolicy | None:
         return None
     if isinstance(default_policy, DTypePolicyMap):
         raise ValueError("`default_policy` cannot be a `DTypePolicyMap`.")
+    _values.check_not_paths(default_policy)
     _values.check_config(default_policy, "Invalid `default_policy`")
     try:
         return identifiers.get(default_policy)  # type: ignore[no-any-return]
@@ -103,7 +104,11 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             )
         self._policies: dict[str, DTypePolicy] = {}
         self._index = _index.KeyIndex()
+        read: dict[Any, DTypePolicy] = {}  # a name or config read once (maps repeat them)
         for key, value in (policy_map or {}).items():
+            if type(value) is dict or type(value) is str:
+                text = (type(value), repr(value))  # JSON-like: equal texts, equal configs
+                value = read.get(text) or read.setdefault(text, _values.as_policy(value, key))
             self[key] = value
 
     # -- the mapping: stored keys ---------------------------------------------------------
@@ -130,21 +135,33 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
     def __setitem__(self, key: str, policy: DTypePolicy | str | dict[str, Any]) -> None:
         _index.check_key_type(key)
         if key in self._policies:
-            raise ValueError(
-                f"{key} already exist in the DTypePolicyMap with value "
-                f"{self._policies[key]!r}. Please make sure to not use duplicated keys "
-                f"(delete the key first to replace its policy). Received: key={key!r}"
-            )
+            raise self._duplicate(key)
         value = _values.as_policy(policy, key)
-        self._index.add(key)
-        self._policies[key] = value
+        with self._index.lock:  # the key and its policy appear together
+            if key in self._policies:
+                raise self._duplicate(key)
+            self._index.add(key)
+            self._policies[key] = value
+
+    def _duplicate(self, key: str) -> ValueError:
+        return ValueError(
+            f"{key} already exist in the DTypePolicyMap with value "
+            f"{self._policies.get(key)!r}. Please make sure to not use duplicated keys "
+            f"(delete the key first to replace its policy). Received: key={key!r}"
+        )
 
     def __delitem__(self, key: str) -> None:
         _index.check_key_type(key)
-        if key not in self._policies:
-            raise _index.absent_key(key, self._policies)
-        del self._policies[key]
-        self._index.remove(key)
+        with self._index.lock:
+            if key not in self._policies:
+                raise _index.absent_key(key, self._snapshot())
+            del self._policies[key]
+            self._index.remove(key)
+
+    def _snapshot(self) -> dict[str, DTypePolicy]:
+        """The stored keys and policies, copied while no other thread changes them."""
+        with self._index.lock:
+            return dict(self._policies)
 
     def __contains__(self, key: object) -> bool:
         # A dict raises TypeError for an unhashable key; no such key is stored here.
@@ -154,15 +171,16 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
         return len(self._policies)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._policies)
+        return iter(self._snapshot())
 
     def items(self) -> ItemsView[str, DTypePolicy]:
-        """The stored keys and their policies, in insertion order."""
-        return self._policies.items()
+        """The stored keys and their policies, in insertion order (as they were: another
+        thread's changes do not reach an iteration under way)."""
+        return self._snapshot().items()
 
     def values(self) -> ValuesView[DTypePolicy]:
-        """The stored policies, in insertion order."""
-        return self._policies.values()
+        """The stored policies, in insertion order (as :meth:`items`)."""
+        return self._snapshot().values()
 
     def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
         """The policy stored under ``key``, or ``default`` when ``key`` is not stored.
@@ -191,13 +209,14 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             (<DTypePolicy "bfloat16">, None, 0)
         """
         _index.check_key_type(key)
-        if key not in self._policies:
-            if default is _MISSING:
-                raise _index.absent_key(key, self._policies)
-            return default
-        policy = self._policies[key]
-        del self[key]
-        return policy
+        with self._index.lock:
+            if key not in self._policies:
+                if default is _MISSING:
+                    raise _index.absent_key(key, self._snapshot())
+                return default
+            policy = self._policies[key]
+            del self[key]
+            return policy
 
     def setdefault(self, key: str, default: Any = None) -> DTypePolicy:
         """The policy stored under ``key``; when not stored, stores ``default`` (a policy,
@@ -210,18 +229,19 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             (<DTypePolicy "bfloat16">, <DTypePolicy "bfloat16">)
         """
         _index.check_key_type(key)
-        if key not in self._policies:
-            self[key] = default
-        return self._policies[key]
+        with self._index.lock:
+            if key not in self._policies:
+                self[key] = default
+            return self._policies[key]
 
     def clear(self) -> None:
         """Removes every stored key."""
-        for key in list(self._policies):
-            del self[key]
+        for key in self._snapshot():
+            self.pop(key, None)
 
     def __repr__(self) -> str:
         default = None if self._default_policy is None else self._default_policy.name
-        mapping = [(k, v.name) for k, v in self._policies.items()]
+        mapping = [(k, v.name) for k, v in self._snapshot().items()]
         return f"<DTypePolicyMap default_policy={default}, mapping={mapping}>"
 
     def __eq__(self, other: object) -> bool:
@@ -229,7 +249,7 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             return NotImplemented
         # A dict comparison: lookups never depend on insertion order, so neither does ==.
         return bool(
-            self._default_policy == other._default_policy and self._policies == other._policies
+            self._default_policy == other._default_policy and self._snapshot() == other._snapshot()
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable
@@ -308,8 +328,14 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
     def _policy_of(self, key: str | None) -> DTypePolicy:
         return self.default_policy if key is None else self._policies[key]
 
+    def _variable_policy(self, module: str, name: str) -> DTypePolicy:
+        """The policy of the variable ``name`` of ``module`` (the tree methods' lookup)."""
+        with self._index.lock:  # the key found and its policy read with no change between
+            return self._policy_of(self._index.resolve_variable_unlocked(module, name))
+
     def __getitem__(self, path: str) -> DTypePolicy:
-        return self._policy_of(self._index.resolve(path))
+        with self._index.lock:
+            return self._policy_of(self._index.resolve_unlocked(path))
 
     def resolve(self, path: str) -> tuple[DTypePolicy, str | None]:
         """The policy of ``path`` and the key that chose it (``None``: the default).
@@ -322,8 +348,9 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
             >>> m.resolve("head")
             (<DTypePolicy "float32">, None)
         """
-        key = self._index.resolve(path)
-        return self._policy_of(key), key
+        with self._index.lock:
+            key = self._index.resolve(path)
+            return self._policy_of(key), key
 
     # -- tree methods: ``_trees``'s functions of the map, whose docstrings they keep -------
 
@@ -347,7 +374,7 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
         default = self._default_policy
         return {
             "default_policy": None if default is None else _values.serialize_value(default),
-            "policy_map": {k: _values.serialize_value(v) for k, v in self._policies.items()},
+            "policy_map": {k: _values.serialize_value(v) for k, v in self._snapshot().items()},
         }
 
     @classmethod

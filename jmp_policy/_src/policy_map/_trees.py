@@ -26,6 +26,7 @@ from jmp_policy._src import explain as explain_rows
 from jmp_policy._src.dtypes import bounded_repr
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.policy_map._index import KeyIndex, path_and_ancestors
+from jmp_policy._src.tree_paths import MAX_TREE_DEPTH, check_depth
 from jmp_policy._src.tree_paths import is_value_suffix as _is_value_suffix
 from jmp_policy._src.tree_paths import key_name as _key_name
 
@@ -47,6 +48,8 @@ class PolicyMap(Protocol):
     def values(self) -> ValuesView[DTypePolicy]: ...
 
     def _policy_of(self, key: str | None) -> DTypePolicy: ...
+
+    def _variable_policy(self, module: str, name: str) -> DTypePolicy: ...
 
 
 # Leaves of every walk; a QuantizedArray is one leaf at its kernel's path.
@@ -72,6 +75,7 @@ def leaves(tree: Any) -> tuple[list[tuple[str, str, Any]], Any]:
     Consecutive leaves share their module's key path, so each module path is joined once,
     not once per leaf.
     """
+    check_depth(tree)
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=quantization.is_quantized)
     out = []
     prev: tuple[Any, ...] | None = None
@@ -85,11 +89,6 @@ def leaves(tree: Any) -> tuple[list[tuple[str, str, Any]], Any]:
             prev = prefix
         out.append((module, _key_name(key_path[-1]) if key_path else "", leaf))
     return out, treedef
-
-
-#: How deep a tree the map's tree methods walk (real models nest a few dozen levels); a
-#: deeper one is a ``ValueError`` saying so, not a ``RecursionError``.
-MAX_TREE_DEPTH = 200
 
 
 def map_leaves(tree: T, fn: Callable[[str, str, Any], Any]) -> T:
@@ -131,8 +130,7 @@ def map_leaves(tree: T, fn: Callable[[str, str, Any], Any]) -> T:
 
 
 def _map_policies(policy_map: PolicyMap, tree: T, fn: Callable[[DTypePolicy, Any], Any]) -> T:
-    policy_of, variable_key = policy_map._policy_of, policy_map._index.resolve_variable
-    return map_leaves(tree, lambda m, n, x: fn(policy_of(variable_key(m, n)), x))
+    return map_leaves(tree, lambda m, n, x: fn(policy_map._variable_policy(m, n), x))
 
 
 def policy_tree(policy_map: PolicyMap, tree: Any) -> Any:
@@ -263,10 +261,9 @@ def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
         )
     stacked_of = quantization.stack_of(stacked_axes)
     done: list[tuple[str, tuple[int, ...]]] = []
-    policy_of, variable_key = policy_map._policy_of, policy_map._index.resolve_variable
 
     def leaf(module: str, name: str, x: Any) -> Any:
-        policy = policy_of(variable_key(module, name))
+        policy = policy_map._variable_policy(module, name)
         if not _stores_weights(policy):
             return x
         k, at = stacked_of(path := f"{module}/{name}" if module else name)

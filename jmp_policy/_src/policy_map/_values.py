@@ -13,6 +13,23 @@ from jmp_policy._src import identifiers, serialization
 from jmp_policy._src.dtypes import TypeAndValueError, bounded_repr
 from jmp_policy._src.policy import DTypePolicy
 
+# The keys of a policy's config dict (Keras's serialized form): a dict with none of them,
+# given as a default policy, is a dict of paths to policies.
+_CONFIG_KEYS = frozenset({"class_name", "config", "module", "registered_name", "name"})
+
+
+def check_not_paths(default_policy: Any) -> None:
+    """Refuses ``DTypePolicyMap({"head": "float32"})``: paths where the default goes."""
+    if isinstance(default_policy, Mapping) and not _CONFIG_KEYS & set(default_policy):
+        raise TypeAndValueError(
+            "`default_policy` got a dict of paths to policies, which is the second argument, "
+            "`policy_map`: write `DTypePolicyMap(None, {...})` (or "
+            "`DTypePolicyMap(policy_map={...})`), or `DTypePolicyMap('mixed_bfloat16', {...})` "
+            "with a default for the paths no key matches. A dict as `default_policy` is a "
+            "policy's config, with a 'class_name'. "
+            f"Received: default_policy={bounded_repr(default_policy)}"
+        )
+
 
 def check_config(value: Any, argument: str) -> None:
     """Rejects config dicts that would not give one policy, naming ``argument``."""

@@ -5,7 +5,10 @@ that name a format are :mod:`jmp_policy._src.quantized_policy`; the registry of 
 which the name grammar reads, is :mod:`jmp_policy._src.schemes`, below this package):
 
 * ``quantized_array``: :class:`QuantizedArray` (int8/int4 weight storage) and ``quantize``;
-  ``quantized_array_checks``: its field checks;
+  ``quantized_array_checks``: its field checks; ``quantized_tree``: it as a pytree
+  (unflatten of any leaves, value equality, the library's checked construction, flax
+  state dicts); ``checkpoints``: QuantizedArrays rebuilt from checkpoints restored
+  without a target;
 * ``int4_layout``: int4 blocks and the packed checkpoints of earlier versions;
 * ``stacked_axes``: the stacked axes of stacked (scanned) layers, per path;
   ``kernel_leaves``: which leaves are kernels (biases are not), quantized per layer;

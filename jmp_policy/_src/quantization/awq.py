@@ -40,6 +40,7 @@ from jmp_policy._src.quantization.quantized_array import (
     quantize,
 )
 from jmp_policy._src.quantization.quantized_array_checks import stack_to_front
+from jmp_policy._src.quantization.quantized_tree import make, register
 
 DEFAULT_NUM_GRID_POINTS = 20
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -178,18 +179,14 @@ def awq_quantize(
     w32 = jnp.asarray(kernel).astype(jnp.float32).reshape(*lead, rows, *rest)
     s, values, scales, _ = search(w32, mean_abs.astype(jnp.float32), gram.astype(jnp.float32))
     dtype = jnp.int4 if weight_bits == 4 else jnp.int8
-    return InputScaledArray(
-        values.reshape(shape).astype(dtype), scales, mode, block, shape,
-        np.dtype(kernel.dtype), stacked, input_scale=s.reshape(*lead, *ins),
+    return make(
+        InputScaledArray, values.reshape(shape).astype(dtype), scales, mode, block, shape,
+        np.dtype(kernel.dtype), stacked, s.reshape(*lead, *ins),
     )  # fmt: skip
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["values", "scale", "input_scale"],
-    meta_fields=["mode", "block_size", "shape", "original_dtype", "stacked", "stacked_at"],
-)
-@dataclasses.dataclass(frozen=True)
+@register(("values", "scale", "input_scale"))
+@dataclasses.dataclass(frozen=True, eq=False)
 class InputScaledArray(QuantizedArray):
     """An AWQ kernel: a :class:`~jmp_policy.QuantizedArray` of ``diag(s) W`` and ``s``,
     ``input_scale`` (float32, ``[*depth, *in_shape]``: the kernel's leading input axes, one
@@ -199,8 +196,8 @@ class InputScaledArray(QuantizedArray):
 
     input_scale: Any = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def _validate(self, *, nan_scale: bool) -> None:
+        super()._validate(nan_scale=nan_scale)
         s = self.input_scale
         k = self.stacked
         # The stacked axes lead the input scale whatever `stacked_at` is.
@@ -226,8 +223,8 @@ class InputScaledArray(QuantizedArray):
     def scaled_kernel(self) -> QuantizedArray:
         """The stored ``Q(diag(s) W)`` as a plain :class:`~jmp_policy.QuantizedArray`
         (what the weight-only matmul multiplies the inputs divided by ``s`` with)."""
-        return QuantizedArray(
-            self.values, self.scale, self.mode, self.block_size, self.shape,
+        return make(
+            QuantizedArray, self.values, self.scale, self.mode, self.block_size, self.shape,
             self.original_dtype, self.stacked, stacked_at=self.stacked_at,
         )  # fmt: skip
 

@@ -19,11 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src.dtypes import bounded_repr
+from jmp_policy._src.dtypes import MAX_INT4_BLOCK, bounded_repr
+from jmp_policy._src.int_arguments import int_from_text
 from jmp_policy._src.quantization import awq, gptq, matmuls
 from jmp_policy._src.quantization import quantized_array as quantization
 from jmp_policy._src.quantization.quantized_matmul import normalize_dims
 from jmp_policy._src.schemes import Scheme, register
+
+# The widest <weight_bits> a mode's text is read with (the format then says which it stores).
+_MAX_BITS = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,17 +65,15 @@ class CalibratedScheme(Scheme):
                 f"'{cls.mode}/<weight_bits>/<group_size>', as in '{cls.mode}/4/128'. "
                 f"Received: mode={bounded_repr(text)}"
             )
-        try:
-            bits, group = int(parts[1]), int(parts[2])
-        except ValueError:
+        # Each number read by the one bounded parser: full-width digits, "12_8", 20 digits refused.
+        bits = int_from_text(parts[1], 0, _MAX_BITS)
+        group = int_from_text(parts[2], -1, MAX_INT4_BLOCK)
+        if bits is None or group is None or group == 0:
             raise ValueError(
                 f"Invalid mode for {cls_name}: <weight_bits> and <group_size> must be "
-                f"integers, as in '{cls.mode}/4/128'. Received: mode={bounded_repr(text)}"
-            ) from None
-        if group == 0 or group < -1:
-            raise ValueError(
-                "Invalid group_size in mode: -1 (per channel) or a positive integer. "
-                f"Received: mode={bounded_repr(text)}"
+                f"integers in ASCII digits (no '_', '+' or leading zeros), <weight_bits> {' or '.join(map(str, cls.bits))} "
+                f"and <group_size> -1 (per channel) or from 1 to {MAX_INT4_BLOCK}, as in "
+                f"'{cls.mode}/4/128'. Received: mode={bounded_repr(text)}"
             )
         if bits == 8 and group != -1 and 8 in cls.bits:
             raise ValueError(

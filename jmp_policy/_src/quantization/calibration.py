@@ -27,11 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src.int_arguments import check_int
 from jmp_policy._src.quantization import awq, kernel_leaves
 from jmp_policy._src.quantization import quantized_array as quantization
 from jmp_policy._src.quantization.calibrated_schemes import CalibratedScheme
 from jmp_policy._src.quantization.calibration_stats import LayerStats
+from jmp_policy._src.quantization.quantized_tree import replace
 from jmp_policy._src.tree_paths import leaf_path
 
 
@@ -127,53 +127,6 @@ def quantize_calibrated(
             out.append(x)
     close()
     return jax.tree_util.tree_unflatten(treedef, out), reports
-
-
-#: The most AWQ grid points ``calibrate`` takes (Keras's default is 20).
-MAX_GRID_POINTS = 10_000
-
-
-def check_settings(hessian_damping: Any, num_grid_points: Any, clip_search: Any = True) -> None:
-    """``calibrate``'s solver settings, checked before any layer runs.
-
-    Raises:
-        TypeError: ``hessian_damping`` is not a real number, ``num_grid_points`` not an
-            int or ``clip_search`` not a bool.
-        ValueError: ``hessian_damping`` is negative or not finite; ``num_grid_points`` is
-            outside 1 to :data:`MAX_GRID_POINTS`.
-    """
-    if isinstance(hessian_damping, bool) or not isinstance(hessian_damping, (int, float)):
-        raise TypeError(
-            "`hessian_damping` must be a number (a fraction of the mean Hessian diagonal, "
-            f"Keras's default 0.01). Received: hessian_damping={hessian_damping!r}"
-        )
-    if not 0 <= hessian_damping < float("inf"):
-        raise ValueError(
-            "`hessian_damping` must be a finite number >= 0 (Keras's default 0.01). "
-            f"Received: hessian_damping={hessian_damping!r}"
-        )
-    check_int(num_grid_points, "num_grid_points", 1, MAX_GRID_POINTS, why=" (Keras's default 20)")
-    if not isinstance(clip_search, bool):
-        raise TypeError(
-            "`clip_search` must be True (search each group's clipping ratio, the default) "
-            f"or False (abs-max scales). Received: clip_search={clip_search!r}"
-        )
-
-
-def check_progress(progress: Any) -> Any:
-    """``progress`` of ``calibrate``: ``False`` (quiet), ``True`` (a ``tqdm`` bar over the
-    calibrated layers when ``tqdm`` is installed, else a line per layer on stderr) or a
-    callable given each layer's :class:`LayerReport` as it is solved.
-
-    Raises:
-        TypeError: anything else.
-    """
-    if isinstance(progress, bool) or callable(progress):
-        return progress
-    raise TypeError(
-        "`progress` must be True (a progress bar over layers), False or a callable given "
-        f"each LayerReport. Received: progress={progress!r} (of type {type(progress).__name__})"
-    )
 
 
 def _progress(progress: Any, total: int) -> tuple[Any, Any]:
@@ -294,7 +247,7 @@ def stack_layers(layers: list[Any], shape: tuple[int, ...], k: int) -> Any:
     }  # fmt: skip
     if isinstance(layers[0], awq.InputScaledArray):
         fields["input_scale"] = stacked("input_scale")
-    return dataclasses.replace(layers[0], **fields)
+    return replace(layers[0], **fields)
 
 
 def format_report(reports: list[LayerReport]) -> str:
@@ -302,25 +255,6 @@ def format_report(reports: list[LayerReport]) -> str:
     rows = [f"{'layer':40s} {'method':6s} {'RTN err':>8s} {'err':>8s} {'s':>6s}"]
     rows.extend(_row(r) for r in reports)
     return "\n".join(rows)
-
-
-def check_batches(batches: Any) -> list[tuple[Any, ...]]:
-    """Calibration batches as a list of argument tuples (a non-tuple batch is one argument).
-
-    Raises:
-        TypeError: ``batches`` is not iterable.
-        ValueError: it holds no batch.
-    """
-    try:
-        items = list(batches)
-    except TypeError:
-        raise TypeError(
-            "`batches` must be an iterable of the model's call arguments (a tuple per call, "
-            f"or one array). Received: batches of type {type(batches).__name__}"
-        ) from None
-    if not items:
-        raise ValueError("`batches` holds no batch: calibration needs at least one.")
-    return [b if isinstance(b, tuple) else (b,) for b in items]
 
 
 def rows_for_kernel(lhs: Any, rhs_shape: tuple[int, ...], dims: Any) -> jax.Array | None:

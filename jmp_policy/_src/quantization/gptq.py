@@ -42,6 +42,7 @@ from jmp_policy._src.quantization.quantized_array import (
     round_to_grid,
 )
 from jmp_policy._src.quantization.quantized_array_checks import check_stacked
+from jmp_policy._src.quantization.quantized_tree import make
 
 BITS = (4, 8)
 DEFAULT_HESSIAN_DAMPING = 0.01
@@ -61,9 +62,10 @@ def check_bits_and_group(bits: Any, group_size: Any, what: str = "GPTQ") -> int:
         or not isinstance(group_size, int)
         or group_size == 0
         or group_size < -1
+        or group_size > dt.MAX_INT4_BLOCK
     ):
         raise ValueError(
-            "`group_size` must be -1 (per channel) or a positive integer. "
+            f"`group_size` must be -1 (per channel) or from 1 to {dt.MAX_INT4_BLOCK}. "
             f"Received: group_size={group_size!r}"
         )
     if bits == 8 and group_size != -1:
@@ -286,7 +288,7 @@ def gptq_quantize(
             "`hessian_damping` or calibrate on more varied batches.",
             stacklevel=2,
         )
-    return QuantizedArray(
-        values, scales, mode, group if weight_bits == 4 else None, shape,
+    return make(
+        QuantizedArray, values, scales, mode, group if weight_bits == 4 else None, shape,
         np.dtype(kernel.dtype), stacked,
     )  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from jmp_policy._src.dtypes import MAX_INT4_BLOCK, bounded_repr
+from jmp_policy._src.int_arguments import int_from_text
 from jmp_policy._src.quantization import matmuls, quantized_matmul
 from jmp_policy._src.quantization import quantized_array as quantization
 from jmp_policy._src.quantization.quantized_array_checks import is_bad_block
@@ -93,15 +94,12 @@ class Int4Scheme(Scheme):
             return None
         if not sep or block_text == "None":  # Keras's legacy "int4/None": per channel
             return cls(block_size=-1)
-        try:
-            block = int(block_text)
-        except ValueError:
-            block = 0
-        if block == 0 or block < -1 or block > MAX_INT4_BLOCK or str(block) != block_text:
+        block = int_from_text(block_text, -1, MAX_INT4_BLOCK)
+        if block is None or block == 0:
             raise ValueError(
                 f"Invalid quantization mode. The block size of `mode` must be -1 "
-                f"(per channel) or from 1 to {MAX_INT4_BLOCK}, as in 'int4/128'. "
-                f"Received: mode={bounded_repr(text)}"
+                f"(per channel) or from 1 to {MAX_INT4_BLOCK} in ASCII digits, as in "
+                f"'int4/128'. Received: mode={bounded_repr(text)}"
             )
         return cls(block_size=block)
 

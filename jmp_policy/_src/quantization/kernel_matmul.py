@@ -3,14 +3,16 @@
 :func:`quantized_kernel_dot_general` reads the quantized kernel itself: weight-only with
 the per-channel scale applied to the result, int4 blocks as a matmul per block and a
 scaled sum, or int8 x int8 (an int8 policy with int8 weights, at enough rows) in cuBLAS's
-int8 GEMM layout (:func:`jmp_policy._src.quantization.quantized_matmul.int8_weights_dot`).
+int8 GEMM layout (:func:`jmp_policy._src.quantization.quantized_matmul.int8_weights_dot`);
+on a GPU at few rows, when the ``serving_kernel`` option asks for it, the library's Pallas
+kernel (:mod:`jmp_policy._src.quantization.pallas_matmul`, chosen by
+:mod:`jmp_policy._src.quantization.serving_kernels`).
 
 Nothing here knows Flax: :mod:`jmp_policy._src.quantization.matmuls` picks the layers that run these.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src.quantization import pallas_matmul, serving_kernels
 from jmp_policy._src.quantization.awq import InputScaledArray
 from jmp_policy._src.quantization.quantized_array import QuantizedArray
 from jmp_policy._src.quantization.quantized_matmul import (
@@ -27,6 +30,7 @@ from jmp_policy._src.quantization.quantized_matmul import (
     int8_weights_dot,
     normalize_dims,
 )
+from jmp_policy._src.quantization.quantized_tree import replace
 
 # Rows (the product of the input's free dimensions) from which an int8 policy's int8 x int8
 # GEMM replaces the weight-only form: below, a matmul is bound by the weight bytes it reads
@@ -45,17 +49,25 @@ INT8_GEMM_MIN_ROWS = 128
 # 64 within noise).
 INT4_BLOCKS_MAX_ROWS = 64
 DEQUANTIZED_FORMS = ("dequantized", "dequantized, one GEMM")
+PALLAS_FORM = "Pallas kernel (weight-only, split-K)"
 
 
 def _per_channel(q: QuantizedArray) -> bool:
     return q.mode == "int8" or q.block_size in (None, -1) or q.scale.shape[0] == 1
 
 
+def _block(q: QuantizedArray) -> int | None:
+    """int4's rows per block, ``None`` per channel (one block of scales included)."""
+    return None if _per_channel(q) else q.block_size
+
+
 def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> str:
     """The matmul a ``QuantizedArray`` kernel (the right operand) runs, by its layout and
-    the rows of the input: ``"int8 x int8"``, ``"weight-only, scale after"``,
-    ``"int4 blocks"``, ``"dequantized, one GEMM"`` (int4 blocks from
-    :data:`INT4_BLOCKS_MAX_ROWS` rows) or ``"dequantized"`` (a layout no fast form covers)."""
+    the rows of the input: ``"int8 x int8"``, :data:`PALLAS_FORM` (a 2-D kernel, where
+    :func:`jmp_policy._src.quantization.serving_kernels.pallas_rows` allows),
+    ``"weight-only, scale after"``, ``"int4 blocks"``, ``"dequantized, one GEMM"`` (int4
+    blocks from :data:`INT4_BLOCKS_MAX_ROWS` rows) or ``"dequantized"`` (a layout no fast
+    form covers)."""
     (lc, rc), (lb, rb) = normalize_dims(dims)
     last_free = q.ndim - 1 not in rc and q.ndim - 1 not in rb
     if q.packed or q.stacked or lb or rb or not last_free:
@@ -64,6 +76,14 @@ def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> 
         return "dequantized"  # an AWQ kernel outside its scheme's matmul (which divides x)
     if int8_compute and q.mode == "int8" and rows >= INT8_GEMM_MIN_ROWS:
         return "int8 x int8"
+    if (
+        q.ndim == 2
+        and rc == (0,)
+        and len(lc) == 1
+        and rows <= serving_kernels.pallas_rows()
+        and pallas_matmul.supports(q.values, _block(q), rows)
+    ):
+        return PALLAS_FORM
     if _per_channel(q):
         return "weight-only, scale after"
     if q.ndim == 2 and rc == (0,) and len(lc) == 1:
@@ -92,6 +112,9 @@ def quantized_kernel_dot_general(
     * ``"weight-only, scale after"`` (int8, int4 per channel): ``(x @ convert(values)) *
       scale``, the integer values exact in the compute dtype, the scale applied to the
       float32 result;
+    * :data:`PALLAS_FORM` (a 2-D kernel at few rows on a GPU, when the ``serving_kernel``
+      option asks for it): the library's Pallas kernel reads the integer weights and
+      applies the scales itself;
     * ``"int4 blocks"`` (a 2-D kernel, fewer than :data:`INT4_BLOCKS_MAX_ROWS` rows): one
       matmul per block of rows and a scaled sum;
     * ``"dequantized, one GEMM"`` (the same kernel from :data:`INT4_BLOCKS_MAX_ROWS` rows):
@@ -149,7 +172,7 @@ def _as_called(q: QuantizedArray, shape: tuple[int, ...]) -> QuantizedArray | No
         )
     if q.stacked or not _per_channel(q) or isinstance(q, InputScaledArray):
         return None
-    return dataclasses.replace(q, values=q.values.reshape(shape), shape=shape)
+    return replace(q, values=q.values.reshape(shape), shape=shape)
 
 
 def _fast(
@@ -164,6 +187,14 @@ def _fast(
 ) -> jax.Array:
     """The matmul of a fast ``form`` (:func:`kernel_form`) on ``kernel``; ``rows``: the
     product of ``lhs``'s free dimensions."""
+    if form == PALLAS_FORM:  # one contracted axis, moved last; the free ones lead the result
+        (lc, _), _ = dims
+        x = jnp.moveaxis(lhs.astype(compute), lc[0], -1)
+        y = pallas_matmul.weight_only_matmul(
+            x.reshape(rows, x.shape[-1]), kernel.values, kernel.scale, _block(kernel), out,
+            interpret=serving_kernels.interpret(),
+        )  # fmt: skip
+        return y.reshape(*x.shape[:-1], kernel.shape[1])
     if form == "weight-only, scale after":
         x = lhs.astype(compute)
         (lc, _), _ = dims
@@ -197,7 +228,7 @@ def _int4_blocks(x: jax.Array, q: QuantizedArray, out: np.dtype) -> jax.Array:
     int4 weights inside its fusion."""
     rows, n = q.shape
     blocks = q.scale.shape[0]
-    size = -(-rows // blocks)
+    size = int(q.block_size)  # type: ignore[arg-type]  # the last block may be shorter
     pad = blocks * size - rows
     lead = x.shape[:-1]
     x2 = x.reshape(-1, rows)

@@ -36,22 +36,25 @@ from jmp_policy._src.quantization.quantized_array_checks import (
     stack_to_front,
     validate,
 )
+from jmp_policy._src.quantization.quantized_tree import equal, make, register, replace
+from jmp_policy._src.state_pytree import register_with_flax_serialization
 
 INT8_MAX = 127.0
 INT4_MAX = 7.0
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["values", "scale"],
-    meta_fields=["mode", "block_size", "shape", "original_dtype", "stacked", "stacked_at"],
-)
-@dataclasses.dataclass(frozen=True)
+@register(("values", "scale"))
+@dataclasses.dataclass(frozen=True, eq=False)
 class QuantizedArray:
     """A quantized weight: integer ``values`` and float32 ``scale``, ``real ≈ values * scale``.
 
     A registered pytree: ``values`` and ``scale`` are its children, the rest is static
-    metadata, so it crosses ``jit``, ``tree_map`` and checkpoints whole. Every tree walk
+    metadata, so it crosses ``jit``, ``tree_map`` and checkpoints (orbax,
+    ``flax.serialization``) whole. Its unflatten accepts any leaves and checks nothing (JAX's
+    contract); ``shape`` and ``stacked`` follow the leaves, so ``vmap`` or ``scan`` that stack
+    QuantizedArrays give a stacked one. Constructing one checks its fields (a NaN ``scale``
+    is refused: only ``quantize`` marks a non-finite kernel so). ``==`` compares values
+    (``True`` or ``False``; a bool array under ``jit``); like an array it is unhashable. Every tree walk
     of jmp_policy (``DTypePolicyMap.policy_tree``, ``cast_to_*``, ``explain``, the apply
     wrappers) treats it as one leaf at the kernel's path. ``cast_to_compute`` dequantizes
     it to the compute dtype; ``cast_to_variable`` keeps it quantized. It is not an array:
@@ -108,7 +111,18 @@ class QuantizedArray:
     stacked_at: int = dataclasses.field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
-        validate(self)
+        self._validate(nan_scale=False)
+
+    def _validate(self, *, nan_scale: bool) -> None:
+        """Checks the fields (a NaN scale only where ``nan_scale``: the library's own)."""
+        validate(self, nan_scale=nan_scale)
+        object.__setattr__(self, "original_dtype", np.dtype(self.original_dtype))
+        register_with_flax_serialization()
+
+    def __eq__(self, other: object) -> Any:
+        return equal(self, other)
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, like an array
 
     def front(self) -> QuantizedArray:
         """This array with its stacked axes leading (``stacked_at=0``): the values'
@@ -118,7 +132,7 @@ class QuantizedArray:
         k, at = self.stacked, self.stacked_at
         values = jnp.moveaxis(self.values, range(at, at + k), range(k))
         shape = stack_to_front(self.shape, k, at)
-        return dataclasses.replace(self, values=values, shape=shape, stacked_at=0)
+        return replace(self, values=values, shape=shape, stacked_at=0)
 
     def stacked_to(self, at: int) -> QuantizedArray:
         """This leading-stacked array (``stacked_at=0``) with its stacked axes at ``at``
@@ -128,7 +142,7 @@ class QuantizedArray:
             return self
         values = jnp.moveaxis(self.values, range(k), range(at, at + k))
         shape = stack_from_front(self.shape, k, at)
-        return dataclasses.replace(self, values=values, shape=shape, stacked_at=at)
+        return replace(self, values=values, shape=shape, stacked_at=at)
 
     @property
     def ndim(self) -> int:
@@ -282,7 +296,7 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
     for _ in range(stacked):  # each stacked layer on its own
         one = jax.vmap(one)
     values, scale = one(x32)
-    return QuantizedArray(values, scale, mode, block, shape, dtype, stacked)
+    return make(QuantizedArray, values, scale, mode, block, shape, dtype, stacked)
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "block"))
@@ -307,13 +321,13 @@ def _empty(
 ) -> QuantizedArray:
     lead = shape[:stacked]
     if mode == "int8":
-        return QuantizedArray(
-            jnp.zeros(shape, jnp.int8), jnp.ones((*lead, shape[-1]), jnp.float32), "int8",
+        return make(
+            QuantizedArray, jnp.zeros(shape, jnp.int8), jnp.ones((*lead, shape[-1]), jnp.float32), "int8",
             None, shape, dtype, stacked,
         )  # fmt: skip
     rows = shape[stacked]
     blocks = 1 if block == -1 or rows == 0 else -(-rows // int(block))  # type: ignore[arg-type]
-    return QuantizedArray(
-        jnp.zeros(shape, jnp.int4), jnp.ones((*lead, blocks, shape[-1]), jnp.float32), "int4",
+    return make(
+        QuantizedArray, jnp.zeros(shape, jnp.int4), jnp.ones((*lead, blocks, shape[-1]), jnp.float32), "int4",
         block, shape, dtype, stacked,
     )  # fmt: skip

@@ -2,8 +2,9 @@
 :func:`~jmp_policy._src.quantization.quantize` shares with it (``stacked``, int4's block).
 
 The static fields are checked always; ``values`` and ``scale`` only when they are concrete
-arrays: tree operations and transforms rebuild a QuantizedArray from tracers and other
-leaves, which are left alone.
+arrays (under ``jit`` a user's QuantizedArray holds tracers, which are left alone). Tree
+operations and transforms never run these checks: unflatten checks nothing
+(:mod:`jmp_policy._src.quantization.quantized_tree`).
 """
 
 from __future__ import annotations
@@ -68,12 +69,14 @@ def _concrete(x: Any) -> bool:
     return concrete and np.dtype(x.dtype) != np.dtype(jax.dtypes.float0)
 
 
-def validate(q: Any) -> None:
-    """Checks the fields of the QuantizedArray ``q``; raises ``ValueError``/``TypeError``."""
+def validate(q: Any, *, nan_scale: bool = False) -> None:
+    """Checks the fields of the QuantizedArray ``q``; raises ``ValueError``/``TypeError``.
+    A NaN scale passes only with ``nan_scale`` (the library's own construction, which
+    marks a non-finite kernel's channel so)."""
     _check_settings(q)
     _check_original_dtype(q.original_dtype)
     _check_values(q)
-    _check_scale(q)
+    _check_scale(q, nan_scale)
 
 
 def _check_settings(q: Any) -> None:
@@ -110,7 +113,10 @@ def _check_settings(q: Any) -> None:
 
 def _check_original_dtype(original_dtype: Any) -> None:
     original: np.dtype | None = None
-    if not isinstance(original_dtype, (jax.Array, np.ndarray, np.generic, bool, int, float)):
+    # `np.dtype(None)` is float64: None names no dtype here.
+    if original_dtype is not None and not isinstance(
+        original_dtype, (jax.Array, np.ndarray, np.generic, bool, int, float)
+    ):
         try:
             original = np.dtype(original_dtype)
         except (TypeError, ValueError):
@@ -149,7 +155,7 @@ def _check_values(q: Any) -> None:
         )
 
 
-def _check_scale(q: Any) -> None:
+def _check_scale(q: Any, nan_scale: bool) -> None:
     scale, k = q.scale, q.stacked
     if not _concrete(scale):
         if isinstance(scale, _NOT_ARRAYS):
@@ -170,12 +176,13 @@ def _check_scale(q: Any) -> None:
             f"{q.shape}. Received: scale of shape {tuple(scale.shape)} and "
             f"shape={q.shape!r}"
         )
-    _check_scale_values(q)
+    _check_scale_values(q, nan_scale)
 
 
-def _check_scale_values(q: Any) -> None:
+def _check_scale_values(q: Any, nan_scale: bool) -> None:
     """Scales finite and positive. NaN marks a channel (or block) of a non-finite kernel
-    (quantize keeps a NaN or inf weight non-finite, #20): accepted. Zero only in an
+    (quantize keeps a NaN or inf weight non-finite, #20): accepted from the library, refused
+    from a user (``nan_scale``). Zero only in an
     all-zero QuantizedArray (``jax.tree.map(jnp.zeros_like, q)``, as optimizers and
     autodiff make). Not checked for a cotangent (``float0`` values), whose scale holds
     gradients of any sign."""
@@ -183,14 +190,15 @@ def _check_scale_values(q: Any) -> None:
     if hasattr(values, "dtype") and np.dtype(values.dtype) == np.dtype(jax.dtypes.float0):
         return
     scale = np.asarray(q.scale, np.float32)
-    bad = np.isinf(scale) | (scale < 0)  # NaN compares False: kept
+    bad = np.isinf(scale) | (scale < 0) | (np.isnan(scale) & (not nan_scale))
     if not bad.any() and (scale == 0).any() and _concrete(values):
         bad = (scale == 0) if bool(jnp.any(jnp.asarray(values) != 0)) else bad
     if bad.any():
         first = np.unravel_index(int(np.argmax(bad)), scale.shape)
         raise ValueError(
-            "`scale` must be finite and positive (NaN only where the kernel held a NaN or "
-            "inf; 0 only where every value is 0, as `zeros_like` makes). Received: "
+            "`scale` must be finite and positive (0 only where every value is 0, as "
+            "`zeros_like` makes; NaN only from `quantize`, where the kernel held a NaN or "
+            "inf). Received: "
             f"scale[{', '.join(map(str, first))}]={float(scale[first])!r} ({int(bad.sum())} "
             f"of {scale.size} scales bad)"
         )

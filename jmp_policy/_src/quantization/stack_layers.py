@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jmp_policy._src.quantization.awq import InputScaledArray
 from jmp_policy._src.quantization.quantized_array import QuantizedArray
+from jmp_policy._src.quantization.quantized_tree import make
 
 # Beside a kernel ``kernel``: ``kernel`` + this + the field (a name no Flax layer makes).
 _SEPARATOR = ":jmp_policy_"
@@ -93,5 +94,5 @@ def layer_of(q: QuantizedArray, values: Any, leaves: dict[str, Any]) -> Quantize
             )
     fields = (values, leaves["scale"], q.mode, q.block_size, layer_shape(q), q.original_dtype)
     if isinstance(q, InputScaledArray):
-        return InputScaledArray(*fields, 0, input_scale=leaves["input_scale"])
-    return QuantizedArray(*fields, 0)
+        return make(InputScaledArray, *fields, 0, input_scale=leaves["input_scale"])
+    return make(QuantizedArray, *fields, 0)
