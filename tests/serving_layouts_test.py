@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -261,3 +262,63 @@ def test_an_nnx_model_served_from_its_state():
     got, want = compiled(placed, x), jax.jit(serve)(state, x)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+class _NnxStack(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(32, 64, rngs=rngs)
+        self.down = nnx.Linear(64, 32, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.gelu(self.up(x)))
+
+
+def _linen_serving(policy, x):
+    model = Stack()
+    variables = jp.linen.quantize(model, policy, model.init(jax.random.key(0), x), x)
+    return jp.linen.apply(model, policy), variables
+
+
+def _nnx_serving(policy, x):
+    graphdef, state = nnx.split(jp.nnx.quantize(_NnxStack(nnx.Rngs(0)), policy))
+
+    def serve(state, x):
+        return jp.nnx.apply(nnx.merge(graphdef, state), policy)(x)
+
+    return serve, state
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+@pytest.mark.parametrize("glue", [_linen_serving, _nnx_serving], ids=["linen", "nnx"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4/128", "int4/16"])
+def test_int8_and_int4_weights_serve_under_a_mesh(mode, glue, devices):
+    """Under a mesh every array is committed, and an ahead-of-time compiled program checks
+    committed arguments' layouts: int4 weights that jax 0.10's CPU client keeps unpacked
+    were refused at the call (#47). They run, equal to ``jit``, on one device and on eight."""
+    mesh = jax.make_mesh((devices,), ("data",))
+    policy = f"{mode}_from_mixed_bfloat16"
+    with jax.set_mesh(mesh):
+        x = jax.device_put(
+            jax.random.normal(jax.random.key(1), (16, 32)).astype(jnp.bfloat16),
+            NamedSharding(mesh, P("data")),
+        )
+        serve, variables = glue(policy, x)
+        variables = jax.device_put(variables, NamedSharding(mesh, P()))
+        compiled, placed = jp.compile_for_serving(serve, variables, x)
+        got = compiled(placed, x)
+        want = jax.jit(serve)(variables, x)
+        again = compiled(placed, x)  # the second call (a cached dispatch) too
+    assert got.dtype == jnp.bfloat16 and got.shape == (16, 32)
+    assert got.sharding.mesh.shape == {"data": devices}
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(want, np.float32))
+    quantized = [
+        leaf
+        for leaf in jax.tree.leaves(placed, is_leaf=lambda a: isinstance(a, jp.QuantizedArray))
+        if isinstance(leaf, jp.QuantizedArray)
+    ]
+    assert len(quantized) == 2 and {q.values.dtype for q in quantized} == {jnp.dtype(mode[:4])}
+    for a, fmt in zip(
+        jax.tree.leaves(placed), jax.tree.leaves(compiled.input_formats[0][0]), strict=True
+    ):
+        assert a.sharding.is_equivalent_to(fmt.sharding, a.ndim)  # sharded as compiled

@@ -268,12 +268,13 @@ def _scored_as(name: str, policy: Any) -> Any:
     return get_policy(f"{stateless.mode_text()}_from_{policy.source_name}")
 
 
-def kernel_bytes(policy: Any, kernel: Any, stacked: int = 0) -> int | None:
+def kernel_bytes(policy: Any, kernel: Any, stacked: int = 0, at: int = 0) -> int | None:
     """Bytes of ``kernel`` as served under ``policy``; ``None``: the format cannot take it.
 
     A float policy counts its compute dtype; a format that stores weights its quantized
     array (scales included; ``stacked`` leading axes of layers, each quantized on its
-    own); a format that quantizes at compute time (float8) one byte per parameter.
+    own, starting at axis ``at``); a format that quantizes at compute time (float8) one
+    byte per parameter.
     """
     scheme = _scheme(policy)
     size = int(np.prod(kernel.shape))
@@ -282,7 +283,12 @@ def kernel_bytes(policy: Any, kernel: Any, stacked: int = 0) -> int | None:
     if not scheme.stores_weights:
         return size
     try:
-        shapes = jax.eval_shape(lambda k: scheme.quantize(k, stacked), kernel)
+        shapes = jax.eval_shape(
+            lambda k: scheme.quantize(
+                jnp.moveaxis(k, range(at, at + stacked), range(stacked)), stacked
+            ),
+            kernel,
+        )
     except (TypeError, ValueError):
         return None
     return int(shapes.nbytes)
@@ -508,13 +514,16 @@ def search(  # long: the passes in their order (gradients, then one per candidat
     base: str,
     jit: bool,
     progress: Callable[[str], None] | None = None,
+    stacked_at: Mapping[str, int] | Callable[[], Mapping[str, int]] | None = None,
     reuse: tuple[Any, ...] | None = None,
 ) -> SearchResult:
     """The search on ``kernels`` (``{layer path: kernel}``), with the glue's runs.
 
-    ``reuse``: what the glue's runs are functions of besides their inputs (the module,
-    ``loss_fn``, ...), by identity; with it, the jit-compiled passes are kept across calls
-    (:func:`_compiled`), so searching the same model again compiles nothing new."""
+    ``stacked_at``: layer path -> the axis its stacked kernel's layer axes start at (absent:
+    0, leading), or a function giving it, called once the batches are checked and the model
+    ran on the first. ``reuse``: what the glue's runs are functions of besides their inputs (the
+    module, ``loss_fn``, ...), by identity; with it, the jit-compiled passes are kept across
+    calls (:func:`_compiled`), so searching the same model again compiles nothing new."""
     base, policies = check_candidates(candidates, base)
     kind, value = check_budget(budget)
     if isinstance(batches, (str, bytes)) or not isinstance(batches, Sequence) or not batches:
@@ -559,7 +568,9 @@ def search(  # long: the passes in their order (gradients, then one per candidat
         seen = jax.eval_shape(shapes, params, batches[0])
     eps = {p: [jnp.zeros(s.shape, s.dtype) for s in v] for p, v in seen.items()}
     scored = sorted(eps)
-    layout = {p: _stacking(kernels[p], stacks.get(p, Loops())) for p in kernels}
+    at = (stacked_at() if callable(stacked_at) else stacked_at) or {}
+    layout = {p: _stacking(kernels[p], stacks.get(p, Loops()), at.get(p, 0)) for p in kernels}
+    # (stacked axes, the table's unit, the axis they start at)
 
     def record(eps: Any, params: Any, batch: Any) -> Any:
         with _tapping(_State("record", targets, eps=eps)) as state:
@@ -580,7 +591,7 @@ def search(  # long: the passes in their order (gradients, then one per candidat
             for p in scored:
                 scores[p][name] = 0.0
             continue
-        fits = [p for p in scored if kernel_bytes(policy, kernels[p], layout[p][0]) is not None]
+        fits = [p for p in scored if kernel_bytes(policy, kernels[p], *layout[p][::2]) is not None]
         if not fits:
             continue
         cand_map = DTypePolicyMap(base, {re.escape(p): _scored_as(name, policy) for p in fits})
@@ -608,7 +619,7 @@ def search(  # long: the passes in their order (gradients, then one per candidat
         options = []
         for name, policy in policies.items():
             if name in scores[p] or name == base:
-                b = kernel_bytes(policy, kernels[p], layout[p][0])
+                b = kernel_bytes(policy, kernels[p], *layout[p][::2])
                 if b is not None:
                     options.append((name, b, scores[p].get(name, 0.0)))
         size = int(np.prod(kernels[p].shape))
@@ -657,19 +668,21 @@ def _finite(score: float, name: str, path: str) -> float:
     return score
 
 
-def _stacking(kernel: Any, loops: Loops) -> tuple[int, str]:
-    """How many leading axes of ``kernel`` stack layers, and the table's unit for a layer
-    its taps saw inside ``loops`` (none: a layer)."""
+def _stacking(kernel: Any, loops: Loops, at: int = 0) -> tuple[int, str, int]:
+    """How many axes of ``kernel`` (from axis ``at``, as the glue learnt from the stack's
+    ``variable_axes``) stack layers, and the table's unit for a layer its taps saw inside
+    ``loops`` (none: a layer)."""
     lengths = loops.lengths
     if not lengths:
-        return 0, "layer"
+        return 0, "layer", 0
     steps = int(np.prod(lengths))
     kinds = sorted(set(loops.kinds))  # ["scan"], ["vmap"] or both
-    if tuple(kernel.shape[: len(lengths)]) == lengths and kernel.ndim - len(lengths) >= 2:
+    n = len(lengths)
+    if tuple(kernel.shape[at : at + n]) == lengths and kernel.ndim - n >= 2:
         how = " and ".join({"scan": "scanned", "vmap": "vmapped"}[k] for k in kinds)
-        return len(lengths), f"per stack ({how}: {steps} layers)"
+        return n, f"per stack ({how}: {steps} layers)", at
     over = " and ".join({"scan": "scan iterations", "vmap": "vmap lanes"}[k] for k in kinds)
-    return 0, f"one kernel shared by {steps} {over}"
+    return 0, f"one kernel shared by {steps} {over}", 0
 
 
 def _choose(  # long: feasibility, the knapsack and the table, in one place

@@ -167,3 +167,29 @@ def resolved_rows(resolver: Resolver, params: Any) -> list[ExplainRow]:
             module = parent_path(path) or ""
             rows[module] = with_leaf(row(module), leaf, policy.compute_dtype)
     return list(rows.values())
+
+
+def float8_not_run(
+    resolver: Resolver, rows: list[ExplainRow], params: Any, forms: dict[str, str]
+) -> None:
+    """Adds to ``forms`` (explain's matmul lines) what runs in each module that holds a
+    weight (a parameter of rank >= 2) under a float8 policy yet ran no float8 matmul: an
+    embedding's lookup and its ``attend`` (a tied head), a layer with a ``dot_general`` of
+    its own. Its row names the float8 policy; this line says it ran in the compute dtype."""
+    weights = {
+        parent_path(leaf_path(kp)) or ""
+        for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        if np.ndim(leaf) >= 2
+    }
+    for row in rows:
+        if row.path not in weights or row.path in forms:
+            continue
+        policy = resolver.module(row.path).chosen_policy
+        if getattr(getattr(policy, "scheme", None), "state_kind", None) != "float8":
+            continue
+        compute = np.dtype(policy.compute_dtype).name
+        forms[row.path] = f"{compute}, not float8: " + (
+            "its lookup and `attend` (a tied head) stay in the compute dtype"
+            if row.module_class in ("Embed", "Embedding")
+            else "no float8 matmul ran (float8 covers Dense, DenseGeneral and Einsum kernels)"
+        )

@@ -132,9 +132,11 @@ def compile_for_serving(
 
     Returns:
       ``(compiled, variables)``: ``compiled(variables, *args)`` runs the program; the
-      variables returned are in its layouts. The ones given are not changed; a returned
-      array whose layout did not change may be the given one, so free the given
-      variables by dropping them, not with ``delete()``.
+      variables returned are in its layouts (where this JAX cannot put an array in the
+      layout XLA asks, as jax 0.10 on a CPU for ``int4``, that array keeps its own and the
+      program is called through ``jax.jit``, under a mesh too). The ones given are not
+      changed; a returned array whose layout did not change may be the given one, so free
+      the given variables by dropping them, not with ``delete()``.
 
     Raises:
       ValueError: ``layouts`` is neither ``"auto"`` nor ``"keep"``.
@@ -169,13 +171,33 @@ def compile_for_serving(
         # arrays unpacked where XLA asks for them packed): those variables keep the layout
         # they have (a copy, their sharding alone given), the others the one XLA chose.
         given = jax.tree.leaves(variables)
-        kept = [f if good else a.sharding for a, f, good in zip(leaves, formats, ok, strict=True)]
-        placed = jax.tree.unflatten(
-            tree,
-            [
-                a if good else jnp.array(g, copy=True)
-                for a, g, good in zip(leaves, given, ok, strict=True)
-            ],
+        copies = [
+            a if good else jnp.array(g, copy=True)
+            for a, g, good in zip(leaves, given, ok, strict=True)
+        ]
+        kept = [f if good else c.sharding for c, f, good in zip(copies, formats, ok, strict=True)]
+        placed = jax.tree.unflatten(tree, copies)
+        kept_formats = jax.tree.unflatten(tree, kept)
+        compiled = _Unplaceable(
+            _lower(fn, kept_formats, placed, args).compile(),
+            jax.jit(fn, in_shardings=(kept_formats, *(None for _ in args))),
         )
-        compiled = _lower(fn, jax.tree.unflatten(tree, kept), placed, args).compile()
     return compiled, placed
+
+
+class _Unplaceable:
+    """The compiled program for variables some of which this JAX cannot put in the layout
+    XLA compiled for (jax 0.10's CPU client keeps ``int4`` arrays unpacked where the program
+    reads them packed). Called, it runs the same program through ``jax.jit``, whose dispatch
+    hands such arrays over in the program's layout: an ahead-of-time compiled program checks
+    committed arguments' layouts (arrays under a mesh are committed) and refuses them.
+    Everything else (``input_formats``, ``as_text()``...) is the compiled program's."""
+
+    def __init__(self, compiled: Any, jitted: Callable[..., Any]) -> None:
+        self._compiled, self._jitted = compiled, jitted
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._jitted(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._compiled, name)

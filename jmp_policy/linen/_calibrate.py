@@ -18,7 +18,7 @@ from jmp_policy._src.quantization.calibration_stats import LayerStats
 from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
 from jmp_policy.linen._modules import check_module, check_params, path_of
 from jmp_policy.linen._quantization import routable, run_with
-from jmp_policy.linen._quantize import _seen_shapes
+from jmp_policy.linen._quantize import stacks
 
 
 def _targets(params: Any, policy_tree: Any) -> dict[str, tuple[int, ...]]:
@@ -173,9 +173,9 @@ def calibrate(
     calibration_checks.warn_unmatched(policies, params, policy_tree)
     targets = _targets(params, policy_tree)
     with blaming("batches[0]", calls[0], "calibrate"):
-        stacked = _stacked(module, variables, calls[0], kwargs, method)
-    lead = {p: stacked.get(f"{p}/kernel", 0) for p in targets}
-    targets = {p: s[lead[p] :] for p, s in targets.items()}  # one layer's kernel
+        stacked = stacks(module, variables, calls[0], kwargs, method)
+    lead = {p: stacked.get(f"{p}/kernel", (0, 0))[0] for p in targets}
+    targets = {p: _layer(s, stacked.get(f"{p}/kernel", (0, 0))) for p, s in targets.items()}
     stats: dict[str, LayerStats] = {}
     unseen: dict[str, str] = {}
     if targets:
@@ -198,18 +198,7 @@ def calibrate(
     return (result, report) if return_report else result
 
 
-def _stacked(
-    module: nn.Module, variables: Mapping[str, Any], args: Any, kwargs: Any, method: Any
-) -> dict[str, int]:
-    """Parameter path -> its leading stacked axes (as :func:`quantize` finds them)."""
-    seen = _seen_shapes(module, variables, args, kwargs, method)
-    found = {}
-    for kp, leaf in jax.tree_util.tree_flatten_with_path(
-        variables["params"], is_leaf=quantization.is_quantized
-    )[0]:
-        path = leaf_path(kp)
-        stored, shape = tuple(getattr(leaf, "shape", ())), seen.get(path)
-        lead = 0 if shape is None else len(stored) - len(shape)
-        if lead > 0 and stored[lead:] == shape:
-            found[path] = lead
-    return found
+def _layer(shape: tuple[int, ...], stack: tuple[int, int]) -> tuple[int, ...]:
+    """One layer's kernel shape: ``shape`` without its ``n`` stacked axes at ``axis``."""
+    n, at = stack
+    return shape[:at] + shape[at + n :]

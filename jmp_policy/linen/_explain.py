@@ -14,7 +14,7 @@ from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.options import OPTION_DEFAULTS, floating_policy_or_map
 from jmp_policy._src.quantization import matmuls
 from jmp_policy._src.resolution import Resolver
-from jmp_policy._src.run_report import resolved_rows, unused_keys_note
+from jmp_policy._src.run_report import float8_not_run, resolved_rows, unused_keys_note
 from jmp_policy.linen._apply import apply_call
 from jmp_policy.linen._modules import (
     check_method,
@@ -107,6 +107,8 @@ def explain(
         jax.eval_shape(trace, *[x for x, flag in zip(leaves, traced, strict=True) if flag])
     resolver = found[-1]
     resolver.module("", type(module), own_dtype(module))
-    table = format_rows(resolved_rows(resolver, variables.get("params", {})))
+    params = variables.get("params", {})
+    rows = resolved_rows(resolver, params)
+    float8_not_run(resolver, rows, params, forms)
     unused = unused_keys_note(resolver, type(module).__name__)
-    return table + unused + format_matmuls(forms) + calibrated
+    return format_rows(rows) + unused + format_matmuls(forms) + calibrated

@@ -13,7 +13,7 @@ from jmp_policy._src import map_search
 from jmp_policy._src.tree_paths import leaf_path
 from jmp_policy.linen._apply import apply_with
 from jmp_policy.linen._modules import check_module, check_params, prepare
-from jmp_policy.linen._quantize import quantize
+from jmp_policy.linen._quantize import quantize, stacks
 
 
 def kernels_of(params: Any) -> dict[str, Any]:
@@ -136,6 +136,11 @@ def search_map(
         base=base,
         jit=jit,
         progress=progress,
+        stacked_at=lambda: {  # once `batches` is checked
+            path[: -len("/kernel")]: at
+            for path, (_, at) in stacks(module, variables, args_of(batches[0]), {}, None).items()
+            if path.endswith("/kernel")
+        },
         # Linen modules are immutable: the same module, loss and options make the same
         # passes (their jitted forms kept across calls); options by their text.
         reuse=(module, loss_fn, inputs, repr(sorted(options.items()))),

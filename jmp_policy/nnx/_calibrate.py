@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import jax
 from flax import nnx
 
-from jmp_policy._src import calibration_gather, global_state
+from jmp_policy._src import calibration_gather, global_state, user_warnings
 from jmp_policy._src.batch_checks import check_bool, check_no_nan
 from jmp_policy._src.options import as_policy_or_map
 from jmp_policy._src.policy_map import DTypePolicyMap, leaf_path
@@ -17,25 +17,38 @@ from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
 from jmp_policy._src.quantization.calibration_stats import LayerStats
 from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
 from jmp_policy.nnx._modules import check_model, path_of
-from jmp_policy.nnx._quantization import kind_of, replacement, routable, stacked
+from jmp_policy.nnx._quantization import (
+    kind_of,
+    replacement,
+    routable,
+    stacked,
+)
+from jmp_policy.nnx._stack_axes import ambiguous_stack, stack_axes
 
 M = TypeVar("M", bound=nnx.Module)
 
 
-def _stacked_params(model: nnx.Module, params: Any) -> dict[str, int]:
-    """Parameter path -> the leading stacked axes of its layer (``nnx.vmap``-created)."""
-    lead = {path_of(parts): len(stacked(m)) for parts, m in nnx.iter_modules(model)}
+def _stacked_params(model: nnx.Module, params: Any) -> dict[str, tuple[int, int]]:
+    """Parameter path -> ``(n, axis)``: the stacked axes of its layer (``nnx.vmap``-created)
+    and where they start; a layer whose axis cannot be told is left whole, with a warning."""
+    lead = {}
+    axes = stack_axes(model)
+    for parts, m in nnx.iter_modules(model):
+        if n := len(stacked(m)):
+            if (at := axes[path_of(parts)]) is None:
+                user_warnings.warn(ambiguous_stack(path_of(parts), m))
+                continue
+            lead[path_of(parts)] = (n, at)
     found = {}
     for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = leaf_path(kp)
-        k = lead.get(path.rpartition("/")[0], 0)
-        if k:
-            found[path] = k
+        if (stack := lead.get(path.rpartition("/")[0])) is not None:
+            found[path] = stack
     return found
 
 
 def _targets(
-    model: nnx.Module, params: Any, policy_tree: Any, stacked_params: Mapping[str, int]
+    model: nnx.Module, params: Any, policy_tree: Any, stacked_params: Mapping[str, Any]
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """``(targets, unseen)``: module path -> kernel shape of each GPTQ/AWQ layer whose
     matmul calibrate sees; module path -> why it does not see the others'."""
@@ -48,7 +61,8 @@ def _targets(
         if module is None or not calibration.is_calibrated(policy):
             continue
         if routable(modules.get(module)):  # its matmul one calibrate can replace
-            targets[module] = tuple(x.shape)[stacked_params.get(path, 0) :]  # one layer's
+            n, at = stacked_params.get(path, (0, 0))
+            targets[module] = tuple(x.shape)[:at] + tuple(x.shape)[at + n :]  # one layer's
         else:
             name = type(modules.get(module)).__name__
             unseen[module] = f"its layer is a {name}, whose matmul calibrate does not see"
@@ -59,7 +73,7 @@ def _gather(
     model: nnx.Module,
     targets: Mapping[str, tuple[int, ...]],
     unseen: dict[str, str],
-    stacked_params: Mapping[str, int],
+    stacked_params: Mapping[str, tuple[int, int]],
     calls: list[tuple[Any, ...]],
     kwargs: Mapping[str, Any],
     max_bytes: int | None,
@@ -70,7 +84,7 @@ def _gather(
     if not targets:
         return {}
     graphdef, whole = nnx.split(model)
-    lead = {p: stacked_params.get(f"{p}/kernel", 0) for p in targets}
+    lead = {p: stacked_params.get(f"{p}/kernel", (0, 0))[0] for p in targets}
 
     def make_run(some: Mapping[str, tuple[int, ...]]) -> Any:
         def run(whole: Any, stats: Mapping[str, LayerStats], args: tuple[Any, ...]) -> Any:

@@ -9,7 +9,7 @@ from flax import nnx
 from jmp_policy._src.calibration_report import format_calibration
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.quantization import matmuls
-from jmp_policy._src.run_report import resolved_rows, unused_keys_note
+from jmp_policy._src.run_report import float8_not_run, resolved_rows, unused_keys_note
 from jmp_policy.nnx._apply import apply_with
 from jmp_policy.nnx._hook import resolver_for
 from jmp_policy.nnx._modules import prepare
@@ -70,8 +70,8 @@ def explain(
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     calibrated = format_calibration(report, params)
     resolver = resolver_for(model, policies, opts)
-    table = format_rows(resolved_rows(resolver, params))
-    table += unused_keys_note(resolver, type(model).__name__)
+    rows = resolved_rows(resolver, params)
+    table = format_rows(rows) + unused_keys_note(resolver, type(model).__name__)
     if not args:
         return table + calibrated
 
@@ -82,4 +82,5 @@ def explain(
 
     with matmuls.recording() as forms:
         nnx.eval_shape(run, model, *args)
+    float8_not_run(resolver, rows, params, forms)
     return table + format_matmuls(forms) + calibrated

@@ -9,10 +9,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmp_policy._src import user_warnings
 from jmp_policy._src.options import quantizing_policy_or_map
 from jmp_policy.nnx._hook import resolver_for
 from jmp_policy.nnx._modules import check_model, path_of, prepare
-from jmp_policy.nnx._quantization import ATTR, Float8State, routable, stacked
+from jmp_policy.nnx._quantization import (
+    ATTR,
+    Float8State,
+    routable,
+    stacked,
+)
+from jmp_policy.nnx._stack_axes import ambiguous_stack, stack_axes
 
 M = TypeVar("M", bound=nnx.Module)
 
@@ -176,11 +183,16 @@ def quantize(model: M, policy_or_map: Any) -> M:
     policies = quantizing_policy_or_map(policy_or_map)
     copy = nnx.clone(model)
     stacked_axes = {}
+    axes = stack_axes(copy)
     for parts, module in nnx.iter_modules(copy):
         lead = len(stacked(module))
         if lead:
             path = path_of(parts)
-            stacked_axes[re.escape(f"{path}/" if path else "") + "[^/]+"] = lead
+            at = axes[path]
+            if at is None:  # cannot tell: whole (it runs dequantized ahead of its stack)
+                user_warnings.warn(ambiguous_stack(path, module))
+                continue
+            stacked_axes[re.escape(f"{path}/" if path else "") + "[^/]+"] = (lead, at)
     state = nnx.state(copy, nnx.Param)
     nnx.update(copy, policies.quantize(state, stacked_axes=stacked_axes))
     return copy

@@ -14,6 +14,7 @@ from jmp_policy._src.tree_paths import leaf_path
 from jmp_policy.nnx._apply import apply_with
 from jmp_policy.nnx._init import quantize
 from jmp_policy.nnx._modules import check_model, prepare
+from jmp_policy.nnx._stack_axes import stack_axes
 
 
 def search_map(
@@ -103,4 +104,5 @@ def search_map(
         base=base,
         jit=False,
         progress=progress,
+        stacked_at={path: at for path, at in stack_axes(model).items() if at},
     )

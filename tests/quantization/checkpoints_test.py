@@ -145,7 +145,7 @@ def test_standard_checkpointer_without_a_target_gives_dicts_that_rebuild(model, 
     metadata = jp.quantized_metadata(variables)
     assert metadata["params/blocks/kernel"] == {
         "mode": "int4", "block_size": 128, "original_dtype": "float32", "shape": [256, 16],
-        "stacked": 0,
+        "stacked": 0, "stacked_at": 0,
     }  # fmt: skip
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(tmp_path / "q", _sharded(variables, lambda x: P("d")))

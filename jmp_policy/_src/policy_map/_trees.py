@@ -222,7 +222,7 @@ def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
         stacked_axes: ``None`` (no stacked axes), an int for every leaf, or a mapping
             from path regular expression (matched against a leaf's whole
             ``"/"``-joined path; the first key that matches wins, no match is 0) to
-            an int.
+            an int, or a pair ``(n, axis)``: ``n`` stacked axes from ``axis``.
 
     Raises:
         ValueError: the map holds no int8 or int4 policy (quantizing would do
@@ -259,18 +259,18 @@ def quantize(policy_map: PolicyMap, tree: T, *, stacked_axes: Any = None) -> T:
             "such as {'mlp/.*': 'int8_from_mixed_bfloat16'} or "
             "{'.*': 'int4/128_from_float32'}."
         )
-    stacked_of = quantization.stacked_axes_of(stacked_axes)
+    stacked_of = quantization.stack_of(stacked_axes)
     done: list[tuple[str, tuple[int, ...]]] = []
 
     def leaf(module: str, name: str, x: Any) -> Any:
         policy = policy_map._variable_policy(module, name)
         if not _stores_weights(policy):
             return x
-        k = stacked_of(path := f"{module}/{name}" if module else name)
-        if not quantization.quantizable_layers(x, k):
+        k, at = stacked_of(path := f"{module}/{name}" if module else name)
+        if not quantization.quantizable_layers(x, k, path):
             return x
         done.append((path, tuple(x.shape)))
-        return policy.scheme.quantize(x, k)
+        return quantization.quantize_stacked(policy.scheme.quantize, x, k, at, path)
 
     result = map_leaves(tree, leaf)
     quantization.warn_maybe_stacked(stacked_axes, done)

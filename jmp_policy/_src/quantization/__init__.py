@@ -10,8 +10,9 @@ which the name grammar reads, is :mod:`jmp_policy._src.schemes`, below this pack
   state dicts); ``checkpoints``: QuantizedArrays rebuilt from checkpoints restored
   without a target;
 * ``int4_layout``: int4 blocks and the packed checkpoints of earlier versions;
-* ``stacked_axes``: the leading axes of stacked (scanned) layers; ``stack_layers``: a
-  stacked kernel read one layer at a time inside its stack's loop;
+* ``stacked_axes``: the stacked axes of stacked (scanned) layers, per path;
+  ``kernel_leaves``: which leaves are kernels (biases are not), quantized per layer;
+  ``stack_layers``: a stacked kernel read one layer at a time inside its stack's loop;
 * ``matmuls``: the one place that picks a layer's matmul, for both glues;
   ``einsum_plan``: an einsum as one ``dot_general``;
 * ``quantized_matmul``: int8 matmuls (QAT, int8 x int8);
@@ -27,14 +28,16 @@ The package hands on the storage API that the rest of ``_src`` and the glue read
 ``quantization.quantize``, ``quantization.QuantizedArray``, ...
 """
 
+from jmp_policy._src.quantization.kernel_leaves import (
+    quantizable_layers as quantizable_layers,
+)
+from jmp_policy._src.quantization.kernel_leaves import quantize_stacked as quantize_stacked
+from jmp_policy._src.quantization.kernel_leaves import quantize_tree as quantize_tree
 from jmp_policy._src.quantization.quantized_array import QuantizedArray as QuantizedArray
 from jmp_policy._src.quantization.quantized_array import is_quantizable as is_quantizable
 from jmp_policy._src.quantization.quantized_array import is_quantized as is_quantized
-from jmp_policy._src.quantization.quantized_array import (
-    quantizable_layers as quantizable_layers,
-)
 from jmp_policy._src.quantization.quantized_array import quantize as quantize
-from jmp_policy._src.quantization.quantized_array import quantize_tree as quantize_tree
+from jmp_policy._src.quantization.stacked_axes import stack_of as stack_of
 from jmp_policy._src.quantization.stacked_axes import stacked_axes_of as stacked_axes_of
 from jmp_policy._src.quantization.stacked_axes import (
     warn_maybe_stacked as warn_maybe_stacked,
@@ -46,7 +49,9 @@ __all__ = [
     "is_quantized",
     "quantizable_layers",
     "quantize",
+    "quantize_stacked",
     "quantize_tree",
+    "stack_of",
     "stacked_axes_of",
     "warn_maybe_stacked",
 ]

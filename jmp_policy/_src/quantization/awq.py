@@ -39,6 +39,7 @@ from jmp_policy._src.quantization.quantized_array import (
     QuantizedArray,
     quantize,
 )
+from jmp_policy._src.quantization.quantized_array_checks import stack_to_front
 from jmp_policy._src.quantization.quantized_tree import make, register
 
 DEFAULT_NUM_GRID_POINTS = 20
@@ -199,18 +200,20 @@ class InputScaledArray(QuantizedArray):
         super()._validate(nan_scale=nan_scale)
         s = self.input_scale
         k = self.stacked
+        # The stacked axes lead the input scale whatever `stacked_at` is.
+        shape = stack_to_front(self.shape, k, self.stacked_at)
         concrete = isinstance(s, (jax.Array, np.ndarray)) and not isinstance(s, jax.core.Tracer)
-        if concrete and not (
-            k + 1 <= s.ndim < len(self.shape) and tuple(s.shape) == self.shape[: s.ndim]
-        ):
+        if concrete and not (k + 1 <= s.ndim < len(shape) and tuple(s.shape) == shape[: s.ndim]):
             raise ValueError(
-                f"`input_scale` must have shape {self.shape[: k + 1]} (one per input row; a "
+                f"`input_scale` must have shape {shape[: k + 1]} (one per input row; a "
                 f"layer contracting several kernel axes: a longer prefix of the kernel's "
-                f"shape, at most {self.shape[:-1]}) for a kernel of shape {self.shape}. "
+                f"shape, at most {shape[:-1]}) for a kernel of shape {self.shape}. "
                 f"Received: input_scale of shape {tuple(s.shape)}"
             )
 
     def dequantize(self, dtype: Any = None) -> jax.Array:
+        if self.stacked_at:
+            return super().dequantize(dtype)  # dequantizes front(), then moves its axes
         dtype = self.original_dtype if dtype is None else dtype
         real = super().dequantize(jnp.float32)
         s = jnp.asarray(self.input_scale, jnp.float32)
@@ -222,7 +225,7 @@ class InputScaledArray(QuantizedArray):
         (what the weight-only matmul multiplies the inputs divided by ``s`` with)."""
         return make(
             QuantizedArray, self.values, self.scale, self.mode, self.block_size, self.shape,
-            self.original_dtype, self.stacked,
+            self.original_dtype, self.stacked, stacked_at=self.stacked_at,
         )  # fmt: skip
 
     @property

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src.quantization import awq
+from jmp_policy._src.quantization import awq, kernel_leaves
 from jmp_policy._src.quantization import quantized_array as quantization
 from jmp_policy._src.quantization.calibrated_schemes import CalibratedScheme
 from jmp_policy._src.quantization.calibration_stats import LayerStats
@@ -76,7 +76,7 @@ def quantize_calibrated(
     params: Any,
     policy_tree: Any,
     stats: Mapping[str, LayerStats],
-    stacked: Mapping[str, int],
+    stacked: Mapping[str, Any],
     options: Mapping[str, Any],
     unseen_reason: Mapping[str, str] | None = None,
     progress: Any = False,
@@ -87,7 +87,8 @@ def quantize_calibrated(
         params: the float parameter tree.
         policy_tree: the policy of each leaf (``DTypePolicyMap.policy_tree(params)``).
         stats: module path -> the statistics its layer's matmul inputs gave.
-        stacked: parameter path -> its leading stacked axes (absent: 0).
+        stacked: parameter path -> its leading stacked axes (absent: 0), or a pair
+            ``(n, axis)``: ``n`` stacked axes starting at ``axis``.
         options: ``hessian_damping``, ``num_grid_points`` and ``clip_search``.
         unseen_reason: module path -> why its layer's inputs were not gathered.
         progress: see :func:`check_progress`.
@@ -107,15 +108,21 @@ def quantize_calibrated(
     tell, close = _progress(progress, total)
     for (kp, x), policy in zip(flat, policies, strict=True):
         path = leaf_path(kp)
-        k = stacked.get(path, 0)
-        if not quantization.quantizable_layers(x, k):
+        stack = stacked.get(path, 0)
+        k, at = stack if isinstance(stack, tuple) else (stack, 0)
+        if not kernel_leaves.quantizable_layers(x, k, path):
             out.append(x)
         elif is_calibrated(policy):
             done = len(reports)
-            out.append(_calibrated_leaf(path, x, k, policy, stats, options, unseen_reason, reports))
+
+            def solve(front: Any, n: int, path: str = path, policy: Any = policy) -> Any:
+                args = (stats, options, unseen_reason, reports)
+                return _calibrated_leaf(path, front, n, policy, *args)
+
+            out.append(kernel_leaves.quantize_stacked(solve, x, k, at, path))
             tell(path, reports[done:])
         elif getattr(policy, "scheme", None) is not None and policy.scheme.stores_weights:
-            out.append(policy.scheme.quantize(x, k))
+            out.append(kernel_leaves.quantize_stacked(policy.scheme.quantize, x, k, at, path))
         else:
             out.append(x)
     close()

@@ -20,11 +20,11 @@ import jax
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.quantization.awq import InputScaledArray
 from jmp_policy._src.quantization.quantized_array import QuantizedArray, is_quantized
-from jmp_policy._src.quantization.quantized_tree import lead_axes, make, settings_of
+from jmp_policy._src.quantization.quantized_tree import make, settings_of, stack_layout
 from jmp_policy._src.tree_paths import leaf_path
 
 _ARRAYS = ("values", "scale", "input_scale")
-_SETTINGS = ("mode", "block_size", "original_dtype", "shape", "stacked")
+_SETTINGS = ("mode", "block_size", "original_dtype", "shape", "stacked", "stacked_at")
 
 
 def quantized_metadata(tree: Any) -> dict[str, dict[str, Any]]:
@@ -37,8 +37,10 @@ def quantized_metadata(tree: Any) -> dict[str, dict[str, Any]]:
         tree: a pytree that may hold QuantizedArrays (quantized or calibrated parameters).
 
     Returns:
-        ``{path: {"mode", "block_size", "original_dtype", "shape", "stacked"}}``, the path
-        of each QuantizedArray as jmp_policy writes paths (``"Dense_0/kernel"``).
+        ``{path: {"mode", "block_size", "original_dtype", "shape", "stacked",
+        "stacked_at"}}``, the path of each QuantizedArray as jmp_policy writes paths
+        (``"Dense_0/kernel"``). Metadata saved without ``"stacked_at"`` (before it
+        existed) reads as ``0``: stacked axes leading.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -46,7 +48,7 @@ def quantized_metadata(tree: Any) -> dict[str, dict[str, Any]]:
         >>> params = jp.get("int4/8_from_float32").quantize({"kernel": jnp.ones((16, 4))})
         >>> jp.quantized_metadata(params)  # doctest: +NORMALIZE_WHITESPACE
         {'kernel': {'mode': 'int4', 'block_size': 8, 'original_dtype': 'float32',
-                    'shape': [16, 4], 'stacked': 0}}
+                    'shape': [16, 4], 'stacked': 0, 'stacked_at': 0}}
     """
     found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]
     return {leaf_path(path): settings_of(q) for path, q in found if is_quantized(q)}
@@ -137,21 +139,24 @@ def rebuild_quantized(tree: Any, metadata: Mapping[str, Any] | None = None) -> A
 def _rebuild_one(path: str, x: Mapping[str, Any], settings: Mapping[str, Any]) -> Any:
     values = x["values"]
     shape = settings.get("shape")
+    at = int(settings.get("stacked_at", 0))  # metadata older than `stacked_at`: leading
     if shape is None:  # a layer's rank is not known: the scale's rank says how many stack
         k = max(len(getattr(x["scale"], "shape", ())) - (1 if settings["mode"] == "int8" else 2), 0)
         shape = tuple(getattr(values, "shape", ()))
+        at = at if k else 0
     else:
         shape = tuple(shape)
         k = int(settings.get("stacked", 0))
-        lead = lead_axes(values, shape[k:])  # a checkpoint of a stack made after saving
-        shape, k = (*lead, *shape[k:]), len(lead)
+        layer = (*shape[:at], *shape[at + k :])
+        # a checkpoint of a stack made after saving: the stacked axes as the values have them
+        shape, k, at = stack_layout(values, layer, at)
     cls = InputScaledArray if "input_scale" in x else QuantizedArray
     extra = {"input_scale": x["input_scale"]} if cls is InputScaledArray else {}
     try:
         return make(
             cls, values=values, scale=x["scale"], mode=settings["mode"],
             block_size=settings.get("block_size"), shape=shape,
-            original_dtype=settings.get("original_dtype"), stacked=k, **extra,
+            original_dtype=settings.get("original_dtype"), stacked=k, stacked_at=at, **extra,
         )  # fmt: skip
     except (TypeError, ValueError) as e:
         raise ValueError(f"Cannot rebuild the quantized kernel at {path!r} of `tree`: {e}") from e

@@ -32,12 +32,12 @@ from jmp_policy._src.quantization.quantized_array_checks import (
     MODES,
     check_stacked,
     int4_block,
+    stack_from_front,
+    stack_to_front,
     validate,
 )
-from jmp_policy._src.quantization.quantized_tree import equal, make, register
-from jmp_policy._src.quantization.stacked_axes import stacked_axes_of, warn_maybe_stacked
+from jmp_policy._src.quantization.quantized_tree import equal, make, register, replace
 from jmp_policy._src.state_pytree import register_with_flax_serialization
-from jmp_policy._src.tree_paths import leaf_path
 
 INT8_MAX = 127.0
 INT4_MAX = 7.0
@@ -76,6 +76,11 @@ class QuantizedArray:
             quantized on its own, its scales carry the leading axes (int8 ``(*lead,
             n)``, int4 ``(*lead, blocks, n)``) and int4 blocks are cut along the layer's
             own input axis. ``0`` (the default): one kernel.
+        stacked_at: where the stacked axes lie in ``shape`` and ``values``
+            (``shape[stacked_at : stacked_at + stacked]``): ``0`` (the default) for
+            leading ones; ``1`` for an ``nn.scan(..., variable_axes={"params": 1})``
+            stack, whose loop slices axis 1. The scales carry the stacked axes leading
+            whatever ``stacked_at`` is.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -102,6 +107,8 @@ class QuantizedArray:
     shape: tuple[int, ...]
     original_dtype: np.dtype
     stacked: int = 0
+    # Keyword-only: the positional fields (and AWQ's `input_scale` after them) stay as they were.
+    stacked_at: int = dataclasses.field(default=0, kw_only=True)
 
     def __post_init__(self) -> None:
         self._validate(nan_scale=False)
@@ -116,6 +123,26 @@ class QuantizedArray:
         return equal(self, other)
 
     __hash__ = None  # type: ignore[assignment]  # equal by value, like an array
+
+    def front(self) -> QuantizedArray:
+        """This array with its stacked axes leading (``stacked_at=0``): the values'
+        axes moved, the scales as they are. ``self`` when they already lead."""
+        if not self.stacked_at:
+            return self
+        k, at = self.stacked, self.stacked_at
+        values = jnp.moveaxis(self.values, range(at, at + k), range(k))
+        shape = stack_to_front(self.shape, k, at)
+        return replace(self, values=values, shape=shape, stacked_at=0)
+
+    def stacked_to(self, at: int) -> QuantizedArray:
+        """This leading-stacked array (``stacked_at=0``) with its stacked axes at ``at``
+        of the values and shape (the layout a stack's loop slices)."""
+        k = self.stacked
+        if not at or not k:
+            return self
+        values = jnp.moveaxis(self.values, range(k), range(at, at + k))
+        shape = stack_from_front(self.shape, k, at)
+        return replace(self, values=values, shape=shape, stacked_at=at)
 
     @property
     def ndim(self) -> int:
@@ -156,6 +183,10 @@ class QuantizedArray:
                 "`dtype` must be a floating dtype such as 'bfloat16' or jnp.float32 (or None: "
                 f"the original dtype). Received: dtype={dt.bounded_repr(dtype)}"
             )
+        if self.stacked_at:
+            k, at = self.stacked, self.stacked_at
+            real_front = self.front().dequantize(dtype)
+            return jnp.moveaxis(real_front, range(k), range(at, at + k))
         scale = jnp.asarray(self.scale, jnp.float32)
         lead, layer = self.shape[: self.stacked], self.shape[self.stacked :]
         if self.mode == "int8":
@@ -180,6 +211,7 @@ class QuantizedArray:
     def __repr__(self) -> str:
         block = "" if self.block_size is None else f"/{self.block_size}"
         stacked = f", stacked={self.stacked}" if self.stacked else ""
+        stacked += f", stacked_at={self.stacked_at}" if self.stacked_at else ""
         return (
             f"QuantizedArray({self.mode}{block}, shape={self.shape}, "
             f"original_dtype={np.dtype(self.original_dtype).name}{stacked})"
@@ -299,29 +331,3 @@ def _empty(
         QuantizedArray, jnp.zeros(shape, jnp.int4), jnp.ones((*lead, blocks, shape[-1]), jnp.float32), "int4",
         block, shape, dtype, stacked,
     )  # fmt: skip
-
-
-def quantizable_layers(x: Any, stacked: int) -> bool:
-    """A quantizable array whose layers (after ``stacked`` leading axes) have rank >= 2:
-    a stacked bias ``[depth, n]`` stays float."""
-    return is_quantizable(x) and x.ndim - stacked >= 2
-
-
-def quantize_tree(tree: Any, quantize_one: Any, stacked_axes: Any = None) -> Any:
-    """Every quantizable leaf of ``tree`` as ``quantize_one(leaf, stacked)`` (a scheme's
-    ``quantize``), with the leading stacked axes that ``stacked_axes`` gives its path;
-    others (and QuantizedArrays) kept."""
-    stacked_of = stacked_axes_of(stacked_axes)
-    done: list[tuple[str, tuple[int, ...]]] = []
-
-    def leaf(key_path: Any, x: Any) -> Any:
-        path = leaf_path(key_path)
-        k = stacked_of(path)
-        if not quantizable_layers(x, k):
-            return x
-        done.append((path, tuple(x.shape)))
-        return quantize_one(x, k)
-
-    result = jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=is_quantized)
-    warn_maybe_stacked(stacked_axes, done)
-    return result

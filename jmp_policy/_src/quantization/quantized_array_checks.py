@@ -50,6 +50,16 @@ def check_stacked(stacked: Any) -> int:
     return check_int(stacked, "stacked", 0, why=" (the number of leading stacked-layer axes)")
 
 
+def stack_to_front(shape: tuple[int, ...], k: int, at: int) -> tuple[int, ...]:
+    """``shape`` with its ``k`` stacked axes at ``at`` moved to the front."""
+    return (*shape[at : at + k], *shape[:at], *shape[at + k :])
+
+
+def stack_from_front(shape: tuple[int, ...], k: int, at: int) -> tuple[int, ...]:
+    """``shape`` with its ``k`` leading stacked axes moved to ``at``."""
+    return (*shape[k : k + at], *shape[:k], *shape[k + at :])
+
+
 def _concrete(x: Any) -> bool:
     """A concrete array, not a tracer, and not ``float0`` (the cotangent of integer values
     that ``jax.grad(..., allow_int=True)`` builds a QuantizedArray of)."""
@@ -83,6 +93,13 @@ def _check_settings(q: Any) -> None:
         )
     k = q.stacked
     check_stacked(k)
+    at = check_int(q.stacked_at, "stacked_at", 0, why=" (the axis of the first stacked axis)")
+    if at and isinstance(q.shape, tuple) and (not k or at > len(q.shape) - k):
+        raise ValueError(
+            f"`stacked_at` must be 0, or with `stacked` > 0 an axis of the layer's kernel "
+            f"(at most {max(len(q.shape) - k, 0)} here). "
+            f"Received: stacked_at={at!r}, stacked={k!r}, shape={q.shape!r}"
+        )
     if (
         not isinstance(q.shape, tuple)
         or len(q.shape) < 2 + k
@@ -146,7 +163,7 @@ def _check_scale(q: Any, nan_scale: bool) -> None:
         return
     if not dt.is_floating(np.dtype(scale.dtype)):
         raise TypeError(f"`scale` must be a floating array. Received: scale of dtype {scale.dtype}")
-    n, lead = q.shape[-1], q.shape[:k]
+    n, lead = q.shape[-1], q.shape[q.stacked_at : q.stacked_at + k]
     if q.mode == "int8":
         ok = tuple(scale.shape) == (*lead, n)
     else:

@@ -6,8 +6,12 @@ placeholders, stacked arrays), so it builds the instance without ``__init__`` an
 nothing. The static metadata is the mode, the int4 block, the shape of one layer (the kernel
 after its stacked axes) and the original dtype: it never repeats a child's shape, so a
 QuantizedArray and its ``vmap``/``scan``-stacked form have one tree structure. ``shape`` and
-``stacked`` follow the leaves: the leading axes that ``values`` has beyond one layer's are
-the stacked ones (none when ``values`` has no shape: a string, ``None``, a placeholder).
+``stacked`` follow the leaves: the axes that ``values`` has beyond one layer's are the stacked
+ones (none when ``values`` has no shape: a string, ``None``, a placeholder). Where they lie is
+static too (``stacked_at``, ``0``: leading): a stack that keeps its parameters on axis 1
+(values ``[in, depth, out]``) has them at axis 1 when the values there fit one layer's shape
+around them, else leading as for ``stacked_at=0``; values of one layer's rank are one layer
+(``stacked_at=0``).
 
 Construction is checked twice over: a user's ``QuantizedArray(...)`` refuses a NaN scale; the
 library's :func:`make` accepts one (``quantize`` keeps a non-finite kernel non-finite: its
@@ -35,8 +39,24 @@ SETTINGS = ("mode", "block_size", "original_dtype")
 
 
 def layer_shape(q: Any) -> tuple[int, ...]:
-    """The shape of one layer of ``q`` (its ``shape`` without the stacked axes)."""
-    return tuple(q.shape[q.stacked :])
+    """The shape of one layer of ``q`` (its ``shape`` without the stacked axes, which lie
+    at ``q.stacked_at``)."""
+    at, k = getattr(q, "stacked_at", 0), q.stacked
+    return tuple(q.shape[:at]) + tuple(q.shape[at + k :])
+
+
+def stack_layout(values: Any, layer: tuple[int, ...], at: int) -> tuple[tuple[int, ...], int, int]:
+    """``(shape, stacked, stacked_at)`` of a QuantizedArray of these ``values`` whose one
+    layer is ``layer`` and whose stacked axes were at ``at``: the axes beyond one layer's at
+    ``at`` where the values there fit the layer's shape around them, else leading."""
+    if at:
+        shape = getattr(values, "shape", None)
+        if isinstance(shape, tuple) and all(isinstance(d, int) for d in shape):
+            n = len(shape) - len(layer)
+            if n > 0 and at <= len(layer) and (*shape[:at], *shape[at + n :]) == tuple(layer):
+                return tuple(shape), n, at
+    lead = lead_axes(values, layer)
+    return (*lead, *layer), len(lead), 0
 
 
 def lead_axes(values: Any, layer: tuple[int, ...]) -> tuple[int, ...]:
@@ -65,7 +85,7 @@ def make(cls: type[Q], *args: Any, **kwargs: Any) -> Q:
         for f in dataclasses.fields(cls)  # type: ignore[arg-type]
         if f.default is not dataclasses.MISSING
     }
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    names = [f.name for f in dataclasses.fields(cls) if not f.kw_only]  # type: ignore[arg-type]
     fields.update(zip(names[: len(args)], args, strict=True))
     fields.update(kwargs)
     q = new(cls, fields)
@@ -87,7 +107,7 @@ def register(data_fields: tuple[str, ...]) -> Any:
         keys = tuple(jax.tree_util.GetAttrKey(name) for name in data_fields)
 
         def flatten(q: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-            aux = (q.mode, q.block_size, layer_shape(q), q.original_dtype)
+            aux = (q.mode, q.block_size, layer_shape(q), q.original_dtype, q.stacked_at)
             return tuple(getattr(q, name) for name in data_fields), aux
 
         def flatten_with_keys(q: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
@@ -95,18 +115,19 @@ def register(data_fields: tuple[str, ...]) -> Any:
             return tuple(zip(keys, children, strict=True)), aux
 
         def unflatten(aux: tuple[Any, ...], children: Any) -> Any:
-            mode, block_size, layer, original_dtype = aux
+            mode, block_size, layer, original_dtype, at = aux
             fields = dict(zip(data_fields, children, strict=True))
-            lead = lead_axes(fields["values"], layer)
+            shape, stacked, stacked_at = stack_layout(fields["values"], layer, at)
             return new(
                 cls,
                 {
                     **fields,
                     "mode": mode,
                     "block_size": block_size,
-                    "shape": (*lead, *layer),
+                    "shape": shape,
                     "original_dtype": original_dtype,
-                    "stacked": len(lead),
+                    "stacked": stacked,
+                    "stacked_at": stacked_at,
                 },
             )
 
@@ -191,6 +212,7 @@ def settings_of(q: Any) -> dict[str, Any]:
         "original_dtype": np.dtype(q.original_dtype).name,
         "shape": [int(d) for d in q.shape],
         "stacked": int(q.stacked),
+        "stacked_at": int(q.stacked_at),
     }
 
 
@@ -213,6 +235,8 @@ def _from_state_dict(target: Any, state: Any, data_fields: tuple[str, ...]) -> A
     found = {key: state[key] for key in expected if key in state}
     if "shape" in found:  # msgpack gives a list or a tuple
         found["shape"] = [int(d) for d in found["shape"]]
+    if "stacked_at" not in state:  # a state dict written before `stacked_at`: leading
+        found["stacked_at"] = 0
     if any(found[key] != expected[key] for key in found):
         raise ValueError(
             f"Cannot restore the {kind} {target!r} from a checkpoint of another format or "
@@ -221,5 +245,5 @@ def _from_state_dict(target: Any, state: Any, data_fields: tuple[str, ...]) -> A
     leaves = {
         name: serialization.from_state_dict(getattr(target, name), state[name]) for name in names
     }
-    lead = lead_axes(leaves["values"], layer_shape(target))
-    return replace(target, **leaves, shape=(*lead, *layer_shape(target)), stacked=len(lead))
+    shape, stacked, at = stack_layout(leaves["values"], layer_shape(target), target.stacked_at)
+    return replace(target, **leaves, shape=shape, stacked=stacked, stacked_at=at)

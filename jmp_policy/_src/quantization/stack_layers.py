@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+
 from jmp_policy._src.quantization.awq import InputScaledArray
 from jmp_policy._src.quantization.quantized_array import QuantizedArray
 from jmp_policy._src.quantization.quantized_tree import make
@@ -40,17 +42,34 @@ def servable(q: Any) -> bool:
     return isinstance(q, QuantizedArray) and q.stacked > 0 and not q.packed
 
 
-def extra_leaves(q: QuantizedArray) -> dict[str, Any]:
-    """The data of ``q`` beside its values: ``{field: stacked array}``."""
+def _stacked_leaves(q: QuantizedArray) -> dict[str, Any]:
+    """The data of ``q`` beside its values, stacked axes leading: ``{field: array}``."""
     leaves = {"scale": q.scale}
     if isinstance(q, InputScaledArray):
         leaves["input_scale"] = q.input_scale
     return leaves
 
 
+def extra_leaves(q: QuantizedArray) -> dict[str, Any]:
+    """The data of ``q`` beside its values, ``{field: stacked array}``, with its stacked
+    axes where the loop slices them: where the values have theirs (``q.stacked_at``)."""
+    k, at = q.stacked, q.stacked_at
+    leaves = _stacked_leaves(q)
+    if not at:
+        return leaves
+    return {f: jnp.moveaxis(x, range(k), range(at, at + k)) for f, x in leaves.items()}
+
+
+def can_stack_at(q: QuantizedArray, at: int) -> bool:
+    """Whether the leading-stacked ``q``'s scales have the axes to carry its stacked ones
+    at ``at`` (int8's per-channel scale ``[depth, n]`` has one axis after them: at most 1)."""
+    return all(x.ndim >= at + q.stacked for x in _stacked_leaves(q).values())
+
+
 def layer_shape(q: QuantizedArray) -> tuple[int, ...]:
     """The shape of one layer's kernel (``q``'s shape without its stacked axes)."""
-    return tuple(q.shape[q.stacked :])
+    k, at = q.stacked, q.stacked_at
+    return tuple(q.shape[:at]) + tuple(q.shape[at + k :])
 
 
 def layer_of(q: QuantizedArray, values: Any, leaves: dict[str, Any]) -> QuantizedArray:
@@ -63,17 +82,17 @@ def layer_of(q: QuantizedArray, values: Any, leaves: dict[str, Any]) -> Quantize
     """
     k = q.stacked
     want = {"values": (values, layer_shape(q))}
-    for field, stacked in extra_leaves(q).items():
+    for field, stacked in _stacked_leaves(q).items():
         want[field] = (leaves.get(field), tuple(stacked.shape[k:]))
     for field, (got, shape) in want.items():
         if tuple(getattr(got, "shape", ())) != shape:
             raise ValueError(
                 f"A layer of the stacked quantized kernel {q!r} saw its {field} as shape "
                 f"{tuple(getattr(got, 'shape', ()))}, not one layer's {shape}: the stack "
-                "must slice its parameters along their leading axes (`variable_axes="
-                '{"params": 0}`), as the kernel was quantized.'
+                f"must slice its parameters along axis {q.stacked_at} (`variable_axes="
+                f'{{"params": {q.stacked_at}}}`), as the kernel was quantized.'
             )
     fields = (values, leaves["scale"], q.mode, q.block_size, layer_shape(q), q.original_dtype)
     if isinstance(q, InputScaledArray):
-        return make(InputScaledArray, *fields, 0, leaves["input_scale"])
+        return make(InputScaledArray, *fields, 0, input_scale=leaves["input_scale"])
     return make(QuantizedArray, *fields, 0)

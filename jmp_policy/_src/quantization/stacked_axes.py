@@ -14,8 +14,17 @@ from jmp_policy._src.path_patterns import compile_pattern
 
 
 def stacked_axes_of(stacked_axes: Any) -> Callable[[str], int]:
-    """``stacked_axes`` (``None``, an int, or a mapping from path regex to int, the first
-    key that fully matches a leaf's path wins) as a function of a leaf's path.
+    """``stacked_axes`` as a function of a leaf's path: its number of stacked axes (see
+    :func:`stack_of`)."""
+    of = stack_of(stacked_axes)
+    return lambda path: of(path)[0]
+
+
+def stack_of(stacked_axes: Any) -> Callable[[str], tuple[int, int]]:
+    """``stacked_axes`` (``None``, an int, or a mapping from path regex to an int or a pair
+    ``(n, axis)``, the first key that fully matches a leaf's path wins) as a function of a
+    leaf's path: ``(n, axis)``, its ``n`` stacked axes starting at ``axis`` (``0`` for an
+    int: leading axes; ``1`` for an ``nn.scan(..., variable_axes={"params": 1})`` stack).
 
     Raises:
         TypeError: ``stacked_axes`` is none of those, or a key is not a string.
@@ -30,11 +39,16 @@ def stacked_axes_of(stacked_axes: Any) -> Callable[[str], int]:
             )
         return int(n)
 
+    def pair(n: Any, where: str) -> tuple[int, int]:
+        if isinstance(n, tuple) and len(n) == 2:
+            return count(n[0], where), count(n[1], where)
+        return count(n, where), 0
+
     if stacked_axes is None:
-        return lambda path: 0
+        return lambda path: (0, 0)
     if isinstance(stacked_axes, (int, np.integer)) and not isinstance(stacked_axes, bool):
         n = count(stacked_axes, f"stacked_axes={stacked_axes!r}")
-        return lambda path: n
+        return lambda path: (n, 0)
     if not isinstance(stacked_axes, Mapping):
         raise TypeError(
             "`stacked_axes` must be None, an int, or a mapping from path regular expression "
@@ -49,13 +63,13 @@ def stacked_axes_of(stacked_axes: Any) -> Callable[[str], int]:
             )
         # Compiled as the map's keys are (bounded matching, errors naming the key).
         pattern = compile_pattern(key, "key {key} of `stacked_axes`")
-        rules.append((pattern, count(n, f"{n!r} for {key!r} in stacked_axes={stacked_axes!r}")))
+        rules.append((pattern, pair(n, f"{n!r} for {key!r} in stacked_axes={stacked_axes!r}")))
 
-    def of(path: str) -> int:
+    def of(path: str) -> tuple[int, int]:
         for pattern, n in rules:
             if pattern.fullmatch(path):
                 return n
-        return 0
+        return (0, 0)
 
     return of
 
