@@ -31,6 +31,15 @@ def check_not_paths(default_policy: Any) -> None:
         )
 
 
+def config_text(value: Any) -> str | None:
+    """``repr(value)`` of a JSON-like name or config, to read each distinct one once;
+    ``None`` for one nested too deep to print (it is read, and refused, as it is)."""
+    try:
+        return repr(value)
+    except RecursionError:
+        return None
+
+
 def check_config(value: Any, argument: str) -> None:
     """Rejects config dicts that would not give one policy, naming ``argument``."""
     if not isinstance(value, dict):
