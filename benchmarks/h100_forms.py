@@ -232,6 +232,15 @@ def serving(
     return build
 
 
+# The weight-only serving formats the checks compile: label, stored policy, the weights' HLO
+# element type (the H100 and TPU checks share them).
+SERVING_FORMATS = (
+    ("int8", "int8_from_float32", "s8"),
+    ("int4", "int4_from_float32", "s4"),
+    ("int4/128", "int4/128_from_float32", "s4"),
+)
+
+
 def programs() -> list[Program]:
     """Every program, in the order of the table."""
     result = []
@@ -245,11 +254,7 @@ def programs() -> list[Program]:
     qat = linen_step("Dense", "int8_from_mixed_bfloat16")
     result.append(Program("int8 QAT linen Dense", "int8 QAT", qat, STEP_GEMMS))
     elements = SERVE_DIM * SERVE_DIM
-    for label, stored, weights in (
-        ("int8", "int8_from_float32", "s8"),
-        ("int4", "int4_from_float32", "s4"),
-        ("int4/128", "int4/128_from_float32", "s4"),
-    ):
+    for label, stored, weights in SERVING_FORMATS:
         for batch in (1, 16, 256):
             build = serving(stored, "mixed_bfloat16", batch)
             name = f"serve {label} weights, batch {batch}"
@@ -257,11 +262,7 @@ def programs() -> list[Program]:
             # (measured faster there on an H200 than the matmul per block).
             group = "serving" if label != "int4/128" or batch < 128 else "serving dequantized"
             result.append(Program(name, group, build, SERVE_LAYERS, weights, elements))
-    for label, stored, weights in (
-        ("int8", "int8_from_float32", "s8"),
-        ("int4", "int4_from_float32", "s4"),
-        ("int4/128", "int4/128_from_float32", "s4"),
-    ):
+    for label, stored, weights in SERVING_FORMATS:
         for batch in (1, 16):
             build = serving(stored, "mixed_bfloat16", batch, "pallas")
             name = f"serve {label} weights, pallas, batch {batch}"

@@ -153,11 +153,7 @@ def programs() -> list[Program]:
         name = f"f8 {scaling} linen Dense step"
         result.append(Program(name, "float8", step("Dense", policy), STEP_MATMULS))
     elements = SERVE_DIM * SERVE_DIM
-    for label, stored, weights in (
-        ("int8", "int8_from_float32", "s8"),
-        ("int4", "int4_from_float32", "s4"),
-        ("int4/128", "int4/128_from_float32", "s4"),
-    ):
+    for label, stored, weights in h100_forms.SERVING_FORMATS:
         for batch in (1, 16, 256):
             build = serving(stored, "mixed_bfloat16", batch)
             group = "serving" if label != "int4/128" or batch < 64 else "serving dequantized"

@@ -106,13 +106,7 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
         self._index = _index.KeyIndex()
         read: dict[Any, DTypePolicy] = {}  # a name or config read once (maps repeat them)
         for key, value in (policy_map or {}).items():
-            if type(value) is str or (
-                type(value) is dict and value.get("class_name") != "DTypePolicyMap"
-            ):
-                text = (type(value), _values.config_text(value))  # equal texts, equal configs
-                if text[1] is not None:
-                    value = read.get(text) or read.setdefault(text, _values.as_policy(value, key))
-            self[key] = value
+            self[key] = _values.read_once(value, key, read)
 
     # -- the mapping: stored keys ---------------------------------------------------------
 

@@ -31,13 +31,21 @@ def check_not_paths(default_policy: Any) -> None:
         )
 
 
-def config_text(value: Any) -> str | None:
-    """``repr(value)`` of a JSON-like name or config, to read each distinct one once;
-    ``None`` for one nested too deep to print (it is read, and refused, as it is)."""
+def read_once(value: Any, key: str, read: dict[Any, DTypePolicy]) -> Any:
+    """``value`` as a policy, a name or JSON-like config read once per map (``read`` holds
+    those read: equal texts, equal configs); anything else, and a config nested too deep to
+    print or naming a map (refused as it is by ``map[key] = value``), as given."""
+    if type(value) is not str and (
+        type(value) is not dict or value.get("class_name") == "DTypePolicyMap"
+    ):
+        return value
     try:
-        return repr(value)
+        text = (type(value), repr(value))
     except RecursionError:
-        return None
+        return value
+    if text not in read:
+        read[text] = as_policy(value, key)
+    return read[text]
 
 
 def check_config(value: Any, argument: str) -> None:
