@@ -5,6 +5,10 @@
 #                                       # (f8_h1) beside the default's, diagnostics at a
 #                                       # larger step, int4 forms at 96 rows (~6 min)
 #   bash benchmarks/h100_session.sh 2   # the float8 sweep at width 4096 (~6 min)
+#   bash benchmarks/h100_session.sh kernel  # #48: the Pallas kernel's tiles, then serving
+#                                       # with the winner at dims 8192 and 4096 (~9 min)
+#   bash benchmarks/h100_session.sh kernel2 # #48 again: structure probes, serving 8 passes
+#                                       # per call (~7 min)
 # Everything goes to stdout and, where $OUT is set, to $OUT/gpu<part>.log; the float8
 # steps' and serving programs' optimized HLO goes to $OUT/hlo<part>.tar.gz (read its GEMMs without a GPU).
 # The package needs google-re2, which the GPU image lacks: carry its wheel in .whl/
@@ -36,7 +40,28 @@ run() {  # run NAME SECONDS COMMAND...
 # the order that matters. A GPU compiles slowly (its autotuner times each GEMM; a width of
 # the float8 sweep takes over 170 s): every step has its own limit and prints as it goes,
 # so a step cut short still leaves what it measured.
-if [[ "$part" == 1 ]]; then
+if [[ "$part" == kernel ]]; then
+  # #48: the Pallas kernel's tiles tuned (dims 8192 then 4096), then serving with the
+  # tiles that won at dim 8192, 16 rows, int8 (one global TILES, as the library has).
+  run tune 300 python3 benchmarks/pallas_tune.py --dims 8192 4096 --budget 230 --json "$out/tune.json"
+  tiles=$(python3 -c "import json,sys; r=[r for r in json.load(open('$out/tune.json'))['rows'] if r['tiles'] and (r['dim'],r['rows'],r['format'])==(8192,16,'int8')]; print(json.dumps(min(r, key=lambda r: r['us'])['tiles']))" 2>/dev/null || echo '{}')
+  run serving8192 140 python3 benchmarks/serving_bench.py --dim 8192 --repeats 20 --tiles "$tiles"
+  run serving4096 90 python3 benchmarks/serving_bench.py --dim 4096 --repeats 20 --tiles "$tiles"
+elif [[ "$part" == kernel2 ]]; then
+  # #48, second call: the kernel with 16-row partial sums (the 1-row fix), probes of its
+  # structure (no loop: one step per program; one pipeline stage; narrower tiles), then
+  # serving timed 8 passes per call (the device's time, not the host's dispatch).
+  run tune 230 python3 benchmarks/pallas_tune.py --dims 8192 4096 --budget 170 --json "$out/tune.json" \
+    --tiles '{"out":64,"programs":528}' '{"out":64,"programs":1000000,"partials":1.0}' \
+    '{"out":128,"programs":1000000,"partials":1.0}' '{"out":64,"programs":528,"stages":1}' \
+    '{"out":64,"step":64,"programs":1056}' '{"out":32,"programs":1056}'
+  tiles=$(python3 -c "import json,sys; r=[r for r in json.load(open('$out/tune.json'))['rows'] if r['tiles'] and (r['dim'],r['rows'],r['format'])==(8192,16,'int8')]; print(json.dumps(min(r, key=lambda r: r['us'])['tiles']))" 2>/dev/null || echo '{}')
+  run serving8192 90 python3 benchmarks/serving_bench.py --dim 8192 --repeats 10 --loops 8 --tiles "$tiles"
+  run serving4096 80 python3 benchmarks/serving_bench.py --dim 4096 --repeats 10 --loops 8 --tiles "$tiles"
+elif [[ "$part" == f8h1 ]]; then  # what a lease's last 4 minutes hold: #52's f8_h1, int4 forms
+  run float8_h1 115 python3 benchmarks/float8_bench.py --tokens 8192 --width 8192 --hidden 8192 --repeats 3 --steps 40 --log-steps 40 --variants float8,f8_h1,bf16
+  run forms 45 python3 benchmarks/int4_block_forms.py --dim 8192 --repeats 30 --batches 1 16 64 96 256
+elif [[ "$part" == 1 ]]; then
   run serving 50 python3 benchmarks/serving_bench.py --dim 8192 --repeats 30
   run float8_h1 130 python3 benchmarks/float8_bench.py --tokens 8192 --width 8192 --hidden 8192 --repeats 3 --steps 40 --log-steps 40 --variants float8,f8_h1,bf16
   run diagnostics 120 python3 benchmarks/diagnostics_bench.py --dims 1024 --batch 64 --seq 512 --repeats 5

@@ -39,6 +39,7 @@ Run: ``python benchmarks/serving_bench.py [--quick]``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmp_policy as jp
-from jmp_policy._src.quantization import matmuls, serving_kernels
+from jmp_policy._src.quantization import matmuls, pallas_matmul, serving_kernels
 from jmp_policy._src.quantization.awq import InputScaledArray
 
 
@@ -113,6 +114,18 @@ def weight_bytes(params: Any) -> int:
     return sum(int(leaf.nbytes) for leaf in leaves)
 
 
+def looped(serve: Any, loops: int) -> Any:
+    """``serve`` run ``loops`` times in one program, each output the next input (so a
+    call's time is the device's, not the host's dispatch: ``--loops``)."""
+    if loops == 1:
+        return serve
+
+    def run(variables: Any, x: jax.Array) -> jax.Array:
+        return jax.lax.fori_loop(0, loops, lambda _, y: serve(variables, y).astype(y.dtype), x)
+
+    return run
+
+
 def on_gpu() -> bool:
     return jax.devices()[0].platform == "gpu"
 
@@ -131,6 +144,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             if pallas and interpret and not args.quick:
                 continue
             serve = jp.linen.apply(model, policy, serving_kernel="pallas" if pallas else "auto")
+            serve = looped(serve, args.loops)
             fn = jax.jit(serve)
             variables = {"params": p}
             with serving_kernels.interpreted() if pallas and interpret else nullcontext():
@@ -154,6 +168,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 start = time.perf_counter()
                 jax.block_until_ready(compiled(v, x))
                 times[name].append(time.perf_counter() - start)
+        times = {n: [t / args.loops for t in ts] for n, ts in times.items()}
         base = statistics.median(times["bf16"])
         scale = np.abs(outs["bf16"]).max()
         for name in runs:
@@ -203,6 +218,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--loops", type=int, default=1,
+        help="forward passes per call, in one program (times are per pass)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tiles", help="the Pallas kernel's tiles: a JSON object of Tiles' fields (default: TILES)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.dim, args.layers, args.repeats = 256, 2, 3  # 256: two int4 blocks of 128
@@ -212,9 +234,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.tiles:
+        pallas_matmul.TILES = pallas_matmul.Tiles(**json.loads(args.tiles))
     print(
-        f"{args.layers} Dense layers {args.dim}x{args.dim}, median of {args.repeats} "
-        f"interleaved runs; jax {jax.__version__} on {jax.devices()[0].device_kind}"
+        f"{args.layers} Dense layers {args.dim}x{args.dim}, {args.loops} pass(es) per call, "
+        f"median of {args.repeats} "
+        f"interleaved runs; jax {jax.__version__} on {jax.devices()[0].device_kind}; "
+        f"{time.strftime('%Y-%m-%d')}; kernel tiles {pallas_matmul.TILES}"
     )
     if jax.devices()[0].platform == "cpu":
         print(

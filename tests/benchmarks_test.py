@@ -410,3 +410,23 @@ def test_bf16_training_bench_quick_prints_bytes_and_losses_as_ratios(tmp_path):
     assert "training loss, mean of each 1 steps" in result.stdout
     again = _run("bf16_training_bench.py", "--report", saved)
     assert again.stdout.strip() == result.stdout.split("\n\n", 1)[1].strip()
+
+
+@pytest.mark.heavy(5)
+def test_pallas_tune_quick_times_every_tile_beside_bf16_and_xla(tmp_path):
+    """The tuning script (run on a GPU) in Pallas's interpreter at tiny sizes: every tile
+    tried per shape and format beside bf16 and XLA's form, each kernel's error against
+    float32 small, and the JSON the session script reads the winner from."""
+    out = tmp_path / "tune.json"
+    result = _run("pallas_tune.py", "--quick", "--json", str(out), "--tiles",
+                  '{"out": 64}', '{"out": 128, "programs": 1000000, "partials": 1.0}')  # fmt: skip
+    rows = __import__("json").loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 3 * 4  # 2 row counts x 3 formats x (bf16, xla, 2 tiles)
+    kernels = [r for r in rows if r["variant"].startswith("pallas")]
+    assert {r["variant"] for r in kernels} == {
+        "pallas o64 k128 p264",
+        "pallas o128 k128 p1000000 x1",
+    }
+    assert all(0 < r["error"] < 1e-2 for r in kernels), [r["error"] for r in kernels]
+    assert all(np.isnan(r["error"]) for r in rows if not r["variant"].startswith("pallas"))
+    assert "best tiles per shape" in result.stdout

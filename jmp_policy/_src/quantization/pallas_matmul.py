@@ -51,6 +51,8 @@ class Tiles:
     step: int = 128
     programs: int = 264
     partials: float = 0.25
+    warps: int | None = None  # Triton's num_warps (None: Pallas's default, 4)
+    stages: int | None = None  # Triton's num_stages (None: Pallas's default, 3)
 
 
 # Untuned (no GPU has timed the kernel yet): 264 programs is two per SM of an H100 (132).
@@ -127,7 +129,7 @@ def weight_only_matmul(
     out_dtype: Any = None,
     *,
     interpret: bool = False,
-    tiles: Tiles = TILES,
+    tiles: Tiles | None = None,
 ) -> jax.Array:
     """``x @ (values * scale)`` by the Pallas kernel (see the module docstring).
 
@@ -140,11 +142,12 @@ def weight_only_matmul(
             per channel.
         out_dtype: the result's dtype (default: ``x``'s).
         interpret: run the kernel in Pallas's interpreter (any backend).
-        tiles: the kernel's :class:`Tiles`.
+        tiles: the kernel's :class:`Tiles` (default: :data:`TILES`, read at each call).
 
     Returns:
         ``[rows, out]`` in ``out_dtype``.
     """
+    tiles = TILES if tiles is None else tiles
     m, k = x.shape
     n = values.shape[1]
     compute = np.dtype(x.dtype)
@@ -164,7 +167,7 @@ def weight_only_matmul(
     out_blocks = -(-cols // tiles.out)
     steps = -(-k // step)
     weight_bytes = k * n * (0.5 if int4 else 1.0)
-    per = _steps_per_split(steps, out_blocks, tiles, tiles.partials * weight_bytes / (4 * m * n))
+    per = _steps_per_split(steps, out_blocks, tiles, tiles.partials * weight_bytes / (4 * rows * n))
     splits = -(-steps // per)
     chunk = per * step
     # x and the block scales are small: padded to whole splits (zeros), never read out of range.
@@ -177,7 +180,9 @@ def weight_only_matmul(
     scale_index = (lambda j, s: (s, j)) if blocked else (lambda j, s: (0, j))
     partial = pl.pallas_call(
         functools.partial(_body, plan),
-        out_shape=[jax.ShapeDtypeStruct((splits, m, cols), jnp.float32) for _ in scales],
+        # The partial sums hold the padded rows too: on a GPU a block taller than its array
+        # is not masked (1 row written as 16 overwrote the next split's sums, H100 2026-11-27).
+        out_shape=[jax.ShapeDtypeStruct((splits, rows, cols), jnp.float32) for _ in scales],
         grid=(out_blocks, splits),
         in_specs=[
             pl.BlockSpec((rows, chunk), lambda j, s: (0, s)),
@@ -186,10 +191,21 @@ def weight_only_matmul(
         ],
         out_specs=[pl.BlockSpec((None, rows, tiles.out), lambda j, s: (s, 0, j)) for _ in scales],
         interpret=interpret,
+        **_compiler_params(tiles, interpret),
     )(x, w, *scales)
-    ys = [p.sum(0) for p in partial]
+    ys = [p[:, :m].sum(0) for p in partial]
     y = ys[0] if len(ys) == 1 else jnp.stack(ys, axis=-1).reshape(m, n)
     return y.astype(out_dtype)
+
+
+def _compiler_params(tiles: Tiles, interpret: bool) -> dict[str, Any]:
+    """Triton's warps and stages, where :class:`Tiles` sets them."""
+    if interpret or (tiles.warps is None and tiles.stages is None):
+        return {}
+    from jax.experimental.pallas import triton as pl_triton
+
+    params = pl_triton.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages)
+    return {"compiler_params": params}
 
 
 def supports(values: jax.Array, block_size: int | None, rows: int) -> bool:
