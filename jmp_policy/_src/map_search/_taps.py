@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jmp_policy._src import context, interception, traced_records
+from jmp_policy._src import interception, traced_records, transforms
 
 
 class Loops(NamedTuple):
@@ -45,7 +45,7 @@ class State:
         self.mode = mode
         self.targets = targets
         self.arrays = arrays
-        self.trace = context.current_trace()
+        self.trace = transforms.current_trace()
         self.index: tuple[Any, ...] = ()  # the iteration (or lane) of each enclosing loop
         self.lengths: tuple[int, ...] = ()  # and their lengths
         self.loops: tuple[str, ...] = ()  # and their kinds: "scan" or "vmap"
@@ -60,7 +60,7 @@ class State:
         this state's iteration."""
         state = State.__new__(State)
         state.mode, state.targets, state.arrays = self.mode, self.targets, self.arrays
-        state.trace = context.current_trace()
+        state.trace = transforms.current_trace()
         state.index, state.lengths, state.loops = self.index, self.lengths, self.loops
         if i is not None:
             state.index, state.lengths = (*self.index, i), (*self.lengths, length)
@@ -90,7 +90,7 @@ class ScoreTaps:
         path = call.path
         if state is None or path not in state.targets:
             return next_fn(*args, **kwargs)
-        if context.current_trace() is not state.trace:  # a transform the search cannot see
+        if transforms.current_trace() is not state.trace:  # a transform the search cannot see
             return next_fn(*args, **kwargs)
         out = next_fn(*args, **kwargs)
         if not isinstance(out, jax.Array) or not jnp.issubdtype(out.dtype, jnp.floating):
@@ -121,7 +121,7 @@ def _around_scan(
     body's taps read their iteration's slice of the cached arrays (closed over) and their
     records leave the loop as its stacked outputs, one leading axis per scan."""
     state = _STATE.get()
-    if state is None or context.current_trace() is not state.trace:
+    if state is None or transforms.current_trace() is not state.trace:
         return scan(f, init, *args, **kwargs)
     traced: list[State] = []
 
@@ -148,7 +148,7 @@ def _around_vmap(
     ``nn.vmap``, ``nnx.vmap``): as a scan's iterations, each lane's taps read their lane's
     slice of the cached arrays, and their records leave the call stacked on axis 0."""
     state = _STATE.get()
-    if state is None or context.current_trace() is not state.trace:
+    if state is None or transforms.current_trace() is not state.trace:
         return plain(*a, **k)
     traced: list[State] = []
 
@@ -185,7 +185,7 @@ def _around_remat(
     ``nn.scan``; ``nnx.remat`` applied while the model runs): its taps record into a state
     of their own, whose records leave the call as extra outputs."""
     state = _STATE.get()
-    if state is None or context.current_trace() is not state.trace:
+    if state is None or transforms.current_trace() is not state.trace:
         return plain(*a, **k)
     traced: list[State] = []
 
