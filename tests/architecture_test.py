@@ -17,7 +17,11 @@ PACKAGE = "jmp_policy"
 # The integration modules (or packages) that may import flax.
 FLAX_GLUE = ("linen", "nnx")
 # Modules that must import nothing of jmp_policy (they sit under everything).
-BOTTOM = ("jmp_policy._src.context", "jmp_policy._src.int_arguments")
+BOTTOM = (
+    "jmp_policy._src.context",
+    "jmp_policy._src.int_arguments",
+    "jmp_policy._src.transforms",
+)
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -258,3 +262,18 @@ def test_no_quantization_mode_string_test_outside_the_scheme_modules():
         if not _is_scheme_module(name) and (lines := mode_tests(path.read_text()))
     }
     assert found == {}
+
+
+# The layout (#45): docs/layout.md names every module of `_src/` with what it holds.
+def test_docs_layout_names_every_src_module():
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    paths = re.findall(r"\w+(?:/\w+)*", layout)  # "policy_map/_index", "diagnostics"
+    words = {*paths, *(part for path in paths for part in path.split("/"))}
+    missing = [
+        name
+        for name in _modules()
+        if name.startswith(f"{PACKAGE}._src.")
+        and name.rsplit(".", 1)[-1] not in words
+        and "/".join(name.split(".")[-2:]) not in words
+    ]
+    assert missing == [], f"docs/layout.md does not name: {missing}"
