@@ -322,7 +322,7 @@ def from_name(value: Any, argument: str = "name", *, or_dtype: bool = False) -> 
         if dtype is None or dtype.name not in dt.DTYPE_NAMES:
             return None
         parsed = names.ParsedName(str(dtype.name), dtype, dtype, dtype)
-    cls = DTypePolicy
+    cls: type[DTypePolicy] = DTypePolicy
     if parsed.scheme is not None and parsed.mode is not None:
         cls = schemes.class_for(parsed.scheme, parsed.mode)
     policy = object.__new__(cls)

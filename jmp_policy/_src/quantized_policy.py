@@ -171,8 +171,8 @@ class QuantizedDTypePolicy(DTypePolicy):
 
     def _rebuild_from(self, source: DTypePolicy) -> QuantizedDTypePolicy:
         # The format's registered class (a registered format's own class stays itself).
-        cls = schemes.class_of(type(self._scheme))
-        return cls._from_parsed(names.parse_source(self._mode, self._scheme, source.name))  # type: ignore[no-any-return]
+        cls: type[QuantizedDTypePolicy] = schemes.class_of(type(self._scheme))
+        return cls._from_parsed(names.parse_source(self._mode, self._scheme, source.name))
 
     def _with(self, variable: Any, compute: Any, output: Any) -> QuantizedDTypePolicy:  # type: ignore[override]
         return self._rebuild_from(self.source_policy._with(variable, compute, output))
