@@ -31,8 +31,10 @@ class Storage:
         blocked: one scale per block of ``block_size`` rows along the layer's input axis
             and output channel (``block_size`` -1: one block); else one per output channel
             (``block_size`` ``None``).
-        has_zero_point: the real value is ``(values - zero_point) * scale``; no fast
-            matmul form reads such values (they are dequantized first).
+        has_zero_point: the real value is ``(values - zero_point) * scale``: the array's
+            class carries the zero point and dequantizes with it (a subclass, as AWQ's
+            carries its input scale); no fast matmul form reads such values (they are
+            dequantized first) and the symmetric ``quantize`` does not write them.
         legacy_dtypes: older layouts that still load: two values a ``uint8`` byte along
             axis 0 (int4 before ``jnp.int4``).
 
@@ -86,6 +88,12 @@ def add(storage: Storage) -> Storage:
         )
     _STORAGES[storage.mode] = storage
     return storage
+
+
+def remove(mode: str) -> None:
+    """Removes a storage mode :func:`add` added (a test's cleanup); the built-in ones stay."""
+    if mode not in (INT8.mode, INT4.mode):
+        _STORAGES.pop(mode, None)
 
 
 def modes() -> tuple[str, ...]:
