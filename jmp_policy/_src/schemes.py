@@ -200,8 +200,9 @@ def register(
     """
     if not (isinstance(scheme, type) and issubclass(scheme, Scheme)):
         raise TypeError(f"`scheme` must be a subclass of Scheme. Received: scheme={scheme!r}")
+    base = _DEFAULT_CLASS[0] if _DEFAULT_CLASS else object
     for cls in (policy_class, *also):
-        if cls is not None and not isinstance(cls, type):
+        if cls is not None and not (isinstance(cls, type) and issubclass(cls, base)):
             raise TypeError(
                 "`policy_class` must be a policy class (a subclass of QuantizedDTypePolicy) "
                 f"or None. Received: policy_class={cls!r}"

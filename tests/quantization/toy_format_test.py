@@ -112,13 +112,17 @@ def test_after_unregister_the_name_and_class_are_unknown(int6):
         jp.register(Int6Scheme, Int6DTypePolicy)
 
 
-def test_a_taken_token_is_refused(int6):
+def test_a_taken_token_and_a_class_that_is_no_policy_are_refused(int6):
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class Other(jp.Scheme):
         mode = "int6"
 
     with pytest.raises(ValueError, match="The token 'int6' is already the format Int6Scheme"):
         jp.register(Other)
+    with pytest.raises(
+        TypeError, match=r"`policy_class` must be a policy class.*policy_class=<class 'int'>"
+    ):
+        jp.register(Other, int)
 
 
 # -- Linen ---------------------------------------------------------------------------------------
