@@ -44,6 +44,16 @@ class SearchResult(NamedTuple):
 
     Unpacks as ``policy_map, table, ...``; ``str(result)`` is the table as text;
     :meth:`at` chooses again under another budget from the same scores.
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> from jmp_policy._src.map_search import LayerRow
+        >>> bf16 = "mixed_bfloat16"
+        >>> rows = (LayerRow("up", 16384, {bf16: 0.0}, {bf16: 32768}, bf16, "kept"),)
+        >>> result = jp.SearchResult(jp.DTypePolicyMap(bf16), rows, 32768, 16.0, 0.0, "")
+        >>> policy_map, table, weight_bytes, *_ = result
+        >>> weight_bytes, result.effective_bits
+        (32768, 16.0)
     """
 
     policy_map: DTypePolicyMap
