@@ -14,6 +14,7 @@ from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
+from jmp_policy.linen._kv_cache import kv_caches
 from jmp_policy.linen._modules import MATMUL_CLASSES, check_method, check_variables, prepare
 from jmp_policy.linen._trace import flat_params, method_for, run_traced
 
@@ -137,7 +138,8 @@ def apply_call(
 
     def call(cast_variables: Any, resolver: Resolver) -> Any:
         method_run = method_for(resolver, method)
-        return module.apply(cast_variables, *args, method=method_run, **apply_kwargs, **kwargs)
+        with kv_caches(resolver.options.kv_cache):
+            return module.apply(cast_variables, *args, method=method_run, **apply_kwargs, **kwargs)
 
     return call
 
