@@ -208,3 +208,28 @@ def test_a_cache_replaced_whole_warns_that_it_was_quantized_again():
 def test_without_kv_cache_the_cache_is_flaxs_own():
     cache = _cache(None)
     assert cache["attn_0"]["cached_key"].dtype == jnp.bfloat16
+
+
+def test_explain_lists_each_cache_with_its_format_and_bytes():
+    kv_cache = {"attn_0": "int8", "attn_1": "fp8"}
+    variables = jax.eval_shape(
+        lambda: jp.linen.init(MODEL, "mixed_bfloat16", kv_cache={"attn_0": "int8"})(
+            jax.random.key(0), TOKENS
+        )
+    )
+    text = jp.linen.explain(
+        MODEL, "mixed_bfloat16", variables, TOKENS[:, :1], kv_cache=kv_cache, mutable=["cache"]
+    )
+    lines = {line.split()[0]: line.split() for line in text.splitlines() if "cached_" in line}
+    assert lines["attn_0/cached_key"][1:5] == ["int8", "per", "token", "and"]
+    assert lines["attn_1/cached_value"][1:4] == ["float8_e4m3fn", "per", "token"]  # as it will be
+    assert lines["attn_0/cached_key"][-2:] == ["4.1K", "8.0K"]
+    assert "KV caches: bytes as stored, scales included (0.512x" in text
+    plain = jp.linen.explain(
+        MODEL, "mixed_bfloat16", _float_variables(), TOKENS[:, :1], mutable=["cache"]
+    )
+    assert "attn_0/cached_key    bfloat16" in plain
+
+
+def _float_variables():
+    return jax.eval_shape(lambda: jp.linen.init(MODEL, "mixed_bfloat16")(jax.random.key(0), TOKENS))
