@@ -45,9 +45,9 @@ def cache_rows(
         module, _, name = path.rpartition("/")
         shape = tuple(getattr(leaf, "shape", ()))
         if isinstance(leaf, QuantizedKVCache):
-            fmt = FORMATS[leaf.format]
+            stored = FORMATS[leaf.format]
             float_bytes = _size(shape) * np.dtype(leaf.dtype).itemsize
-            rows.append(CacheRow(path, fmt.name, fmt.layout, shape, leaf.nbytes, float_bytes))
+            rows.append(CacheRow(path, stored.name, stored.layout, shape, leaf.nbytes, float_bytes))
             continue
         if name not in names or not hasattr(leaf, "dtype"):
             continue
