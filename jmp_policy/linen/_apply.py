@@ -93,7 +93,10 @@ def apply(
             expressions whose modules receive their inputs uncast. ``serving_kernel``:
             ``"auto"`` (the default; XLA's matmul until a GPU measures the Pallas kernel
             faster), ``"pallas"`` (int8/int4 weights at up to 64 rows on a GPU run the
-            library's Pallas kernel) or ``"xla"``.
+            library's Pallas kernel) or ``"xla"``. ``kv_cache``: ``"int8"``,
+            ``"float8_e4m3fn"`` (vLLM's ``"fp8"``) or ``{module path: format}``: the
+            ``"cache"`` collection's ``cached_key``/``cached_value`` (Flax's attention with
+            ``decode=True``) stored as :class:`~jmp_policy.QuantizedKVCache`.
 
     Returns:
         A function with ``module.apply``'s signature.
