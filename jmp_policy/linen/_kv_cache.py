@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from flax.core.scope import Scope
 
 from jmp_policy._src import interception
 from jmp_policy._src.kv_cache import KVCacheSpec
-from jmp_policy._src.kv_cache.hook import CACHE_NAMES, active, running
+from jmp_policy._src.kv_cache.hook import CACHE_NAMES, CacheRun, active
 
 COLLECTION = "cache"
 __all__ = ["CACHE_NAMES", "kv_caches"]
@@ -64,11 +64,6 @@ _SCOPE = interception.ThreadPatch(
 )
 
 
-@contextlib.contextmanager
-def kv_caches(spec: KVCacheSpec | None) -> Iterator[None]:
+def kv_caches(spec: KVCacheSpec | None) -> contextlib.AbstractContextManager[Any]:
     """Runs a Linen model call with its attention caches stored as ``spec`` says."""
-    if spec is None:
-        yield
-        return
-    with running(spec, _SCOPE):
-        yield
+    return contextlib.nullcontext() if spec is None else CacheRun(spec, _SCOPE)

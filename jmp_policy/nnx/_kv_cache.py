@@ -19,26 +19,38 @@ from typing import Any
 from flax import nnx
 
 from jmp_policy._src.kv_cache import KVCacheSpec
-from jmp_policy._src.kv_cache.hook import CACHE_NAMES, running
+from jmp_policy._src.kv_cache.hook import CACHE_NAMES, CacheRun
 from jmp_policy.nnx._modules import path_of
 
 
-@contextlib.contextmanager
-def kv_caches(spec: KVCacheSpec | None, copy: nnx.Module, stored: dict[str, Any]) -> Iterator[None]:
+def kv_caches(
+    spec: KVCacheSpec | None, copy: nnx.Module, stored: dict[str, Any]
+) -> contextlib.AbstractContextManager[Any]:
     """Runs a call of ``copy`` with its attention caches stored as ``spec`` says; their
     paths leave ``stored`` (the dtypes ``write_back`` would cast them to)."""
-    if spec is None:
-        yield
-        return
-    with running(spec, where="the") as run:
-        for variable, fmt, variable_path in _caches(copy, run):
+    return contextlib.nullcontext() if spec is None else _CopyCaches(spec, copy, stored)
+
+
+class _CopyCaches(CacheRun):
+    def __init__(self, spec: KVCacheSpec, copy: nnx.Module, stored: dict[str, Any]) -> None:
+        super().__init__(spec, where="the")
+        self._copy, self._stored = copy, stored
+
+    def __enter__(self) -> Any:
+        run = super().__enter__()
+        for variable, fmt, variable_path in _caches(self._copy, run):
             cache = run.as_stored(variable.get_value(), fmt, variable_path)
             variable.set_value(run.hand_out(cache))
-            stored.pop(variable_path, None)
-        yield
-        # Caches made in the call (a method running `init_cache`) are stored quantized too.
-        for variable, fmt, variable_path in _caches(copy, run):
-            variable.set_value(run.stored(variable.get_value(), fmt, variable_path, False))
+            self._stored.pop(variable_path, None)
+        return run
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if kind is None:
+            # Caches made in the call (a method running `init_cache`) are stored too.
+            for variable, fmt, variable_path in _caches(self._copy, self.run):
+                value = variable.get_value()
+                variable.set_value(self.run.stored(value, fmt, variable_path, False))
+        super().__exit__(kind, error, traceback)
 
 
 def _caches(copy: nnx.Module, run: Any) -> Iterator[tuple[nnx.Variable[Any], Any, str]]:

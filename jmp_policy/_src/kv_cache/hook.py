@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import functools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -108,24 +108,37 @@ _LAX = interception.ThreadPatch(jax.lax, {"dynamic_update_slice": _dynamic_updat
 _WARNED: weakref.WeakSet[KVCacheSpec] = weakref.WeakSet()
 
 
-@contextlib.contextmanager
-def running(
-    spec: KVCacheSpec,
-    *patches: interception.ThreadPatch,
-    where: str = "the 'cache' collection's",
-) -> Iterator[Run]:
+class CacheRun:
     """A model call with its caches stored as ``spec`` says (``patches``: the glue's own,
-    active with this module's); what went wrong is said when it ends without an error."""
-    run = Run(spec)
-    token = _RUN.set(run)
-    try:
-        with contextlib.ExitStack() as stack:
-            for patch in (_LAX, *patches):
-                stack.enter_context(patch.active())
-            yield run
-    finally:
-        _RUN.reset(token)
-    report(run, where)
+    active with this module's); what went wrong is said when it ends without an error.
+
+    ``with CacheRun(spec) as run:``. A class, not a generator: its warnings are
+    attributed to the user's line, which a generator's ``contextlib`` frame would hide."""
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        *patches: interception.ThreadPatch,
+        where: str = "the 'cache' collection's",
+    ) -> None:
+        self.run = Run(spec)
+        self._where = where
+        self._stack = contextlib.ExitStack()
+        self._patches = (_LAX, *patches)
+
+    def __enter__(self) -> Run:
+        self._token = _RUN.set(self.run)
+        for patch in self._patches:
+            self._stack.enter_context(patch.active())
+        return self.run
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        try:
+            self._stack.close()
+        finally:
+            _RUN.reset(self._token)
+        if kind is None:
+            report(self.run, self._where)
 
 
 def report(run: Run, where: str) -> None:
