@@ -128,3 +128,13 @@ def test_a_model_without_cache_warns_once():
     fn = jp.nnx.apply(model, "mixed_bfloat16", kv_cache="int8")
     with pytest.warns(UserWarning, match=r"matched no attention cache.*init_cache"):
         fn(TOKENS)
+
+
+def test_explain_lists_each_cache_with_its_format_and_bytes():
+    text = jp.nnx.explain(_model("int8"), "mixed_bfloat16")
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if "cached_" in line}
+    assert rows["attn/cached_key"][1] == "int8"
+    assert rows["attn/cached_value"][-2:] == ["4.1K", "8.0K"]
+    assert "KV caches: bytes as stored, scales included (0.516x" in text
+    planned = jp.nnx.explain(_model(), "mixed_bfloat16", kv_cache="fp8")
+    assert "attn/cached_key    float8_e4m3fn  per token" in planned  # as it will be stored
