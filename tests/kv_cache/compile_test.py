@@ -34,6 +34,7 @@ def _no_float_cache_copy(result):
         assert not any(" copy" in b for b in found["large_float_buffers"]), (fmt, found)
 
 
+@pytest.mark.heavy(15)
 def test_cpu_int8_step_reads_the_stored_cache_without_a_float_copy():
     result = {str(f): kc.summary(kc.compiled_hlo(f, "cpu")) for f in (None, "int8")}
     bf16 = result["None"]["large_float_buffers"]
@@ -43,6 +44,7 @@ def test_cpu_int8_step_reads_the_stored_cache_without_a_float_copy():
     assert len(int8["large_float_buffers"]) <= len(bf16) - 4, (bf16, int8)
 
 
+@pytest.mark.heavy(30)
 def test_h100_step_reads_the_stored_cache_without_a_float_copy():
     if not (PLUGIN_DIR / "jax_plugins").is_dir():
         pytest.skip(
