@@ -37,6 +37,7 @@ from jmp_policy._src.global_state import set_global_policy as set_global_policy
 from jmp_policy._src.apply import cast_apply as cast_apply
 from jmp_policy._src.global_state import current_policy as current_policy
 from jmp_policy._src.policy_map import DTypePolicyMap as DTypePolicyMap
+from jmp_policy._src.kv_cache import QuantizedKVCache as QuantizedKVCache
 from jmp_policy._src.quantization import QuantizedArray as QuantizedArray
 from jmp_policy._src.quantization.checkpoints import quantized_metadata as quantized_metadata
 from jmp_policy._src.quantization.checkpoints import rebuild_quantized as rebuild_quantized
@@ -106,6 +107,7 @@ __all__ = [
     "SearchResult",
     "QuantizedArray",
     "Scheme",
+    "QuantizedKVCache",
     "compile_for_serving",
     "quantized_metadata",
     "rebuild_quantized",

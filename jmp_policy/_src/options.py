@@ -15,6 +15,7 @@ from typing import Any
 
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src import global_state, identifiers
+from jmp_policy._src.kv_cache import KVCacheSpec, make_spec
 from jmp_policy._src.path_patterns import PathPattern, compile_pattern
 from jmp_policy._src.policy import DTypePolicy
 from jmp_policy._src.policy_map import DTypePolicyMap
@@ -49,6 +50,7 @@ class Options:
     exclude_patterns: tuple[PathPattern, ...] = ()
     extensions: tuple[Callable[..., Any], ...] = ()
     serving_kernel: str = "auto"
+    kv_cache: KVCacheSpec | None = None  # attention caches stored quantized, by path
 
     def excluded(self, path: str, cls: type | None) -> bool:
         """Whether ``autocast_exclude`` names this module (by class or by path)."""
@@ -173,6 +175,7 @@ OPTION_DEFAULTS: Mapping[str, Any] = {
     "module_dtype": "respect",
     "autocast_exclude": (),
     "serving_kernel": "auto",
+    "kv_cache": None,
 }
 
 
@@ -211,6 +214,7 @@ def make_options(
         exclude_types=exclude_types,
         exclude_patterns=patterns,
         serving_kernel=serving_kernels.check(values["serving_kernel"]),
+        kv_cache=make_spec(values["kv_cache"]),
     )
 
 

@@ -62,8 +62,14 @@ PATCHES: dict[str, Patch] = {
     ),
     "param_reads": Patch(
         "flax.core.scope.Scope",
-        ("get_variable",),
-        "casts parameters as a Linen model reads them (jmp_policy.linen)",
+        ("get_variable", "put_variable"),
+        "casts parameters as a Linen model reads them, and stores its attention caches "
+        "quantized under kv_cache= (jmp_policy.linen)",
+    ),
+    "cache_writes": Patch(
+        "jax.lax",
+        ("dynamic_update_slice",),
+        "quantizes the tokens written into a quantized attention cache (kv_cache=)",
     ),
     "module_reads": Patch(
         "flax.linen.Module",

@@ -14,7 +14,9 @@ from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
+from jmp_policy.linen._kv_cache import kv_caches
 from jmp_policy.linen._modules import MATMUL_CLASSES, check_method, check_variables, prepare
+from jmp_policy.linen._reads import PARAM_READS
 from jmp_policy.linen._trace import flat_params, method_for, run_traced
 
 
@@ -92,7 +94,10 @@ def apply(
             expressions whose modules receive their inputs uncast. ``serving_kernel``:
             ``"auto"`` (the default; XLA's matmul until a GPU measures the Pallas kernel
             faster), ``"pallas"`` (int8/int4 weights at up to 64 rows on a GPU run the
-            library's Pallas kernel) or ``"xla"``.
+            library's Pallas kernel) or ``"xla"``. ``kv_cache``: ``"int8"``,
+            ``"float8_e4m3fn"`` (vLLM's ``"fp8"``) or ``{module path: format}``: the
+            ``"cache"`` collection's ``cached_key``/``cached_value`` (Flax's attention with
+            ``decode=True``) stored as :class:`~jmp_policy.QuantizedKVCache`.
 
     Returns:
         A function with ``module.apply``'s signature.
@@ -137,7 +142,8 @@ def apply_call(
 
     def call(cast_variables: Any, resolver: Resolver) -> Any:
         method_run = method_for(resolver, method)
-        return module.apply(cast_variables, *args, method=method_run, **apply_kwargs, **kwargs)
+        with kv_caches(resolver.options.kv_cache, PARAM_READS):
+            return module.apply(cast_variables, *args, method=method_run, **apply_kwargs, **kwargs)
 
     return call
 

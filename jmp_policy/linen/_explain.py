@@ -11,11 +11,13 @@ import numpy as np
 
 from jmp_policy._src.calibration_report import format_calibration
 from jmp_policy._src.explain import format_matmuls, format_rows
+from jmp_policy._src.kv_cache import report as kv_report
 from jmp_policy._src.options import OPTION_DEFAULTS, floating_policy_or_map
 from jmp_policy._src.quantization import matmuls
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import float8_not_run, resolved_rows, unused_keys_note
 from jmp_policy.linen._apply import apply_call
+from jmp_policy.linen._kv_cache import CACHE_NAMES
 from jmp_policy.linen._modules import (
     check_method,
     check_module,
@@ -111,4 +113,6 @@ def explain(
     rows = resolved_rows(resolver, params)
     float8_not_run(resolver, rows, params, forms)
     unused = unused_keys_note(resolver, type(module).__name__)
-    return format_rows(rows) + unused + format_matmuls(forms) + calibrated
+    caches = kv_report.cache_rows(variables.get("cache", {}), opts.kv_cache, CACHE_NAMES)
+    tables = format_rows(rows) + unused + format_matmuls(forms) + calibrated
+    return tables + kv_report.format_caches(caches)

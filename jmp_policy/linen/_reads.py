@@ -23,6 +23,7 @@ from jmp_policy._src import dtypes as dt
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import Resolver
+from jmp_policy.linen._kv_cache import cache_get_variable, cache_put_variable
 
 
 class Stale(Exception):
@@ -39,7 +40,7 @@ def _get_variable(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_variable(scope: Any, col: str, name: str, default: Any = None) -> Any:
         value = original(scope, col, name, default)
-        fix = _READS.get() if _PARAM_READS.inside() and not _UNFIXED.get() else None
+        fix = None if _UNFIXED.get() else _READS.get()
         if fix is None or col != "params" or value is default:
             return value
         return fix("/".join(str(p) for p in (*scope.path, name)), value)
@@ -50,7 +51,7 @@ def _get_variable(original: Callable[..., Any]) -> Callable[..., Any]:
 def _variables(original: Any) -> Any:
     def variables(module: nn.Module) -> Any:
         value = original.fget(module)
-        fix = _READS.get() if _PARAM_READS.inside() else None
+        fix = _READS.get()
         scope = module.scope
         if fix is None or scope is None or not isinstance(value, Mapping):
             return value
@@ -70,7 +71,18 @@ def _variables(original: Any) -> Any:
     return property(variables, doc=original.__doc__)
 
 
-_PARAM_READS = transforms.ThreadPatch("param_reads", {"get_variable": _get_variable})
+def _scope_get_variable(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Flax's ``Scope.get_variable`` with both hooks: attention caches handed out
+    dequantized (``kv_cache=``), parameters cast (each acts only inside its own run)."""
+    return _get_variable(cache_get_variable(original))
+
+
+# One patch of Flax's Scope for both of its users (two patches of one attribute would
+# restore each other's replacements when threads interleave).
+PARAM_READS = _PARAM_READS = transforms.ThreadPatch(
+    "param_reads",
+    {"get_variable": _scope_get_variable, "put_variable": cache_put_variable},
+)
 _MODULE_READS = transforms.ThreadPatch("module_reads", {"variables": _variables})
 
 

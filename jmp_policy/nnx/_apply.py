@@ -12,6 +12,7 @@ from jmp_policy._src import interception
 from jmp_policy._src.run_report import compute_modules, warn_once
 from jmp_policy.nnx._copy import cast_copy, warn_plain_arrays, write_back
 from jmp_policy.nnx._hook import dress, resolver_for
+from jmp_policy.nnx._kv_cache import kv_caches
 from jmp_policy.nnx._modules import (
     MATMUL_CLASSES,
     is_nnx_object,
@@ -110,7 +111,11 @@ def apply_with(
         if casts.plain and "plain" not in warned:
             warned.add("plain")
             warn_plain_arrays(type(model).__name__, casts.plain)
-        with interception.model_run(opts), quantized_run(casts.whole, casts.ahead, casts.sliced):
+        with (
+            interception.model_run(opts),
+            quantized_run(casts.whole, casts.ahead, casts.sliced),
+            kv_caches(opts.kv_cache, copy, casts.stored),
+        ):
             if isinstance(method, str):
                 out = getattr(copy, method)(*args, **kwargs)
             else:

@@ -8,6 +8,8 @@ from flax import nnx
 
 from jmp_policy._src.calibration_report import format_calibration
 from jmp_policy._src.explain import format_matmuls, format_rows
+from jmp_policy._src.kv_cache import report as kv_report
+from jmp_policy._src.kv_cache.hook import CACHE_NAMES
 from jmp_policy._src.quantization import matmuls
 from jmp_policy._src.run_report import float8_not_run, resolved_rows, unused_keys_note
 from jmp_policy.nnx._apply import apply_with
@@ -72,6 +74,8 @@ def explain(
     resolver = resolver_for(model, policies, opts)
     rows = resolved_rows(resolver, params)
     table = format_rows(rows) + unused_keys_note(resolver, type(model).__name__)
+    caches = nnx.to_pure_dict(nnx.state(model, nnx.Cache))
+    calibrated += kv_report.format_caches(kv_report.cache_rows(caches, opts.kv_cache, CACHE_NAMES))
     if not args:
         return table + calibrated
 
