@@ -257,3 +257,14 @@ def test_no_quantization_mode_string_test_outside_the_scheme_modules():
         if not _is_scheme_module(name) and (lines := mode_tests(path.read_text()))
     }
     assert found == {}
+
+
+def test_equinox_is_imported_only_by_its_adapter():
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {imported}"
+        for name, path in _modules().items()
+        if name.split(".")[:2] != [PACKAGE, "equinox"]
+        for imported, line in _imports(name, path)
+        if imported.split(".")[0] == "equinox"
+    ]
+    assert offenders == [], "equinox imported outside jmp_policy/equinox:\n" + "\n".join(offenders)

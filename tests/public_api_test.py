@@ -58,6 +58,7 @@ FLAX_MODULES = {
         "quantize",
         "search_map",
     ],
+    "equinox": ["apply", "explain", "quantize", "NORM_FLOAT32"],
 }
 
 POLICY_MEMBERS = [
@@ -187,9 +188,9 @@ def test_dir_shows_public_names_and_lazy_integrations_only():
     for name in ("Any", "annotations", "importlib", "_src", "_LAZY_SUBMODULES"):
         assert name not in names
     assert set(jp.__all__) <= set(names)
-    assert {"linen", "nnx", "__version__"} <= set(names)
+    assert {"linen", "nnx", "equinox", "__version__"} <= set(names)
     public = [n for n in names if not n.startswith("__")]
-    assert sorted(public) == sorted([*jp.__all__, "linen", "nnx"])
+    assert sorted(public) == sorted([*jp.__all__, "linen", "nnx", "equinox"])
 
 
 def test_dir_does_not_import_flax():
@@ -201,7 +202,7 @@ def test_dir_does_not_import_flax():
     assert result.stdout.strip() == "ok"
 
 
-@pytest.mark.parametrize("module", ["linen", "nnx"])
+@pytest.mark.parametrize("module", ["linen", "nnx", "equinox"])
 def test_flax_integrations_show_their_public_names_only(module):
     integration = getattr(jp, module)
     assert set(dir(integration)) == set(integration.__all__)
