@@ -10,7 +10,6 @@ adapter: the policy (:class:`~jmp_policy._src.resolution.Resolver`), the matmul
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -41,10 +40,16 @@ def _where(call: interception.Call) -> str:
     return f"{type(call.module).__name__} at {call.path or 'the root'!r}"
 
 
-@functools.cache
+# id(adapter) -> (adapter, its routed-matmul extension): one extension per adapter, so the
+# classes an adapter caches per (path, resolution, extensions) are made once.
+_ROUTED: dict[int, tuple[Adapter, interception.Extension]] = {}
+
+
 def routed_matmuls(adapter: Adapter) -> interception.Extension:
     """The hook extension that installs, for one call, the matmul the core picks for a
     routable layer (its policy's scheme, or a ``QuantizedArray`` kernel read whole)."""
+    if id(adapter) in _ROUTED:
+        return _ROUTED[id(adapter)][1]
 
     def extension(
         call: interception.Call, next_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
@@ -66,6 +71,7 @@ def routed_matmuls(adapter: Adapter) -> interception.Extension:
             return next_fn(*args, **kwargs)
         return adapter.call_with_matmul(call.module, matmul, args, kwargs)
 
+    _ROUTED[id(adapter)] = (adapter, extension)  # the adapter kept: its id is never reused
     return extension
 
 
