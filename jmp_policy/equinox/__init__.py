@@ -30,12 +30,14 @@ except ImportError as _e:  # pragma: no cover - exercised without equinox instal
 
 from jmp_policy.equinox._api import NORM_FLOAT32 as NORM_FLOAT32
 from jmp_policy.equinox._api import apply as apply
+from jmp_policy.equinox._api import diagnose as diagnose
 from jmp_policy.equinox._api import explain as explain
 from jmp_policy.equinox._api import quantize as quantize
 
 __all__ = [
     "NORM_FLOAT32",
     "apply",
+    "diagnose",
     "explain",
     "quantize",
 ]

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import equinox as eqx
 
 from jmp_policy._src.framework import entry_points
+from jmp_policy._src.framework.diagnose import diagnose as diagnose_once
 from jmp_policy._src.identifiers import get as _get_policy
 from jmp_policy._src.options import Island, Options, make_options
 from jmp_policy.equinox._adapter import EquinoxAdapter
@@ -163,3 +164,60 @@ def explain(model: eqx.Module, policy_or_map: Any, *args: Any, **options: Any) -
     return entry_points.explain(
         ADAPTER, model, policy_or_map, _options(options), (), args, calibration
     )
+
+
+def diagnose(
+    model: eqx.Module,
+    policy_or_map: Any,
+    *,
+    every: int = 1,
+    paths: Any = None,
+    **options: Any,
+) -> Callable[..., Any]:
+    """Makes a function that runs ``model`` as :func:`apply` does and also returns a report.
+
+    The Equinox counterpart of :func:`jmp_policy.linen.diagnose`: the returned function
+    takes the model's arguments plus keywords ``probe`` and ``step`` and returns
+    ``(outputs, report)``; the report holds, per submodule path, the statistics of the
+    floating leaves of its inputs and outputs and, through the gradient with respect to
+    ``probe``, of the cotangents reaching its outputs
+    (``report.with_gradients(probe_gradient)``); :func:`jmp_policy.format_report` names
+    the first submodule where a non-finite value appeared. Works under
+    ``eqx.filter_jit``/``jax.jit`` and ``eqx.filter_grad``, with no host synchronisation.
+    Submodules called inside a transform of their own (a ``jax.vmap`` of a layer, a
+    ``jax.lax.scan`` over a stack) are listed as ``skipped``: diagnose a model written per
+    example (Equinox's idiom) on one example to tap every layer.
+
+    Args:
+        model: an ``eqx.Module``.
+        policy_or_map: as for :func:`apply`.
+        every: compute the statistics when ``step % every == 0`` (requires ``step=``
+            when > 1).
+        paths: ``None`` (every submodule), or a path or regular expression, or a list of
+            them: the submodules to tap.
+        **options: as for :func:`apply`.
+
+    Returns:
+        A function ``fn(*args, probe=None, step=None, **kwargs)`` returning ``(outputs,
+        report)``; ``fn.probe(*args, **kwargs)`` returns a zero-valued probe for that call.
+
+    Raises:
+        TypeError, ValueError: as :func:`apply`; ``every`` or ``paths`` is not valid.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import equinox as eqx
+        >>> import jmp_policy as jp
+        >>> class Model(eqx.Module):
+        ...     body: eqx.nn.Linear
+        ...     head: eqx.nn.Linear
+        ...     def __call__(self, x):
+        ...         return self.head(self.body(x) * 1e5)   # overflows float16
+        >>> k1, k2 = jax.random.split(jax.random.key(0))
+        >>> model = Model(eqx.nn.Linear(3, 4, key=k1), eqx.nn.Linear(4, 2, key=k2))
+        >>> out, report = jp.equinox.diagnose(model, "float16")(jnp.ones(3))
+        >>> print(jp.format_report(report).splitlines()[0])
+        first non-finite: head (forward input)
+    """
+    return diagnose_once(ADAPTER, model, policy_or_map, _options(options), every, paths)
