@@ -58,7 +58,7 @@ FLAX_MODULES = {
         "quantize",
         "search_map",
     ],
-    "equinox": ["apply", "diagnose", "explain", "quantize", "NORM_FLOAT32"],
+    "equinox": ["apply", "calibrate", "diagnose", "explain", "quantize", "NORM_FLOAT32"],
 }
 
 POLICY_MEMBERS = [

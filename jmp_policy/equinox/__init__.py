@@ -33,10 +33,12 @@ from jmp_policy.equinox._api import apply as apply
 from jmp_policy.equinox._api import diagnose as diagnose
 from jmp_policy.equinox._api import explain as explain
 from jmp_policy.equinox._api import quantize as quantize
+from jmp_policy.equinox._calibrate import calibrate as calibrate
 
 __all__ = [
     "NORM_FLOAT32",
     "apply",
+    "calibrate",
     "diagnose",
     "explain",
     "quantize",

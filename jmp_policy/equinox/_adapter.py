@@ -129,6 +129,10 @@ class EquinoxAdapter:
     ) -> Any:
         return call(_dressed(model, "", resolver, extensions))
 
+    def split(self, model: Any) -> tuple[Any, Callable[[Any], Any]]:
+        arrays, static = eqx.partition(model, eqx.is_array)
+        return arrays, lambda a: eqx.combine(a, static)
+
     def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
         modules = dict(_modules(model))
         paths = [p for p in kernels if p in modules]

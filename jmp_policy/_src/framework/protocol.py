@@ -79,6 +79,10 @@ class Adapter(Protocol):
         is ``matmul``, a drop-in ``jax.lax.dot_general`` taking the kernel as ``[in, out]``
         on the right."""
 
+    def split(self, model: Any) -> tuple[Any, Callable[[Any], Any]]:
+        """``(arrays, merge)``: the model's arrays as a pytree ``jax.jit`` takes, and the
+        function that rebuilds the model from them (``merge(arrays)``)."""
+
     def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
         """A new model whose layers at these paths hold these kernels (``[in, out]``
         ``QuantizedArray`` values); ``model`` is left as it is."""
