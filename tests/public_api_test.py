@@ -58,7 +58,15 @@ FLAX_MODULES = {
         "quantize",
         "search_map",
     ],
-    "equinox": ["apply", "calibrate", "diagnose", "explain", "quantize", "NORM_FLOAT32"],
+    "equinox": [
+        "apply",
+        "calibrate",
+        "diagnose",
+        "explain",
+        "quantize",
+        "search_map",
+        "NORM_FLOAT32",
+    ],
 }
 
 POLICY_MEMBERS = [

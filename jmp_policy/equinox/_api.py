@@ -28,7 +28,7 @@ NORM_FLOAT32: Mapping[type, Any] = types.MappingProxyType(
 float32 and return their outputs in the caller's compute dtype (read-only)."""
 
 
-def _options(option_kwargs: dict[str, Any]) -> Options:
+def options_of(option_kwargs: dict[str, Any]) -> Options:
     return make_options(eqx.Module, "eqx.Module", "eqx.nn.LayerNorm", **option_kwargs)
 
 
@@ -84,7 +84,7 @@ def apply(model: eqx.Module, policy_or_map: Any, **options: Any) -> Callable[...
         >>> grads.encoder.weight.dtype
         dtype('float32')
     """
-    return entry_points.apply(ADAPTER, model, policy_or_map, _options(options), ())
+    return entry_points.apply(ADAPTER, model, policy_or_map, options_of(options), ())
 
 
 def quantize(model: M, policy_or_map: Any) -> M:
@@ -162,7 +162,7 @@ def explain(model: eqx.Module, policy_or_map: Any, *args: Any, **options: Any) -
     """
     calibration = options.pop("calibration", None)
     return entry_points.explain(
-        ADAPTER, model, policy_or_map, _options(options), (), args, calibration
+        ADAPTER, model, policy_or_map, options_of(options), (), args, calibration
     )
 
 
@@ -220,4 +220,4 @@ def diagnose(
         >>> print(jp.format_report(report).splitlines()[0])
         first non-finite: head (forward input)
     """
-    return diagnose_once(ADAPTER, model, policy_or_map, _options(options), every, paths)
+    return diagnose_once(ADAPTER, model, policy_or_map, options_of(options), every, paths)
