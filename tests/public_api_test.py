@@ -169,6 +169,24 @@ def test_import_does_not_import_flax():
     assert result.returncode == 0, result.stderr
 
 
+def test_equinox_is_imported_only_when_jp_equinox_is_used():
+    result = _run_python(
+        "import sys, jmp_policy as jp; assert 'equinox' not in sys.modules; "
+        "jp.equinox.apply; assert 'equinox' in sys.modules; print('ok')"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_jp_equinox_without_equinox_is_an_import_error_naming_the_extra():
+    result = _run_python(
+        "import sys; sys.modules['equinox'] = None; import jmp_policy as jp\n"
+        "try:\n    jp.equinox\nexcept ImportError as e:\n    print(e)"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pip install jmp_policy[equinox]" in result.stdout
+
+
 def test_flax_integrations_are_lazy_attributes():
     result = _run_python(
         "import sys, jmp_policy as jp; assert 'flax' not in sys.modules; "
