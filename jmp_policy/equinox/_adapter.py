@@ -23,8 +23,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from jmp_policy._src import casting, interception
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src import interception
 from jmp_policy._src.framework.protocol import OUT_IN, Layer
 from jmp_policy._src.options import Options
 from jmp_policy._src.quantization import is_quantized
@@ -61,6 +61,31 @@ def _modules(model: Any, path: str = "") -> Iterator[tuple[str, Any]]:
 
 def _original(cls: type) -> type:
     return getattr(cls, _ORIGINAL, cls)
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, eqx.nn.State)
+
+
+def _state_back(out: Any, args: Any) -> Any:
+    """``out`` with each ``eqx.nn.State`` (batch statistics, caches) in the dtypes of the
+    state the call received: a layer computes in its policy's dtype, and its state is
+    kept in its stored dtype, as Flax's non-parameter collections are."""
+    given = [x for x in jax.tree.leaves(args, is_leaf=_is_state) if _is_state(x)]
+    if not given:
+        return out
+    stored = given[0]
+
+    def back(x: Any) -> Any:
+        if not _is_state(x) or jax.tree.structure(x) != jax.tree.structure(stored):
+            return x
+        return jax.tree.map(
+            lambda new, old: casting.cast_leaf(new, old.dtype) if hasattr(old, "dtype") else new,
+            x,
+            stored,
+        )
+
+    return jax.tree.map(back, out, is_leaf=_is_state)
 
 
 def _routed(module: Any) -> bool:
@@ -182,7 +207,8 @@ def _subclass(cls: type, path: str, resolution: Any, extensions: tuple[Any, ...]
             path, resolution, extensions = getattr(type(self), _CALL)
             call = interception.Call(path, self, resolution)
             bound = functools.partial(original, self)
-            return interception.run(call, bound, args, kwargs, extensions=extensions)
+            out = interception.run(call, bound, args, kwargs, extensions=extensions)
+            return _state_back(out, (args, kwargs))
 
         namespace = {
             _ORIGINAL: cls,

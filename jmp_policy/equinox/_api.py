@@ -21,11 +21,11 @@ ADAPTER = EquinoxAdapter()
 NORM_FLOAT32: Mapping[type, Any] = types.MappingProxyType(
     {
         cls: Island(_get_policy("float32"))
-        for cls in (eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm)
+        for cls in (eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm, eqx.nn.BatchNorm)
     }
 )
-"""``type_policies`` that compute Equinox's ``LayerNorm``, ``RMSNorm`` and ``GroupNorm`` in
-float32 and return their outputs in the caller's compute dtype (read-only)."""
+"""``type_policies`` that compute Equinox's ``LayerNorm``, ``RMSNorm``, ``GroupNorm`` and
+``BatchNorm`` in float32 and return their outputs in the caller's compute dtype (read-only)."""
 
 
 def options_of(option_kwargs: dict[str, Any]) -> Options:

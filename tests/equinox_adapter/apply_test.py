@@ -147,3 +147,28 @@ def test_delayed_float8_scaling_is_refused_naming_the_layer_and_current_scaling(
 def test_an_integer_policy_is_refused_as_apply_wrappers_do(model):
     with pytest.raises(ValueError, match="policy_or_map"):
         jp.equinox.apply(model, "int32")
+
+
+@pytest.mark.filterwarnings("ignore:When `eqx.nn.BatchNorm")
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_batch_norm_state_stays_in_its_stored_dtype(jit):
+    norm, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(4, axis_name="batch")
+    x = jnp.arange(8.0).reshape(2, 4)
+    for type_policies in ({}, jp.equinox.NORM_FLOAT32):
+        run = jp.equinox.apply(norm, "mixed_bfloat16", type_policies=type_policies)
+        batched = jax.vmap(run, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+        out, new = (jax.jit(batched) if jit else batched)(x, state)
+        assert [leaf.dtype for leaf in jax.tree.leaves(new)][1:] == [jnp.float32] * 2
+        assert out.dtype == (jnp.float32 if type_policies else jnp.bfloat16)
+        np.testing.assert_allclose(jax.tree.leaves(new)[1], jnp.array([2.0, 3.0, 4.0, 5.0]))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_convolution_computes_in_its_policy_and_is_never_quantized(jit):
+    conv = eqx.nn.Conv2d(3, 4, 3, key=jax.random.key(0))
+    x = jnp.ones((3, 8, 8))
+    run = jp.equinox.apply(conv, "mixed_bfloat16")
+    out = (jax.jit(run) if jit else run)(x)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(out.astype(jnp.float32), conv(x), atol=0.05)
+    assert jp.equinox.quantize(conv, "int8_from_float32").weight.dtype == jnp.float32
