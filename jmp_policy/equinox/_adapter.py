@@ -75,9 +75,10 @@ def _state_back(out: Any, args: Any) -> Any:
     if not given:
         return out
     stored = given[0]
+    structure: Any = jax.tree.structure(stored)
 
     def back(x: Any) -> Any:
-        if not _is_state(x) or jax.tree.structure(x) != jax.tree.structure(stored):
+        if not _is_state(x) or jax.tree.structure(x) != structure:
             return x
         return jax.tree.map(
             lambda new, old: casting.cast_leaf(new, old.dtype) if hasattr(old, "dtype") else new,
