@@ -41,6 +41,11 @@ from jmp_policy._src.quantization import QuantizedArray as QuantizedArray
 from jmp_policy._src.quantization.checkpoints import quantized_metadata as quantized_metadata
 from jmp_policy._src.quantization.checkpoints import rebuild_quantized as rebuild_quantized
 from jmp_policy._src.serving_layouts import compile_for_serving as compile_for_serving
+from jmp_policy._src.schemes import Scheme as Scheme
+from jmp_policy._src.schemes import register as register
+from jmp_policy._src.schemes import unregister as unregister
+from jmp_policy._src.quantization.calibration import LayerReport as LayerReport
+from jmp_policy._src.map_search import SearchResult as SearchResult
 
 # --- serialization ---
 from jmp_policy._src.serialization import deserialize as deserialize
@@ -97,10 +102,15 @@ __all__ = [
     "cast_apply",
     "current_policy",
     # quantization
+    "LayerReport",
+    "SearchResult",
     "QuantizedArray",
+    "Scheme",
     "compile_for_serving",
     "quantized_metadata",
     "rebuild_quantized",
+    "register",
+    "unregister",
     # serialization
     "deserialize",
     "serialize",

@@ -11,6 +11,7 @@ from flax import nnx
 
 import jmp_policy as jp
 from jmp_policy._src import map_choice, map_search
+from jmp_policy._src.map_search import _passes as search_passes
 
 
 def _brute(layers, bound, minimize):
@@ -627,5 +628,5 @@ def test_searching_the_same_model_again_compiles_nothing(backend_compiles):
     assert again.table[0].scores != first.table[0].scores  # computed on the new weights
     jp.linen.search_map(model, variables, [x[:8]], _loss, budget={"effective_bits": 8})
     assert len(backend_compiles) > compiled  # another batch shape: compiled for it
-    key = [k for k, (reuse, _) in map_search._COMPILED.items() if reuse[0] is model]
-    assert key and len(map_search._COMPILED) <= map_search.MAX_COMPILED
+    key = [k for k, (reuse, _) in search_passes._COMPILED.items() if reuse[0] is model]
+    assert key and len(search_passes._COMPILED) <= map_search.MAX_COMPILED

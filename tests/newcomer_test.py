@@ -115,15 +115,15 @@ def test_the_search_table_shows_each_policy_name_whole():
 
 
 def test_an_unknown_jax_is_a_clear_error_at_first_use_not_a_silent_guard(monkeypatch):
-    """``context.current_trace`` reads JAX's internals; where they moved it names the JAX
+    """``transforms.current_trace`` reads JAX's internals; where they moved it names the JAX
     version (it returned ``None`` before, which turned calibration's guard off quietly)."""
     from jax._src import core as jax_core
 
-    from jmp_policy._src import context
+    from jmp_policy._src import transforms
 
-    assert context.current_trace() is jax_core.trace_ctx.trace  # eval trace outside jit
+    assert transforms.current_trace() is jax_core.trace_ctx.trace  # eval trace outside jit
     seen = []
-    jax.jit(lambda x: seen.append(context.current_trace()) or x)(1.0)
+    jax.jit(lambda x: seen.append(transforms.current_trace()) or x)(1.0)
     assert seen[0] is not jax_core.trace_ctx.trace  # inside jit: the jit's own trace
 
     class Moved:  # a JAX whose trace context has no `trace`
@@ -131,4 +131,4 @@ def test_an_unknown_jax_is_a_clear_error_at_first_use_not_a_silent_guard(monkeyp
 
     monkeypatch.setattr(jax_core, "trace_ctx", Moved())
     with pytest.raises(RuntimeError, match=rf"jax {jax.__version__} does not have"):
-        context.current_trace()
+        transforms.current_trace()

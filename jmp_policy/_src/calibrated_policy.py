@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from jmp_policy._src import schemes
-from jmp_policy._src.policy import CLASSES, DTypePolicy, T
+from jmp_policy._src.policy import DTypePolicy, T
 from jmp_policy._src.quantization.calibrated_schemes import AWQScheme, CalibratedScheme, GPTQScheme
 from jmp_policy._src.quantized_policy import QuantizedDTypePolicy
 
@@ -20,13 +20,13 @@ class _CalibratedDTypePolicy(QuantizedDTypePolicy):
     _scheme_class: ClassVar[type[CalibratedScheme]] = CalibratedScheme
 
     def __init__(self, mode: str, source_name: str | None = None):
-        cls, example = self._scheme_class.policy_class, f"'{self._scheme_class.mode}/4/128'"
+        cls, example = type(self).__name__, f"'{self._scheme_class.mode}/4/128'"
         if not isinstance(mode, str):
             raise TypeError(
                 f"`mode` of {cls} must be a string such as {example}. "
                 f"Received: mode={mode!r} (of type {type(mode).__name__})"
             )
-        scheme = schemes.parse_mode(mode, self._scheme_class.policy_class)
+        scheme = schemes.parse_mode(mode, type(self))
         self._init_quantized(scheme.mode_text(), scheme, source_name)
 
     @property
@@ -115,5 +115,5 @@ class AWQDTypePolicy(_CalibratedDTypePolicy):
     _scheme_class: ClassVar[type[CalibratedScheme]] = AWQScheme
 
 
-CLASSES["GPTQDTypePolicy"] = GPTQDTypePolicy
-CLASSES["AWQDTypePolicy"] = AWQDTypePolicy
+schemes.register(GPTQScheme, GPTQDTypePolicy)
+schemes.register(AWQScheme, AWQDTypePolicy)

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jmp_policy._src import context, interception, traced_records
+from jmp_policy._src import interception, traced_records, transforms
 from jmp_policy._src.batch_checks import blaming
 from jmp_policy._src.int_arguments import check_int
 from jmp_policy._src.quantization.calibration import rows_for_kernel
@@ -47,7 +47,7 @@ class _Gathering:
         self.stacked = stacked
         self.unseen = unseen
         self.level = level
-        self.trace = context.current_trace()
+        self.trace = transforms.current_trace()
 
     def add(self, path: str, stats: LayerStats) -> None:
         before = self.stats.get(path)
@@ -104,7 +104,7 @@ def capturing_dot_general(path: str, shape: tuple[int, ...]) -> Any:
 def _capture(
     state: _Gathering, path: str, shape: tuple[int, ...], lhs: Any, rhs: Any, dims: Any
 ) -> None:
-    if context.current_trace() is not state.trace:
+    if transforms.current_trace() is not state.trace:
         state.unseen[path] = (
             "its layer runs inside a transform calibrate cannot see into (one other than "
             "a scan, remat or vmap, such as shard_map or pmap, or a jax.vmap/nnx.vmap "
@@ -130,7 +130,7 @@ def _around_scan(
     """A ``jax.lax.scan`` in a gathering run: each iteration gathers into statistics of
     its own, which leave the loop stacked (see :func:`_add_stacked`)."""
     state = _GATHERING.get()
-    if state is None or context.current_trace() is not state.trace:
+    if state is None or transforms.current_trace() is not state.trace:
         return scan(f, init, *args, **kwargs)
     done = traced_records.scan_with_records(scan, f, init, args, kwargs, _stepping(state))
     if done is None:
@@ -148,7 +148,7 @@ def _around_vmap(
     every lane when the inputs are broadcast), which leave the call stacked (see
     :func:`_add_stacked`)."""
     state = _GATHERING.get()
-    if state is None or context.current_trace() is not state.trace:
+    if state is None or transforms.current_trace() is not state.trace:
         return plain(*a, **k)
     out, records = traced_records.vmap_with_records(
         original, fun, args, kwargs, a, k, _stepping(state)
@@ -188,7 +188,7 @@ def _around_remat(
     """A call of a function checkpointed in a gathering run: its statistics, gathered
     apart, leave the call as extra outputs and are added to the run's."""
     state = _GATHERING.get()
-    if state is None or context.current_trace() is not state.trace:
+    if state is None or transforms.current_trace() is not state.trace:
         return plain(*a, **k)
 
     @contextlib.contextmanager

@@ -1,8 +1,7 @@
 """The context variables: the process default policy, the ``policy_scope`` stack and the
 current submodule call.
 
-It also reads JAX's current trace (``current_trace``), to tell a call made inside a
-transform of its own. This module sits under everything and imports nothing of jmp_policy, so any module may read
+This module sits under everything and imports nothing of jmp_policy, so any module may read
 it without an import cycle (as Flax's ``configurations.py`` does). It only holds values;
 the rules (what may be global, what ``current_policy`` returns) live in ``global_state``.
 """
@@ -38,33 +37,6 @@ SCOPE: contextvars.ContextVar[Any] = contextvars.ContextVar("jmp_policy_scope", 
 CALL: contextvars.ContextVar[RunningCall | None] = contextvars.ContextVar(
     "jmp_policy_call", default=None
 )
-
-
-try:
-    from jax._src import core as _jax_core
-except ImportError:  # pragma: no cover - a JAX without it: current_trace says so when used
-    _jax_core = None  # type: ignore[assignment]
-
-
-def current_trace() -> Any:
-    """JAX's current trace, to tell a call made inside a transform of its own (calibration's
-    and the search's guard against a foreign trace).
-
-    Read from JAX's internals (``jax._src.core.trace_ctx.trace``, where jax 0.4.36 to 0.12
-    keep it; Flax reads the same): on a JAX that moved it this raises a ``RuntimeError``
-    naming the JAX version at first use, rather than turning the guard off.
-    """
-    try:
-        return _jax_core.trace_ctx.trace  # type: ignore[union-attr]
-    except AttributeError as e:
-        import jax
-
-        raise RuntimeError(
-            "jmp_policy reads JAX's current trace from `jax._src.core.trace_ctx.trace`, "
-            f"which jax {jax.__version__} does not have ({e}): this JAX version is newer "
-            "than jmp_policy knows. Install a jax that jmp_policy supports (pyproject.toml "
-            "says which), or a jmp_policy release that knows this one."
-        ) from e
 
 
 def global_policy_or_none() -> Any:

@@ -30,14 +30,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-from jmp_policy._src import casting, global_state
+from jmp_policy._src import casting, global_state, transforms
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.options import Options
 from jmp_policy._src.quantization import serving_kernels
@@ -175,48 +174,6 @@ def attribute_set(obj: Any, name: str, value: Any) -> Iterator[None]:
         object.__setattr__(obj, name, old)
 
 
-class ThreadPatch:
-    """Replaces functions of a module (``jax.lax.scan``, ``jnp.einsum``) while any thread
-    is inside :meth:`active`, and restores them when the last one leaves. A replacement
-    made by ``wrappers[name](original)`` must act only when :meth:`inside` is true and
-    pass through otherwise, so threads outside the block see the original behaviour.
-    """
-
-    def __init__(
-        self, target: Any, wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]
-    ):
-        self._target = target
-        self._wrappers = wrappers
-        self._lock = threading.Lock()
-        self._active = 0
-        self._originals: dict[str, Any] = {}
-        self._depth = threading.local()
-
-    def inside(self) -> bool:
-        """Whether this thread is inside :meth:`active`."""
-        return getattr(self._depth, "value", 0) > 0
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        with self._lock:
-            if self._active == 0:
-                for name, wrap in self._wrappers.items():
-                    self._originals[name] = getattr(self._target, name)
-                    setattr(self._target, name, wrap(self._originals[name]))
-            self._active += 1
-        self._depth.value = getattr(self._depth, "value", 0) + 1
-        try:
-            yield
-        finally:
-            self._depth.value -= 1
-            with self._lock:
-                self._active -= 1
-                if self._active == 0:
-                    for name, original in self._originals.items():
-                        setattr(self._target, name, original)
-                    self._originals.clear()
-
-
 def _in_scope() -> bool:
     return _LOOPS.inside()
 
@@ -304,7 +261,9 @@ def _fori_loop(original: Callable[..., Any]) -> Callable[..., Any]:
     return fori_loop
 
 
-_LOOPS = ThreadPatch(jax.lax, {"scan": _scan, "while_loop": _while_loop, "fori_loop": _fori_loop})
+_LOOPS = transforms.ThreadPatch(
+    "loops", {"scan": _scan, "while_loop": _while_loop, "fori_loop": _fori_loop}
+)
 
 
 @contextlib.contextmanager

@@ -83,7 +83,7 @@ class ParsedName:
         """The class (this library's and Keras's) that a name of this form builds."""
         if self.scheme is None or self.mode is None:
             return "DTypePolicy"
-        return self.scheme.policy_class_for(self.mode)
+        return schemes.class_for(self.scheme, self.mode).__name__
 
 
 def _policy_names() -> list[str]:
@@ -132,7 +132,11 @@ def _float_dtypes(name: str, argument: str) -> tuple[np.dtype, np.dtype, np.dtyp
                 hint = dt.did_you_mean(mode, [scheme.mode for scheme in schemes.registered()])
                 detail = "A quantized name is not a float policy name."
                 if schemes.lookup(mode) is None:  # no registered token (Keras's "ternary")
-                    forms = ", ".join(g for scheme in schemes.registered() for g in scheme.grammar)
+                    forms = ", ".join(
+                        g
+                        for scheme in schemes.registered()
+                        for g in scheme.grammar or (repr(scheme.mode),)
+                    )
                     detail = (
                         f"Unknown quantization mode {dt.bounded_repr(mode)} in a quantized "
                         f"name: the modes are {forms}."
@@ -327,3 +331,6 @@ def _parse(name: str, argument: str) -> ParsedName:
 def forget_parsed() -> None:
     """Empties :func:`parse`'s cache (after a format is registered or removed)."""
     _parse.cache_clear()
+
+
+schemes.on_change(forget_parsed)

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 from jax.typing import DTypeLike
 
-from jmp_policy._src import casting, config_fields, context
+from jmp_policy._src import casting, config_fields, context, schemes
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src import name_grammar as names
 
@@ -308,13 +308,9 @@ class Policy(DTypePolicy):
     __slots__ = ()
 
 
-#: The policy classes by the names a parsed name gives (``ParsedName.policy_class``, a
-#: scheme's ``policy_class``): each module that defines one adds it.
-CLASSES: dict[str, type[DTypePolicy]] = {}
-
-
 def from_name(value: Any, argument: str = "name", *, or_dtype: bool = False) -> DTypePolicy | None:
-    """A name (or, with ``or_dtype``, a dtype) to the class it names (:data:`CLASSES`), built
+    """A name (or, with ``or_dtype``, a dtype) to the class it names (a float name
+    :class:`DTypePolicy`, a quantized one its format's registered class), built
     from the name parsed once: no constructor is handed the name to parse again. ``None``:
     with ``or_dtype``, ``value`` is neither. ``argument`` names the caller's argument."""
     if isinstance(value, str) or not or_dtype:
@@ -326,7 +322,10 @@ def from_name(value: Any, argument: str = "name", *, or_dtype: bool = False) -> 
         if dtype is None or dtype.name not in dt.DTYPE_NAMES:
             return None
         parsed = names.ParsedName(str(dtype.name), dtype, dtype, dtype)
-    policy = object.__new__(CLASSES[parsed.policy_class])
+    cls: type[DTypePolicy] = DTypePolicy
+    if parsed.scheme is not None and parsed.mode is not None:
+        cls = schemes.class_for(parsed.scheme, parsed.mode)
+    policy = object.__new__(cls)
     object.__setattr__(policy, "_parsed", parsed)  # as `_from_parsed`, without a call back
     return policy
 
@@ -335,9 +334,6 @@ def check_fresh(policy: DTypePolicy) -> None:
     """Refuses to initialise a policy twice (``policy.__init__(...)`` on a built one)."""
     if hasattr(policy, "_parsed"):
         raise AttributeError(f"{type(policy).__name__} is immutable; it cannot be re-initialized.")
-
-
-CLASSES["DTypePolicy"] = DTypePolicy
 
 
 def _rebuild(cls: type[DTypePolicy], config: dict[str, Any]) -> DTypePolicy:

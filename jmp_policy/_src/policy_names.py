@@ -3,13 +3,13 @@
 
 The name is parsed once (:func:`jmp_policy._src.name_grammar.parse`) and the class it names
 is built from the parsed value (:func:`jmp_policy._src.policy.from_name`), never from the
-name again; this module sits above every policy class, so that each has registered."""
+name again. A quantized name builds the class its format registered
+(:func:`jmp_policy._src.schemes.register`)."""
 
 from __future__ import annotations
 
 from typing import Any, cast
 
-from jmp_policy._src import calibrated_policy  # noqa: F401  (GPTQ/AWQ classes and formats)
 from jmp_policy._src.policy import DTypePolicy, from_name
 
 

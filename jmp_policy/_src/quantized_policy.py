@@ -8,10 +8,10 @@ from typing import Any, ClassVar
 
 from jmp_policy._src import name_grammar as names
 from jmp_policy._src import quantization, schemes
-from jmp_policy._src.policy import CLASSES, DTypePolicy, T, check_fresh, global_name
+from jmp_policy._src.policy import DTypePolicy, T, check_fresh, global_name
 from jmp_policy._src.quantization import float8
 from jmp_policy._src.quantization.float8_scheme import DEFAULT_AMAX_HISTORY_LENGTH, Float8Scheme
-from jmp_policy._src.quantization.int_schemes import Int4Scheme
+from jmp_policy._src.quantization.int_schemes import Int4Scheme, Int8Scheme
 from jmp_policy._src.quantization.quantized_array_checks import int4_block
 from jmp_policy._src.tree_paths import check_depth
 
@@ -52,8 +52,18 @@ class QuantizedDTypePolicy(DTypePolicy):
     _kind: ClassVar[str] = "quantized"
 
     def __init__(self, mode: str, source_name: str | None = None):
-        scheme = schemes.parse_mode(mode, "QuantizedDTypePolicy")
+        # The formats registered to this class (or to the nearest registered base of a
+        # subclass: a format's own policy class inherits this constructor).
+        scheme = schemes.parse_mode(mode, type(self))
         self._init_quantized(scheme.mode_text(mode), scheme, source_name)
+
+    @classmethod
+    def class_for_mode(cls, scheme: schemes.Scheme, text: str) -> type[QuantizedDTypePolicy]:
+        """The class a name of ``scheme`` whose mode is written ``text`` builds: this one,
+        except Keras's ``Int4DTypePolicy`` for int4 names with a block (``"int4/128"``)."""
+        if cls is QuantizedDTypePolicy and isinstance(scheme, Int4Scheme) and "/" in text:
+            return Int4DTypePolicy
+        return cls
 
     def _init_quantized(self, mode: str, scheme: schemes.Scheme, source_name: str | None) -> None:
         """Initialises from the mode as names write it, its scheme and the source name
@@ -160,7 +170,9 @@ class QuantizedDTypePolicy(DTypePolicy):
         return quantization.quantize_tree(tree, self._scheme.quantize, stacked_axes)  # type: ignore[no-any-return]
 
     def _rebuild_from(self, source: DTypePolicy) -> QuantizedDTypePolicy:
-        return QuantizedDTypePolicy(self._mode, source.name)
+        # The format's registered class (a registered format's own class stays itself).
+        cls: type[QuantizedDTypePolicy] = schemes.class_of(type(self._scheme))
+        return cls._from_parsed(names.parse_source(self._mode, self._scheme, source.name))
 
     def _with(self, variable: Any, compute: Any, output: Any) -> QuantizedDTypePolicy:  # type: ignore[override]
         return self._rebuild_from(self.source_policy._with(variable, compute, output))
@@ -207,7 +219,7 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
         source_name: str | None = None,
         block_size: int | None = _DEFAULT_INT4_BLOCK,
     ):
-        given = schemes.parse_mode(mode)
+        given = schemes.parse_mode(mode, QuantizedDTypePolicy)
         if not isinstance(given, Int4Scheme):
             raise ValueError(
                 "Invalid mode for Int4DTypePolicy. Expected 'int4' or 'int4/<block_size>' "
@@ -303,6 +315,7 @@ class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):
         return QuantizedFloat8DTypePolicy("float8", source.name, length, scaling)
 
 
-CLASSES["QuantizedDTypePolicy"] = QuantizedDTypePolicy
-CLASSES["Int4DTypePolicy"] = Int4DTypePolicy
-CLASSES["QuantizedFloat8DTypePolicy"] = QuantizedFloat8DTypePolicy
+schemes.set_default_policy_class(QuantizedDTypePolicy)
+schemes.register(Int8Scheme, QuantizedDTypePolicy)
+schemes.register(Int4Scheme, QuantizedDTypePolicy, also=(Int4DTypePolicy,))
+schemes.register(Float8Scheme, QuantizedFloat8DTypePolicy)

@@ -13,30 +13,37 @@ import contextvars
 from collections.abc import Mapping
 from typing import Any
 
-from jmp_policy._src.calibrated_policy import AWQDTypePolicy, GPTQDTypePolicy
+from jmp_policy._src import schemes
 from jmp_policy._src.dtypes import bounded_repr
 from jmp_policy._src.name_grammar import INFER
 from jmp_policy._src.policy import DTypePolicy, FloatDTypePolicy, Policy
 from jmp_policy._src.policy_names import policy_from_name
-from jmp_policy._src.quantized_policy import (
-    Int4DTypePolicy,
-    QuantizedDTypePolicy,
-    QuantizedFloat8DTypePolicy,
-)
+from jmp_policy._src.quantized_policy import QuantizedDTypePolicy
 
-# Class names this library and its peers write, to the class that reads them back.
+# The float classes this library and its peers write, to the class that reads them back;
+# the quantized ones are the registry's (:func:`jmp_policy._src.schemes.policy_classes`),
+# the map's is added by :func:`register_serializable`.
 _CLASSES: dict[str, type[Any]] = {
     "DTypePolicy": DTypePolicy,
     "FloatDTypePolicy": FloatDTypePolicy,
     "Policy": Policy,
     "PolicyV1": Policy,  # tf.keras's experimental policy (with a loss scale).
-    "QuantizedDTypePolicy": QuantizedDTypePolicy,
-    "Int4DTypePolicy": Int4DTypePolicy,
-    "QuantizedFloat8DTypePolicy": QuantizedFloat8DTypePolicy,
-    "GPTQDTypePolicy": GPTQDTypePolicy,
-    "AWQDTypePolicy": AWQDTypePolicy,
 }
 _OWN_CLASSES: set[type[Any]] = set(_CLASSES.values())
+
+
+def _known() -> dict[str, type[Any]]:
+    """Class names to the classes :func:`deserialize` reads without ``custom_objects``."""
+    return {**_CLASSES, **{cls.__name__: cls for cls in schemes.policy_classes()}}
+
+
+def _is_own(cls: type[Any]) -> bool:
+    """A class of this library (a user's registered format's class is not: it is written
+    under its own module, and Keras cannot represent it)."""
+    return cls in _OWN_CLASSES or (
+        cls in schemes.policy_classes() and cls.__module__.startswith("jmp_policy.")
+    )
+
 
 _FORMATS = ("jmp_policy", "keras")
 
@@ -65,7 +72,11 @@ def register_serializable(cls: type[Any]) -> type[Any]:
 
 def is_serializable(obj: Any) -> bool:
     """Whether ``obj`` is a policy or map that :func:`serialize` writes."""
-    return isinstance(obj, tuple(_OWN_CLASSES)) and hasattr(obj, "get_config")
+    return isinstance(obj, _base_classes()) and hasattr(obj, "get_config")
+
+
+def _base_classes() -> tuple[type[Any], ...]:
+    return (*_OWN_CLASSES, *schemes.policy_classes())
 
 
 def serialize(obj: Any, format: str = "jmp_policy") -> dict[str, Any] | None:
@@ -129,7 +140,7 @@ def serialize(obj: Any, format: str = "jmp_policy") -> dict[str, Any] | None:
     if isinstance(obj, DTypePolicy) and obj.compute_dtype is None:
         return None  # tf.keras's "_infer"
     cls = type(obj)
-    module = "jmp_policy" if cls in _OWN_CLASSES else cls.__module__
+    module = "jmp_policy" if _is_own(cls) else cls.__module__
     return {"module": module, "class_name": cls.__name__, "config": obj.get_config()}
 
 
@@ -162,7 +173,7 @@ def _keras_float_name(policy: DTypePolicy) -> str:
 def _to_keras(obj: Any) -> dict[str, Any]:
     if not isinstance(obj, DTypePolicy):
         return _map_to_keras(obj)
-    if type(obj) not in _OWN_CLASSES:
+    if not _is_own(type(obj)):
         raise ValueError(
             f"Keras cannot represent a user's subclass {type(obj).__name__!r}: write it with "
             f"`serialize(policy)` and read it with `deserialize(config, custom_objects=...)`. "
@@ -177,7 +188,7 @@ def _to_keras(obj: Any) -> dict[str, Any]:
         class_name = "FloatDTypePolicy" if type(obj) is FloatDTypePolicy else "DTypePolicy"
         return _keras_entry("keras", class_name, {"name": _keras_float_name(obj)})
     config = {**obj.get_config(), "source_name": _keras_float_name(obj)}
-    class_name = obj.scheme.policy_class_for(config["mode"])
+    class_name = schemes.class_for(obj.scheme, config["mode"]).__name__
     return _keras_entry("keras.dtype_policies", class_name, config)
 
 
@@ -212,7 +223,7 @@ def _check_custom_objects(custom_objects: Any) -> Mapping[str, type[Any]]:
             f"{{'MyPolicy': MyPolicy}}. Received: custom_objects={custom_objects!r}"
         )
     for name, cls in custom_objects.items():
-        if not isinstance(cls, type) or not issubclass(cls, tuple(_OWN_CLASSES)):
+        if not isinstance(cls, type) or not issubclass(cls, _base_classes()):
             raise TypeError(
                 f"`custom_objects[{name!r}]` must be a policy class: a subclass of DTypePolicy "
                 f"(or of DTypePolicyMap). Received: custom_objects={bounded_repr(custom_objects)}"
@@ -277,11 +288,11 @@ def read_config(config: Any, custom_objects: Any, argument: str) -> Any:
     class_name = config.get("class_name")
     cls = None
     if isinstance(class_name, str):
-        cls = known.get(class_name) or _CLASSES.get(class_name)
+        cls = known.get(class_name) or _known().get(class_name)
     if cls is None:
         raise ValueError(
             f"Unknown `class_name` {class_name!r} in `{argument}`; expected one of "
-            f"{sorted(_CLASSES)}, or a class of your own passed as "
+            f"{sorted(_known())}, or a class of your own passed as "
             f"`custom_objects={{{bounded_repr(class_name)}: YourClass}}`. "
             f"Received: {argument}={bounded_repr(config)}"
         )

@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jmp_policy._src import interception
+from jmp_policy._src import transforms
 
 #: ``step(i, n)``: entered around each traced iteration; its value gives the records.
 Step = Callable[[Any, int], AbstractContextManager[Callable[[], Any]]]
@@ -88,7 +88,7 @@ VMAP_AROUND: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.Con
 
 def _transform(
     around_var: contextvars.ContextVar[Callable[..., Any] | None],
-    patch: Callable[[], interception.ThreadPatch],
+    patch: Callable[[], transforms.ThreadPatch],
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The wrapper of a JAX transform ``original(fun, *args, **kwargs)`` whose calls go
     through ``around_var``'s hook while ``patch()`` is active in this thread."""
@@ -117,13 +117,13 @@ def _transform(
 _remat = _transform(REMAT_AROUND, lambda: REMATS)
 
 #: ``jax.checkpoint``/``jax.remat`` wrapped while a thread is inside ``REMATS.active()``.
-REMATS: interception.ThreadPatch = interception.ThreadPatch(
-    jax, {"checkpoint": _remat, "remat": _remat}
+REMATS: transforms.ThreadPatch = transforms.ThreadPatch(
+    "remats", {"checkpoint": _remat, "remat": _remat}
 )
 
 #: ``jax.vmap`` wrapped while a thread is inside ``VMAPS.active()``.
-VMAPS: interception.ThreadPatch = interception.ThreadPatch(
-    jax, {"vmap": _transform(VMAP_AROUND, lambda: VMAPS)}
+VMAPS: transforms.ThreadPatch = transforms.ThreadPatch(
+    "vmaps", {"vmap": _transform(VMAP_AROUND, lambda: VMAPS)}
 )
 
 

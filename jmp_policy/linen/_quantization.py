@@ -27,9 +27,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
-import jax.numpy as jnp
 
-from jmp_policy._src import interception, state_collections
+from jmp_policy._src import interception, state_collections, transforms
 from jmp_policy._src.quantization import matmuls, stack_layers
 from jmp_policy.linen._reads import unfixed_reads
 
@@ -51,7 +50,7 @@ def _einsum(original: Callable[..., Any]) -> Callable[..., Any]:
     return einsum
 
 
-_EINSUM = interception.ThreadPatch(jnp, {"einsum": _einsum})
+_EINSUM = transforms.ThreadPatch("einsum", {"einsum": _einsum})
 
 
 @contextlib.contextmanager

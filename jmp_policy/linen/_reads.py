@@ -16,10 +16,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.core.scope import Scope
 from flax.core.tracers import current_trace
 
-from jmp_policy._src import casting, interception, quantization
+from jmp_policy._src import casting, quantization, transforms
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.quantization import stack_layers
@@ -71,8 +70,8 @@ def _variables(original: Any) -> Any:
     return property(variables, doc=original.__doc__)
 
 
-_PARAM_READS = interception.ThreadPatch(Scope, {"get_variable": _get_variable})
-_MODULE_READS = interception.ThreadPatch(nn.Module, {"variables": _variables})
+_PARAM_READS = transforms.ThreadPatch("param_reads", {"get_variable": _get_variable})
+_MODULE_READS = transforms.ThreadPatch("module_reads", {"variables": _variables})
 
 
 _UNFIXED: contextvars.ContextVar[bool] = contextvars.ContextVar(

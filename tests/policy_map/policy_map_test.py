@@ -557,13 +557,15 @@ def test_package_modules_each_hold_one_concept_and_stay_small():
     files = sorted(pathlib.Path(package.__file__).parent.glob("*.py"))
     assert [f.name for f in files] == [
         "__init__.py",
+        "_config.py",
         "_index.py",
         "_mapping.py",
+        "_matching.py",
         "_trees.py",
         "_values.py",
     ]
     for f in files:
         text = f.read_text()
-        assert len(text.splitlines()) <= 400, f.name
+        assert len(text.splitlines()) <= 350, f.name
         assert ast.get_docstring(ast.parse(text)), f.name
         assert "flax" not in text.replace("Flax glue", ""), f.name

@@ -85,7 +85,7 @@ def test_pallas_runs_the_kernel_on_the_gpu_route_and_matches_xlas_form(
 
 def test_auto_keeps_xlas_form_until_a_gpu_kind_is_measured(gpu_route, monkeypatch):
     model, q = _quantized("int8_from_float32")
-    assert serving_kernels.PALLAS_MAX_ROWS == {}  # no measurement yet
+    assert serving_kernels.PALLAS_MAX_ROWS == {}  # measured on an H100: XLA's form faster
     assert PALLAS_FORM not in jp.linen.explain(model, "int8_from_float32", q, X)
     monkeypatch.setitem(serving_kernels.PALLAS_MAX_ROWS, "interpreted", 2)
     assert PALLAS_FORM not in jp.linen.explain(model, "int8_from_float32", q, X)  # 3 rows
@@ -181,3 +181,16 @@ def test_compile_for_serving_compiles_the_kernel_of_the_function_it_is_given(gpu
     np.testing.assert_allclose(
         np.asarray(y, np.float32), np.asarray(ref, np.float32), rtol=0.02, atol=0.02
     )
+
+
+@pytest.mark.parametrize("kind", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200"])
+def test_auto_runs_xlas_form_on_the_measured_h100(monkeypatch, kind):
+    """On an H100 (2026-11-27, docs/benchmarks.md) XLA's weight-only GEMM was faster than
+    the kernel at 1-16 rows for int8, int4 and int4/128: "auto" keeps it there (and on an
+    H200, its chip); "pallas" still takes the kernel up to 64 rows."""
+    monkeypatch.setattr(serving_kernels, "target_gpu", lambda: kind)
+    assert serving_kernels.pallas_rows() == 0
+    with serving_kernels.using("pallas"):
+        assert serving_kernels.pallas_rows() == 64
+    with serving_kernels.using("xla"):
+        assert serving_kernels.pallas_rows() == 0

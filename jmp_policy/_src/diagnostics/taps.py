@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_policy._src import context, numerics
+from jmp_policy._src import numerics, transforms
 from jmp_policy._src.diagnostics.report import PathInfo, Report
 from jmp_policy._src.diagnostics.stats import NUM_STATS, Stats, no_stats, stats_of
 from jmp_policy._src.diagnostics.tap_selection import Selection
@@ -122,7 +122,7 @@ class Collector:
         self.probe = probe
         self.select = select
         self.sample = select.sample(step)
-        self.trace = context.current_trace()
+        self.trace = transforms.current_trace()
         self.reset()
 
     def reset(self) -> None:
@@ -151,7 +151,7 @@ class Collector:
             if path not in self.untapped:
                 self.untapped.append(path)
             return next_fn(*args, **kwargs)
-        if context.current_trace() is not self.trace:
+        if transforms.current_trace() is not self.trace:
             if path not in self.skipped:
                 self.skipped.append(path)
             return next_fn(*args, **kwargs)

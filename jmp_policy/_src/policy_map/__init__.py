@@ -2,7 +2,10 @@
 
 A private package, one module per concept:
 
-* ``_mapping``: the map itself (stored keys and policies, path resolution, config);
+* ``_mapping``: the map itself (stored keys and policies, path resolution);
+* ``_matching``: which stored key names a path or a variable itself (``match``,
+  ``match_variable``);
+* ``_config``: its config (``get_config``, ``from_config``, the default policy read);
 * ``_values``: the values it holds (policies from names or configs, validated);
 * ``_index``: the key index: matching (which stored key names a module or a variable),
   resolution (which key chooses its policy) and the one ancestor walk;

@@ -1,11 +1,11 @@
-"""DTypePolicyMap, the mapping: stored keys and policies, path resolution, config.
+"""DTypePolicyMap, the mapping: stored keys and policies, path resolution.
 
 The mapping methods are about the stored keys; ``map[path]`` resolves a path (the class
 docstring has the rule) to a key, by the key index (``_index``, which caches keys: a
-``default_policy=None`` map follows ``policy_scope``). The tree methods are ``_trees``'s.
+``default_policy=None`` map follows ``policy_scope``). The tree methods are ``_trees``'s,
+the config methods ``_config``'s.
 """
 
-# long: one concept, the mapping (dict's methods, an atomic update, resolution, config).
 from __future__ import annotations
 
 from collections.abc import ItemsView, Iterator, Mapping, MutableMapping, ValuesView
@@ -13,27 +13,15 @@ from typing import Any
 
 import numpy as np
 
+import jmp_policy._src.policy_map._config as _config
 import jmp_policy._src.policy_map._index as _index
+import jmp_policy._src.policy_map._matching as _matching
 import jmp_policy._src.policy_map._trees as _trees
 import jmp_policy._src.policy_map._values as _values
-from jmp_policy._src import config_fields, global_state, identifiers, serialization
+from jmp_policy._src import global_state, serialization
 from jmp_policy._src.policy import DTypePolicy
 
 _MISSING: Any = object()
-_CONFIG_FIELDS = ("default_policy", "policy_map")
-
-
-def _as_default(default_policy: Any) -> DTypePolicy | None:
-    if default_policy is None:
-        return None
-    if isinstance(default_policy, DTypePolicyMap):
-        raise ValueError("`default_policy` cannot be a `DTypePolicyMap`.")
-    _values.check_not_paths(default_policy)
-    _values.check_config(default_policy, "Invalid `default_policy`")
-    try:
-        return identifiers.get(default_policy)  # type: ignore[no-any-return]
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"Invalid `default_policy`: {e}") from e
 
 
 class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
@@ -96,7 +84,9 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
         default_policy: DTypePolicy | str | dict[str, Any] | None = None,
         policy_map: Mapping[str, DTypePolicy | str | dict[str, Any]] | None = None,
     ):
-        self._default_policy: DTypePolicy | None = _as_default(default_policy)
+        if isinstance(default_policy, DTypePolicyMap):
+            raise ValueError("`default_policy` cannot be a `DTypePolicyMap`.")
+        self._default_policy: DTypePolicy | None = _config.read_default(default_policy)
         if policy_map is not None and not isinstance(policy_map, Mapping):
             raise TypeError(
                 "If specified, `policy_map` must be a dict (a mapping of paths to policies). "
@@ -280,47 +270,10 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
         """The default policy's quantization mode."""
         return self.default_policy.quantization_mode
 
-    # -- matching and resolution ----------------------------------------------------------
+    # -- matching (``_matching``'s functions) and resolution ------------------------------
 
-    def match(self, path: str) -> str | None:
-        """The stored key that names ``path`` itself, or ``None`` (no ancestor walk).
-
-        An exact key wins; otherwise every key is tried with ``re.fullmatch``.
-
-        Raises:
-            ValueError: two or more keys match (naming the path and the keys).
-            TypeError: ``path`` is not a string.
-
-        Examples:
-            >>> import jmp_policy as jp
-            >>> m = jp.DTypePolicyMap("float32", {"encoder/.*": "bfloat16", "head": "float32"})
-            >>> m.match("encoder/mlp"), m.match("head"), m.match("head/dense")
-            ('encoder/.*', 'head', None)
-        """
-        _index.check_path(path)
-        return self._index.match(path)
-
-    def match_variable(self, path: str) -> str | None:
-        """The stored key that names the variable ``path`` itself, or ``None``.
-
-        A key names a variable when it matches the variable's path (exactly or by
-        ``re.fullmatch``) and does not match the variable's module path (``path`` without
-        its last segment; ``""`` for a variable of the root module). An exact key wins.
-
-        Raises:
-            ValueError: two or more keys name the variable (naming the path and the keys).
-            TypeError: ``path`` is not a string.
-
-        Examples:
-            >>> import jmp_policy as jp
-            >>> m = jp.DTypePolicyMap(None, {".*/embedding": "float32", "encoder/.*": "bfloat16"})
-            >>> m.match_variable("embed/embedding")
-            '.*/embedding'
-            >>> print(m.match_variable("encoder/head/kernel"))  # "encoder/.*" names modules
-            None
-        """
-        _index.check_path(path)
-        return self._index.match_variable(path)
+    match = _matching.match
+    match_variable = _matching.match_variable
 
     def _policy_of(self, key: str | None) -> DTypePolicy:
         return self.default_policy if key is None else self._policies[key]
@@ -360,29 +313,10 @@ class DTypePolicyMap(MutableMapping[str, DTypePolicy]):
     unused_keys = _trees.unused_keys
     explain = _trees.explain
 
-    # -- config ---------------------------------------------------------------------------
+    # -- config: ``_config``'s functions --------------------------------------------------
 
-    def get_config(self) -> dict[str, Any]:
-        """A JSON-ready dict: the default policy and every key's serialized policy.
-
-        tf.keras's ``"_infer"`` policy, which :func:`~jmp_policy.serialize` writes as
-        ``None``, is written in full here: a ``None`` default means the global policy.
-        """
-        default = self._default_policy
-        return {
-            "default_policy": None if default is None else _values.serialize_value(default),
-            "policy_map": {k: _values.serialize_value(v) for k, v in self._snapshot().items()},
-        }
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> DTypePolicyMap:
-        """Builds a map from :meth:`get_config`'s dict (also Keras 3's); never mutates it."""
-        example = "{'default_policy': None, 'policy_map': {}}"
-        config_fields.check_fields(config, _CONFIG_FIELDS, "DTypePolicyMap", example)
-        policy_map: Any = config.get("policy_map")
-        if _values.is_wrapped_dict(policy_map):
-            policy_map = policy_map["config"]  # Keras serializes the dict itself.
-        return cls(config.get("default_policy"), policy_map)
+    get_config = _config.get_config
+    from_config = classmethod(_config.from_config)
 
 
 serialization.register_serializable(DTypePolicyMap)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -193,6 +193,8 @@ class InputScaledArray(QuantizedArray):
     for a Dense kernel, two for attention's output projection), which the matmul divides
     the layer's inputs by; :meth:`dequantize` gives ``W`` itself (divided by ``s``), so
     every path that dequantizes reads the right kernel."""
+
+    reads_as_stored: ClassVar[bool] = False
 
     input_scale: Any = None
 

@@ -19,12 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_policy._src import schemes
 from jmp_policy._src.dtypes import MAX_INT4_BLOCK, bounded_repr
 from jmp_policy._src.int_arguments import int_from_text
 from jmp_policy._src.quantization import awq, gptq, matmuls
 from jmp_policy._src.quantization import quantized_array as quantization
 from jmp_policy._src.quantization.quantized_matmul import normalize_dims
-from jmp_policy._src.schemes import Scheme, register
+from jmp_policy._src.schemes import Scheme
 
 # The widest <weight_bits> a mode's text is read with (the format then says which it stores).
 _MAX_BITS = 64
@@ -58,7 +59,7 @@ class CalibratedScheme(Scheme):
         parts = text.split("/")
         if parts[0] != cls.mode:
             return None
-        cls_name = cls.policy_class
+        cls_name = schemes.class_of(cls).__name__
         if len(parts) != 3:
             raise ValueError(
                 f"Invalid mode for {cls_name}. Expected format "
@@ -138,7 +139,6 @@ class GPTQScheme(CalibratedScheme):
 
     mode: ClassVar[str] = "gptq"
     grammar: ClassVar[tuple[str, ...]] = ("'gptq/<weight_bits>/<group_size>'",)
-    policy_class: ClassVar[str] = "GPTQDTypePolicy"
 
     def solve(
         self, x: Any, gram: Any, mean_abs: Any, options: Mapping[str, Any], in_axes: int = 1
@@ -167,7 +167,6 @@ class AWQScheme(CalibratedScheme):
 
     mode: ClassVar[str] = "awq"
     grammar: ClassVar[tuple[str, ...]] = ("'awq/4/<group_size>'",)
-    policy_class: ClassVar[str] = "AWQDTypePolicy"
     bits: ClassVar[tuple[int, ...]] = (4,)
 
     def solve(
@@ -216,7 +215,3 @@ class AWQScheme(CalibratedScheme):
             )  # fmt: skip
 
         return matmuls.of_kind(kind, dot_general)
-
-
-register(GPTQScheme)
-register(AWQScheme)

@@ -38,7 +38,17 @@ from jmp_policy._src.tree_paths import leaf_path
 @dataclasses.dataclass(frozen=True)
 class LayerReport:
     """One calibrated kernel: its method, the relative output error on the calibration
-    inputs, ``|XW - XŴ| / |XW|``, of round-to-nearest and of the method, and seconds."""
+    inputs, ``|XW - XŴ| / |XW|``, of round-to-nearest and of the method, and seconds.
+
+    ``calibrate(..., return_report=True)`` (Linen, NNX) returns a list of them, one per
+    calibrated kernel; ``explain(..., calibration=report)`` prints it under its table.
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> row = jp.LayerReport("up/kernel", "gptq", rtn_error=0.0812, error=0.0413, seconds=1.2)
+        >>> f"{row.path} ({row.method}): {row.rtn_error:.1%} -> {row.error:.1%}"
+        'up/kernel (gptq): 8.1% -> 4.1%'
+    """
 
     path: str
     method: str

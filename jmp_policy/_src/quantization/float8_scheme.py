@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from jmp_policy._src.dtypes import MAX_AMAX_HISTORY
 from jmp_policy._src.int_arguments import check_int
 from jmp_policy._src.quantization import float8, float8_matmul, matmuls
-from jmp_policy._src.schemes import Scheme, register
+from jmp_policy._src.schemes import Scheme
 
 SCALINGS = float8.SCALINGS
 DEFAULT_AMAX_HISTORY_LENGTH = 1024
@@ -38,7 +38,6 @@ class Float8Scheme(Scheme):
     mode: ClassVar[str] = "float8"
     tokens: ClassVar[tuple[str, ...]] = ("float8", "float8_current")
     grammar: ClassVar[tuple[str, ...]] = ("'float8'",)
-    policy_class: ClassVar[str] = "QuantizedFloat8DTypePolicy"
     stores_weights: ClassVar[bool] = False
     reads_stored_kernels: ClassVar[bool] = False
     needs_routed_layers: ClassVar[bool] = True
@@ -102,6 +101,3 @@ class Float8Scheme(Scheme):
     @property
     def stateful(self) -> bool:
         return self.scaling == "delayed"
-
-
-register(Float8Scheme)

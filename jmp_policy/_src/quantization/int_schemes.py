@@ -21,7 +21,7 @@ from jmp_policy._src.int_arguments import int_from_text
 from jmp_policy._src.quantization import matmuls, quantized_matmul
 from jmp_policy._src.quantization import quantized_array as quantization
 from jmp_policy._src.quantization.quantized_array_checks import is_bad_block
-from jmp_policy._src.schemes import Scheme, register
+from jmp_policy._src.schemes import Scheme
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,10 +109,6 @@ class Int4Scheme(Scheme):
             return "int4"
         return f"int4/{self.block_size}"
 
-    def policy_class_for(self, text: str) -> str:
-        # Keras's QuantizedDTypePolicy takes no block ("int4/128"): its Int4DTypePolicy does.
-        return "Int4DTypePolicy" if "/" in text else "QuantizedDTypePolicy"
-
     def quantize(self, x: Any, stacked: int) -> Any:
         return quantization.quantize(x, "int4", self.block_size, stacked)
 
@@ -124,7 +120,3 @@ class Int4Scheme(Scheme):
         if quantization.is_quantized(kernel):
             return matmuls.stored_kernel(kind, path, kernel, scheme=self, int8_compute=False)
         return None
-
-
-register(Int8Scheme)
-register(Int4Scheme)

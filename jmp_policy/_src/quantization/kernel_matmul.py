@@ -22,7 +22,6 @@ import numpy as np
 
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.quantization import pallas_matmul, serving_kernels
-from jmp_policy._src.quantization.awq import InputScaledArray
 from jmp_policy._src.quantization.quantized_array import QuantizedArray
 from jmp_policy._src.quantization.quantized_matmul import (
     JNP_EINSUM,
@@ -31,6 +30,7 @@ from jmp_policy._src.quantization.quantized_matmul import (
     normalize_dims,
 )
 from jmp_policy._src.quantization.quantized_tree import replace
+from jmp_policy._src.quantization.storage import storage_of
 
 # Rows (the product of the input's free dimensions) from which an int8 policy's int8 x int8
 # GEMM replaces the weight-only form: below, a matmul is bound by the weight bytes it reads
@@ -53,7 +53,7 @@ PALLAS_FORM = "Pallas kernel (weight-only, split-K)"
 
 
 def _per_channel(q: QuantizedArray) -> bool:
-    return q.mode == "int8" or q.block_size in (None, -1) or q.scale.shape[0] == 1
+    return not storage_of(q.mode).blocked or q.block_size in (None, -1) or q.scale.shape[0] == 1
 
 
 def _block(q: QuantizedArray) -> int | None:
@@ -70,11 +70,12 @@ def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> 
     form covers)."""
     (lc, rc), (lb, rb) = normalize_dims(dims)
     last_free = q.ndim - 1 not in rc and q.ndim - 1 not in rb
-    if q.packed or q.stacked or lb or rb or not last_free:
+    kind = storage_of(q.mode)
+    if q.packed or q.stacked or lb or rb or not last_free or kind.has_zero_point:
         return "dequantized"
-    if isinstance(q, InputScaledArray):
+    if not q.reads_as_stored:
         return "dequantized"  # an AWQ kernel outside its scheme's matmul (which divides x)
-    if int8_compute and q.mode == "int8" and rows >= INT8_GEMM_MIN_ROWS:
+    if int8_compute and kind.integer_gemm and rows >= INT8_GEMM_MIN_ROWS:
         return "int8 x int8"
     if (
         q.ndim == 2
@@ -170,7 +171,7 @@ def _as_called(q: QuantizedArray, shape: tuple[int, ...]) -> QuantizedArray | No
             f"{shape}: run the model through jmp_policy's apply wrappers, which "
             "pass quantized kernels whole."
         )
-    if q.stacked or not _per_channel(q) or isinstance(q, InputScaledArray):
+    if q.stacked or not _per_channel(q) or not q.reads_as_stored:
         return None
     return replace(q, values=q.values.reshape(shape), shape=shape)
 

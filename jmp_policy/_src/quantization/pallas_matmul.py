@@ -16,8 +16,10 @@ after it (so int4 needs an even number of output features). Shapes that are not
 multiples of the tiles are masked: rows are padded (``x`` is small), the input dimension
 is masked in the kernel and out-of-range output columns are never written.
 
-Tiles (:data:`TILES`) are untuned: no GPU measured them yet. ``interpret=True`` runs the
-same kernel on any backend (the tests run it on CPUs).
+Tiles (:data:`TILES`) were tuned on an H100, where the kernel reads weights at about 1.4
+TB/s (int8), short of XLA's own weight-only GEMM (2.0 TB/s): it stays opt-in (see
+:mod:`~jmp_policy._src.quantization.serving_kernels`). ``interpret=True`` runs the same
+kernel on any backend (the tests run it on CPUs).
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ class Tiles:
     stages: int | None = None  # Triton's num_stages (None: Pallas's default, 3)
 
 
-# Untuned (no GPU has timed the kernel yet): 264 programs is two per SM of an H100 (132).
-TILES = Tiles()
+# Tuned on an H100 (jax 0.11.2, 2026-11-27; benchmarks/pallas_tune.py, docs/benchmarks.md):
+# 64 columns and four programs per SM (528 of 132 SMs) were the fastest of 14 tiles for
+# int4 and int4/128 at 1 and 16 rows, and within 6% of the fastest for int8 (step 64).
+TILES = Tiles(out=64, programs=528)
 
 
 def _pow2(n: int) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,6 @@ import numpy as np
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.quantization.int4_layout import blocked, dequantize_int4
 from jmp_policy._src.quantization.quantized_array_checks import (
-    MODES,
     check_stacked,
     int4_block,
     stack_from_front,
@@ -37,10 +36,11 @@ from jmp_policy._src.quantization.quantized_array_checks import (
     validate,
 )
 from jmp_policy._src.quantization.quantized_tree import equal, make, register, replace
+from jmp_policy._src.quantization.storage import INT4, INT8, storage_of
 from jmp_policy._src.state_pytree import register_with_flax_serialization
 
-INT8_MAX = 127.0
-INT4_MAX = 7.0
+INT8_MAX = INT8.qmax
+INT4_MAX = INT4.qmax
 
 
 @register(("values", "scale"))
@@ -67,7 +67,8 @@ class QuantizedArray:
             the layout of earlier versions, still loads).
         scale: float32; int8: shape ``(n,)`` for a last axis of ``n``; int4: shape
             ``(blocks, n)``.
-        mode: ``"int8"`` or ``"int4"``.
+        mode: the storage (:mod:`jmp_policy._src.quantization.storage`): ``"int8"``
+            (a scale per output channel) or ``"int4"`` (blocks of rows).
         block_size: int4's rows per block (``-1``: per channel); ``None`` for int8.
         shape: the shape of the array it stands for.
         original_dtype: the dtype of the array it was quantized from.
@@ -99,6 +100,10 @@ class QuantizedArray:
         >>> q.dequantize().dtype
         dtype('float32')
     """
+
+    #: Whether ``values * scale`` is the kernel a matmul multiplies by as stored (an AWQ
+    #: kernel also divides the layer's inputs: no fast form reads it outside its scheme).
+    reads_as_stored: ClassVar[bool] = True
 
     values: jax.Array
     scale: jax.Array
@@ -168,7 +173,7 @@ class QuantizedArray:
     def packed(self) -> bool:
         """Whether the values are int4 packed two per ``uint8`` byte (the earlier layout,
         which loads and dequantizes but reaches no fast matmul: re-quantize it)."""
-        return self.mode == "int4" and np.dtype(self.values.dtype) == np.dtype(np.uint8)
+        return storage_of(self.mode).is_packed(self.values)
 
     def dequantize(self, dtype: Any = None) -> jax.Array:
         """The real values (``values * scale``, computed in float32) in ``dtype``.
@@ -189,7 +194,7 @@ class QuantizedArray:
             return jnp.moveaxis(real_front, range(k), range(at, at + k))
         scale = jnp.asarray(self.scale, jnp.float32)
         lead, layer = self.shape[: self.stacked], self.shape[self.stacked :]
-        if self.mode == "int8":
+        if not storage_of(self.mode).blocked:
             scale = scale.reshape(*lead, *([1] * (len(layer) - 1)), layer[-1])
             real = jnp.asarray(self.values).astype(jnp.float32) * scale
         else:
@@ -268,8 +273,7 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
             whose layers have rank < 2.
         TypeError: ``x`` is not a floating array, or ``stacked`` no integer.
     """
-    if mode not in MODES:
-        raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
+    kind = storage_of(mode)  # a ValueError naming the modes
     if not isinstance(x, (jax.Array, np.ndarray)) or not dt.is_floating(np.dtype(x.dtype)):
         raise TypeError(
             f"Only floating arrays can be quantized. Received: {type(x).__name__} "
@@ -287,7 +291,7 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
             f"axes the array needs rank >= {stacked + 2}. Received: an array of shape "
             f"{tuple(x.shape)} and stacked={stacked!r}"
         )
-    block = int4_block(block_size) if mode == "int4" else None
+    block = int4_block(block_size) if kind.blocked else None
     x32 = jnp.asarray(x).astype(jnp.float32)
     shape, dtype = tuple(x.shape), np.dtype(x.dtype)
     if x.size == 0:  # nothing to scale: zero-size values, scales of 1
@@ -302,16 +306,21 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
 @functools.partial(jax.jit, static_argnames=("mode", "block"))
 def _quantize_layer(x32: jax.Array, mode: str, block: int | None) -> tuple[jax.Array, jax.Array]:
     """The values and scale of one (unstacked) float32 kernel (one compiled program per
-    shape and format, not a dispatch and compile per operation when called eagerly)."""
-    if mode == "int8":
-        scale = abs_max_scale(x32, tuple(range(x32.ndim - 1)), INT8_MAX)
-        return round_to_grid(x32, scale, INT8_MAX).astype(jnp.int8), scale.reshape(-1)
+    shape and format, not a dispatch and compile per operation when called eagerly):
+    symmetric abs-max on the storage's grid."""
+    kind = storage_of(mode)
+    if kind.has_zero_point or not kind.signed:
+        raise ValueError(f"`quantize` writes symmetric storage only. Received: mode={mode!r}")
+    if not kind.blocked:
+        scale = abs_max_scale(x32, tuple(range(x32.ndim - 1)), kind.qmax)
+        values = round_to_grid(x32, scale, kind.qmax).astype(kind.value_dtype)
+        return values, scale.reshape(-1)
     rows = x32.shape[0]
     size = rows if block == -1 else min(int(block), rows)  # type: ignore[arg-type]
     blocks = -(-rows // size)
     xb = blocked(x32, size, blocks)  # (blocks, size, ..., n)
-    scale = abs_max_scale(xb, tuple(range(1, xb.ndim - 1)), INT4_MAX)
-    q = round_to_grid(xb, scale, INT4_MAX).astype(jnp.int4)
+    scale = abs_max_scale(xb, tuple(range(1, xb.ndim - 1)), kind.qmax)
+    q = round_to_grid(xb, scale, kind.qmax).astype(kind.value_dtype)
     q = q.reshape(blocks * size, *x32.shape[1:])[:rows]
     return q, scale.reshape(blocks, x32.shape[-1])
 
@@ -320,14 +329,16 @@ def _empty(
     shape: tuple[int, ...], mode: str, block: int | None, dtype: np.dtype, stacked: int = 0
 ) -> QuantizedArray:
     lead = shape[:stacked]
-    if mode == "int8":
+    kind = storage_of(mode)
+    values = jnp.zeros(shape, kind.value_dtype)
+    if not kind.blocked:
         return make(
-            QuantizedArray, jnp.zeros(shape, jnp.int8), jnp.ones((*lead, shape[-1]), jnp.float32), "int8",
-            None, shape, dtype, stacked,
+            QuantizedArray, values, jnp.ones((*lead, shape[-1]), jnp.float32), mode, None,
+            shape, dtype, stacked,
         )  # fmt: skip
     rows = shape[stacked]
     blocks = 1 if block == -1 or rows == 0 else -(-rows // int(block))  # type: ignore[arg-type]
     return make(
-        QuantizedArray, jnp.zeros(shape, jnp.int4), jnp.ones((*lead, blocks, shape[-1]), jnp.float32), "int4",
+        QuantizedArray, values, jnp.ones((*lead, blocks, shape[-1]), jnp.float32), mode,
         block, shape, dtype, stacked,
     )  # fmt: skip

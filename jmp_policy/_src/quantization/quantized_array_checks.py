@@ -17,8 +17,10 @@ import numpy as np
 
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.int_arguments import check_int
+from jmp_policy._src.quantization.storage import modes, storage_of
 
-MODES = ("int8", "int4")
+# The storage modes built in (:mod:`jmp_policy._src.quantization.storage` holds them all).
+MODES = modes()
 # Python values that are no array at all (an array-like of another kind is left alone).
 _NOT_ARRAYS = (str, bytes, int, float, complex, list, tuple, dict)
 
@@ -81,15 +83,17 @@ def validate(q: Any, *, nan_scale: bool = False) -> None:
 
 def _check_settings(q: Any) -> None:
     """``mode``, ``block_size``, ``stacked`` and ``shape``."""
-    if q.mode not in MODES:
-        raise ValueError(f"`mode` must be one of {MODES}. Received: mode={q.mode!r}")
+    kind = storage_of(q.mode)
     block = q.block_size
-    if q.mode == "int8" and block is not None:
-        raise ValueError(f"`block_size` must be None for int8. Received: block_size={block!r}")
-    if q.mode == "int4" and is_bad_block(block):
+    if not kind.blocked and block is not None:
         raise ValueError(
-            f"`block_size` must be -1 (per channel) or from 1 to {dt.MAX_INT4_BLOCK} for int4. "
+            f"`block_size` must be None for {q.mode} (a scale per channel). "
             f"Received: block_size={block!r}"
+        )
+    if kind.blocked and is_bad_block(block):
+        raise ValueError(
+            f"`block_size` must be -1 (per channel) or from 1 to {dt.MAX_INT4_BLOCK} for "
+            f"{q.mode}. Received: block_size={block!r}"
         )
     k = q.stacked
     check_stacked(k)
@@ -134,18 +138,19 @@ def _check_values(q: Any) -> None:
         if not hasattr(values, "shape") and isinstance(values, _NOT_ARRAYS):
             raise TypeError(f"`values` must be an integer array. Received: values={values!r}")
         return
-    allowed = ("int8",) if q.mode == "int8" else ("int4", "uint8")
+    kind = storage_of(q.mode)
+    allowed = kind.dtype_names
     if np.dtype(values.dtype).name not in allowed:
         raise TypeError(
             f"`values` of a {q.mode} QuantizedArray must be of dtype {' or '.join(allowed)}. "
             f"Received: values of dtype {values.dtype}"
         )
-    packed = np.dtype(values.dtype) == np.dtype(np.uint8)
+    packed = kind.is_packed(values)
     if packed and k:
         raise TypeError(
-            "`values` of a stacked int4 QuantizedArray must be of dtype int4 (the packed "
-            f"uint8 layout of earlier versions has no stacked form). Received: stacked={k!r} "
-            "and values of dtype uint8"
+            f"`values` of a stacked {q.mode} QuantizedArray must be of dtype {allowed[0]} (the "
+            f"packed {values.dtype} layout of earlier versions has no stacked form). "
+            f"Received: stacked={k!r} and values of dtype {values.dtype}"
         )
     want = ((q.shape[0] + 1) // 2, *q.shape[1:]) if packed else q.shape
     if tuple(values.shape) != want:
@@ -164,13 +169,14 @@ def _check_scale(q: Any, nan_scale: bool) -> None:
     if not dt.is_floating(np.dtype(scale.dtype)):
         raise TypeError(f"`scale` must be a floating array. Received: scale of dtype {scale.dtype}")
     n, lead = q.shape[-1], q.shape[q.stacked_at : q.stacked_at + k]
-    if q.mode == "int8":
+    blocked = storage_of(q.mode).blocked
+    if not blocked:
         ok = tuple(scale.shape) == (*lead, n)
     else:
         ok = scale.ndim == k + 2 and tuple(scale.shape[:k]) == lead and scale.shape[-1] == n
     if not ok:
         prefix = "".join(f"{d}, " for d in lead)
-        want = f"({prefix}{n})" if q.mode == "int8" else f"({prefix}blocks, {n})"
+        want = f"({prefix}{n})" if not blocked else f"({prefix}blocks, {n})"
         raise ValueError(
             f"`scale` must have shape {want} for a {q.mode} kernel of `shape` "
             f"{q.shape}. Received: scale of shape {tuple(scale.shape)} and "

@@ -5,10 +5,11 @@ run (:func:`using`), and the rule :func:`jmp_policy._src.quantization.kernel_mat
 asks at trace time (:func:`pallas_rows`):
 
 * ``"auto"`` (the default): the kernel on a GPU whose kind :data:`PALLAS_MAX_ROWS` lists,
-  up to its rows; XLA's form everywhere else. The table is empty until a GPU measures the
-  kernel faster than XLA's form, so today ``"auto"`` is XLA's form everywhere.
+  up to its rows; XLA's form everywhere else. The table is empty: on an H100 (2026-11-27)
+  XLA's weight-only form was the faster at every measured shape of 1 to 16 rows, so
+  ``"auto"`` is XLA's form everywhere.
 * ``"pallas"``: the kernel on any GPU up to :data:`~jmp_policy._src.quantization.pallas_matmul.MAX_ROWS`
-  rows (opt-in, unmeasured); XLA's form on CPUs, TPUs and at more rows.
+  rows (opt-in); XLA's form on CPUs, TPUs and at more rows.
 * ``"xla"``: XLA's form everywhere.
 
 The GPU is the one the program is traced for: the abstract mesh's device when one is
@@ -31,8 +32,10 @@ from jmp_policy._src.quantization import pallas_matmul
 SERVING_KERNELS = ("auto", "pallas", "xla")
 
 # GPU kind (a prefix of `device_kind`, e.g. "NVIDIA H100") -> the most rows at which the
-# Pallas kernel is the default ("auto"). Filled from measurements only (serving_bench's
-# kernel rows, docs/benchmarks.md): none yet, so the kernel runs only when asked for.
+# Pallas kernel is the default ("auto"). Filled from measurements only (pallas_tune.py and
+# serving_bench's kernel rows, docs/benchmarks.md). "NVIDIA H100" measured (jax 0.11.2,
+# 2026-11-27): XLA's form faster at 1, 16 and 64 rows for int8, int4 and int4/128 (except
+# int4/128 at 64 rows of an 8192 kernel), so no entry: the kernel runs only when asked for.
 PALLAS_MAX_ROWS: dict[str, int] = {}
 
 _CHOICE: contextvars.ContextVar[str] = contextvars.ContextVar(
@@ -49,7 +52,7 @@ def check(value: Any) -> str:
     if not isinstance(value, str) or value not in SERVING_KERNELS:
         raise ValueError(
             "`serving_kernel` must be 'auto' (the Pallas kernel where measured faster: no "
-            "GPU yet), 'pallas' (the Pallas kernel on GPUs at up to "
+            "GPU so far), 'pallas' (the Pallas kernel on GPUs at up to "
             f"{pallas_matmul.MAX_ROWS} rows) or 'xla' (XLA's matmul everywhere). Received: "
             f"serving_kernel={bounded_repr(value)}"
         )
