@@ -129,10 +129,18 @@ class EquinoxAdapter:
         }
 
     def kernel_of(self, module: Any) -> Any:
-        return module.weight if _routed(module) else None
+        if not _routed(module):
+            return None
+        weight = module.weight  # [out, in]; a QuantizedArray is stored [in, out]
+        return weight if is_quantized(weight) else jax.numpy.swapaxes(weight, -1, -2)
 
     def call_with_matmul(
-        self, module: Any, matmul: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
+        self,
+        module: Any,
+        matmul: Callable[..., Any],
+        kernel: Any,
+        args: tuple[Any, ...],
+        kwargs: Any,
     ) -> Any:
         if len(args) != 1 or set(kwargs) - {"key"}:
             raise TypeError(
@@ -140,8 +148,6 @@ class EquinoxAdapter:
                 f"{len(args)} positional argument(s) and keywords {sorted(kwargs)}"
             )
         (x,) = args
-        weight = module.weight
-        kernel = weight if is_quantized(weight) else weight.T  # [in, out]
         y = matmul(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
         return y if module.bias is None else y + module.bias
 

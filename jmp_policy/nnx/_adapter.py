@@ -44,7 +44,12 @@ class NnxAdapter:
         return None  # NNX's layers route their own matmuls (nnx._quantization)
 
     def call_with_matmul(
-        self, module: Any, matmul: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
+        self,
+        module: Any,
+        matmul: Callable[..., Any],
+        kernel: Any,
+        args: tuple[Any, ...],
+        kwargs: Any,
     ) -> Any:
         raise NotImplementedError("NNX layers route their own matmuls")
 

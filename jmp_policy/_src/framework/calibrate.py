@@ -67,10 +67,11 @@ def _gather(
 
     def make_run(some: Mapping[str, tuple[int, ...]]) -> Any:
         def capture(call: Any, next_fn: Any, args: Any, kw: Any) -> Any:
-            if call.path not in some or adapter.kernel_of(call.module) is None:
+            kernel = None if call.path not in some else adapter.kernel_of(call.module)
+            if kernel is None:
                 return next_fn(*args, **kw)
             matmul = calibration_gather.capturing_dot_general(call.path, some[call.path])
-            return adapter.call_with_matmul(call.module, matmul, args, kw)
+            return adapter.call_with_matmul(call.module, matmul, kernel, args, kw)
 
         def run(arrays: Any, stats: Any, args: tuple[Any, ...]) -> Any:
             live = rebuild(arrays)

@@ -58,18 +58,26 @@ def routed_matmuls(adapter: Adapter) -> interception.Extension:
         if kernel is None:  # not a layer whose matmul the core can route
             return next_fn(*args, **kwargs)
         policy = call.resolution.policy
-        if policy.scheme is not None and policy.scheme.stateful:
+        scheme = policy.scheme
+        if scheme is not None and scheme.stateful:
             raise ValueError(
                 f"{_where(call)} runs under {policy.name!r}, whose scheme keeps state per "
                 f"layer (float8 delayed scaling), which {adapter.model_name} models do not "
                 "hold yet. Use current scaling, 'float8_current_from_<source>' (the tensor's "
                 "own amax, no state), or a float or int8 policy for this layer."
             )
+        dequantized = (
+            is_quantized(kernel) and scheme is not None and not scheme.reads_stored_kernels
+        )
+        if dequantized:  # its format reads a stored kernel dequantized, as Linen and NNX do
+            kernel = policy.cast_to_compute(kernel)
         stored = kernel if is_quantized(kernel) else None
         matmul = matmuls.pick(policy, "dot_general", call.path, None, stored)
         if matmul is None:
-            return next_fn(*args, **kwargs)
-        return adapter.call_with_matmul(call.module, matmul, args, kwargs)
+            if not dequantized:
+                return next_fn(*args, **kwargs)  # the layer as written
+            matmul = jax.lax.dot_general
+        return adapter.call_with_matmul(call.module, matmul, kernel, args, kwargs)
 
     _ROUTED[id(adapter)] = (adapter, extension)  # the adapter kept: its id is never reused
     return extension

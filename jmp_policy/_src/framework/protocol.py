@@ -69,15 +69,20 @@ class Adapter(Protocol):
         its parameters cast to their compute dtypes; ``model`` is left as it is."""
 
     def kernel_of(self, module: Any) -> Any:
-        """The kernel of a layer whose matmul the core may route (a float array in its
-        layout, or an ``[in, out]`` ``QuantizedArray``); ``None`` for any other module."""
+        """The kernel of a layer whose matmul the core may route, as ``[in, out]`` (a float
+        array, or a ``QuantizedArray``); ``None`` for any other module."""
 
     def call_with_matmul(
-        self, module: Any, matmul: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        module: Any,
+        matmul: Callable[..., Any],
+        kernel: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         """One call of a routed layer (a :class:`Layer` with a ``kernel_name``) whose matmul
-        is ``matmul``, a drop-in ``jax.lax.dot_general`` taking the kernel as ``[in, out]``
-        on the right."""
+        is ``matmul``, a drop-in ``jax.lax.dot_general``, on ``kernel`` (``[in, out]``, on
+        the right)."""
 
     def split(self, model: Any) -> tuple[Any, Callable[[Any], Any]]:
         """``(arrays, merge)``: the model's arrays as a pytree ``jax.jit`` takes, and the
