@@ -137,11 +137,11 @@ __all__ = [
     "tree_bytes",
 ]
 
-_LAZY_SUBMODULES = ("linen", "nnx")
+_LAZY_SUBMODULES = ("linen", "nnx", "equinox")
 
 
 def __getattr__(name: str) -> object:
-    # `jmp_policy.linen` / `jmp_policy.nnx` import flax only when first used.
+    # `jmp_policy.linen` / `nnx` / `equinox` import their framework only when first used.
     if name in _LAZY_SUBMODULES:
         return _importlib.import_module(f"jmp_policy.{name}")
     raise AttributeError(f"module 'jmp_policy' has no attribute {name!r}")

@@ -264,6 +264,17 @@ def test_no_quantization_mode_string_test_outside_the_scheme_modules():
     assert found == {}
 
 
+def test_equinox_is_imported_only_by_its_adapter():
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}: {imported}"
+        for name, path in _modules().items()
+        if name.split(".")[:2] != [PACKAGE, "equinox"]
+        for imported, line in _imports(name, path)
+        if imported.split(".")[0] == "equinox"
+    ]
+    assert offenders == [], "equinox imported outside jmp_policy/equinox:\n" + "\n".join(offenders)
+
+
 # The layout (#45): docs/layout.md names every module of `_src/` with what it holds.
 def test_docs_layout_names_every_src_module():
     layout = (ROOT / "docs" / "layout.md").read_text()

@@ -58,6 +58,15 @@ FLAX_MODULES = {
         "quantize",
         "search_map",
     ],
+    "equinox": [
+        "apply",
+        "calibrate",
+        "diagnose",
+        "explain",
+        "quantize",
+        "search_map",
+        "NORM_FLOAT32",
+    ],
 }
 
 POLICY_MEMBERS = [
@@ -160,6 +169,24 @@ def test_import_does_not_import_flax():
     assert result.returncode == 0, result.stderr
 
 
+def test_equinox_is_imported_only_when_jp_equinox_is_used():
+    result = _run_python(
+        "import sys, jmp_policy as jp; assert 'equinox' not in sys.modules; "
+        "jp.equinox.apply; assert 'equinox' in sys.modules; print('ok')"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_jp_equinox_without_equinox_is_an_import_error_naming_the_extra():
+    result = _run_python(
+        "import sys; sys.modules['equinox'] = None; import jmp_policy as jp\n"
+        "try:\n    jp.equinox\nexcept ImportError as e:\n    print(e)"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pip install jmp_policy[equinox]" in result.stdout
+
+
 def test_flax_integrations_are_lazy_attributes():
     result = _run_python(
         "import sys, jmp_policy as jp; assert 'flax' not in sys.modules; "
@@ -187,9 +214,9 @@ def test_dir_shows_public_names_and_lazy_integrations_only():
     for name in ("Any", "annotations", "importlib", "_src", "_LAZY_SUBMODULES"):
         assert name not in names
     assert set(jp.__all__) <= set(names)
-    assert {"linen", "nnx", "__version__"} <= set(names)
+    assert {"linen", "nnx", "equinox", "__version__"} <= set(names)
     public = [n for n in names if not n.startswith("__")]
-    assert sorted(public) == sorted([*jp.__all__, "linen", "nnx"])
+    assert sorted(public) == sorted([*jp.__all__, "linen", "nnx", "equinox"])
 
 
 def test_dir_does_not_import_flax():
@@ -201,7 +228,7 @@ def test_dir_does_not_import_flax():
     assert result.stdout.strip() == "ok"
 
 
-@pytest.mark.parametrize("module", ["linen", "nnx"])
+@pytest.mark.parametrize("module", ["linen", "nnx", "equinox"])
 def test_flax_integrations_show_their_public_names_only(module):
     integration = getattr(jp, module)
     assert set(dir(integration)) == set(integration.__all__)

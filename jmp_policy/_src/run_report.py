@@ -137,7 +137,7 @@ def unused_keys_note(resolver: Resolver, model: str) -> str:
     return f"\nkeys that resolve nothing: {closest}"
 
 
-def resolved_rows(resolver: Resolver, params: Any) -> list[ExplainRow]:
+def resolved_rows(resolver: Resolver, params: Any, is_leaf: Any = None) -> list[ExplainRow]:
     """The rows of one resolved model run (the Linen and NNX ``explain``).
 
     One row per module the run knows, in the order it met them, and one per variable that a
@@ -157,7 +157,7 @@ def resolved_rows(resolver: Resolver, params: Any) -> list[ExplainRow]:
 
     for path in resolver.infos:
         row(path)
-    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_leaf)[0]:
         path = leaf_path(key_path)
         policy, named = resolver.variable(path)
         if named:

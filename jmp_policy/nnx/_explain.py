@@ -6,14 +6,10 @@ from typing import Any
 
 from flax import nnx
 
-from jmp_policy._src.calibration_report import format_calibration
-from jmp_policy._src.explain import format_matmuls, format_rows
+from jmp_policy._src.framework import entry_points
 from jmp_policy._src.kv_cache import report as kv_report
 from jmp_policy._src.kv_cache.hook import CACHE_NAMES
-from jmp_policy._src.quantization import matmuls
-from jmp_policy._src.run_report import float8_not_run, resolved_rows, unused_keys_note
-from jmp_policy.nnx._apply import apply_with
-from jmp_policy.nnx._hook import resolver_for
+from jmp_policy.nnx._adapter import ADAPTER
 from jmp_policy.nnx._modules import prepare
 
 
@@ -69,22 +65,6 @@ def explain(
     """
     report = options.pop("calibration", None)
     policies, opts = prepare(model, policy_or_map, options)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    calibrated = format_calibration(report, params)
-    resolver = resolver_for(model, policies, opts)
-    rows = resolved_rows(resolver, params)
-    table = format_rows(rows) + unused_keys_note(resolver, type(model).__name__)
+    text = entry_points.explain(ADAPTER, model, policies, opts, (), args, report)
     caches = nnx.to_pure_dict(nnx.state(model, nnx.Cache))
-    calibrated += kv_report.format_caches(kv_report.cache_rows(caches, opts.kv_cache, CACHE_NAMES))
-    if not args:
-        return table + calibrated
-
-    def run(traced: nnx.Module, *a: Any) -> Any:
-        # The model eval_shape hands in: state a call writes back (batch statistics,
-        # float8 history) stays inside the trace, and ``model`` is left as it was.
-        return apply_with(traced, policies, opts, "__call__")(*a)
-
-    with matmuls.recording() as forms:
-        nnx.eval_shape(run, model, *args)
-    float8_not_run(resolver, rows, params, forms)
-    return table + format_matmuls(forms) + calibrated
+    return text + kv_report.format_caches(kv_report.cache_rows(caches, opts.kv_cache, CACHE_NAMES))

@@ -36,6 +36,11 @@ def _policy_method(original: Callable[..., Any]) -> Callable[..., Any]:
     return method
 
 
+def original_class(module: Any) -> type:
+    """The module's class as the user wrote it (not its policy-running subclass)."""
+    return getattr(type(module), _ORIGINAL, type(module))  # type: ignore[no-any-return]
+
+
 def resolver_for(model: nnx.Module, policies: Any, options: Any) -> Resolver:
     """A resolver that knows every module of ``model`` (classes and own dtypes)."""
     # Every module is recorded before any is resolved: NNX lists children before their

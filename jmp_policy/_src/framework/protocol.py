@@ -1,0 +1,93 @@
+"""What a framework adapter answers: the few operations the entry points are written on.
+
+An adapter never decides a policy nor a matmul: it says where the model's modules and
+kernels are (:class:`Layer`), runs the model with the hook on every module call, calls one
+layer with a matmul the core chose, and rebuilds a model with new kernels. The core
+(:mod:`jmp_policy._src.framework.entry_points`) does the rest, the same for every framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from jmp_policy._src.options import Options
+from jmp_policy._src.resolution import Resolver
+
+#: A kernel stored as ``[in, out]`` (Flax, and the library's ``QuantizedArray``).
+IN_OUT = "in_out"
+#: A kernel stored as ``[out, in]`` (Equinox's ``Linear.weight``, PyTorch's).
+OUT_IN = "out_in"
+
+
+class Layer(NamedTuple):
+    """One module of a model, as the core sees it.
+
+    ``kernel_name`` is ``None`` for a module whose matmul the core cannot route (a norm,
+    an embedding, a convolution, a container); then ``kernel`` is ``None`` too.
+    ``stacked`` are the kernel's leading axes beyond one layer's (a layer made stacked by a
+    ``vmap`` of its constructor, run by a ``scan``); ``layout`` is :data:`IN_OUT` or
+    :data:`OUT_IN`.
+    """
+
+    path: str
+    cls: type
+    own_dtype: np.dtype | None
+    kernel_name: str | None = None
+    kernel: Any = None
+    stacked: tuple[int, ...] = ()
+    layout: str = IN_OUT
+
+
+class Adapter(Protocol):
+    """The operations a framework gives the entry points (see the module docstring)."""
+
+    #: The model's base class in messages (``"eqx.Module"``).
+    model_name: str
+
+    def check(self, model: Any) -> None:
+        """A ``TypeError`` naming ``model`` when it is not one of the framework's models."""
+
+    def layers(self, model: Any) -> Iterable[Layer]:
+        """Every module of ``model``, the root (path ``""``) first, parents before children."""
+
+    def params(self, model: Any) -> Mapping[str, Any]:
+        """The model's floating parameters, ``{variable path: array}`` (``explain``'s bytes)."""
+
+    def run(
+        self,
+        model: Any,
+        resolver: Resolver,
+        options: Options,
+        extensions: tuple[Any, ...],
+        call: Callable[[Any], Any],
+    ) -> Any:
+        """``call(copy)``: runs a copy of ``model`` whose every module call goes through
+        :func:`jmp_policy._src.interception.run` with its resolution and ``extensions``,
+        its parameters cast to their compute dtypes; ``model`` is left as it is."""
+
+    def kernel_of(self, module: Any) -> Any:
+        """The kernel of a layer whose matmul the core may route, as ``[in, out]`` (a float
+        array, or a ``QuantizedArray``); ``None`` for any other module."""
+
+    def call_with_matmul(
+        self,
+        module: Any,
+        matmul: Callable[..., Any],
+        kernel: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """One call of a routed layer (a :class:`Layer` with a ``kernel_name``) whose matmul
+        is ``matmul``, a drop-in ``jax.lax.dot_general``, on ``kernel`` (``[in, out]``, on
+        the right)."""
+
+    def split(self, model: Any) -> tuple[Any, Callable[[Any], Any]]:
+        """``(arrays, merge)``: the model's arrays as a pytree ``jax.jit`` takes, and the
+        function that rebuilds the model from them (``merge(arrays)``)."""
+
+    def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
+        """A new model whose layers at these paths hold these kernels (``[in, out]``
+        ``QuantizedArray`` values); ``model`` is left as it is."""

@@ -1,0 +1,59 @@
+"""``search_map``, written once against the adapter protocol: the model's runs handed to
+the core's search (:func:`jmp_policy._src.map_search.search`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jmp_policy._src import map_search
+from jmp_policy._src.framework import entry_points
+from jmp_policy._src.framework.protocol import Adapter
+from jmp_policy._src.options import Options
+from jmp_policy._src.quantization import is_quantized
+
+
+def search_map(
+    adapter: Adapter,
+    model: Any,
+    batches: Sequence[Any],
+    loss_fn: Callable[[Any, Any], Any],
+    *,
+    budget: Mapping[str, float],
+    candidates: Sequence[str],
+    base: str,
+    inputs: Callable[[Any], tuple[Any, ...]] | None,
+    progress: Callable[[str], None] | None,
+    options: Options,
+) -> map_search.SearchResult:
+    """One policy per routable layer under ``budget`` (a stack is one path, chosen whole);
+    ``model`` is not modified (the candidates run on quantized copies)."""
+    adapter.check(model)
+    args_of = inputs or (lambda batch: (batch,))
+    kernels = {
+        layer.path: entry_points.canonical(layer.kernel, layer)
+        for layer in adapter.layers(model)
+        if layer.kernel_name is not None and not is_quantized(layer.kernel)
+    }
+
+    def make_loss(policy_map: Any) -> tuple[Callable[[Any, Any], Any], Any]:
+        stores = map_search.stores_weights(policy_map)
+        runner = entry_points.quantize(adapter, model, policy_map) if stores else model
+        taps = (map_search.ScoreTaps(),)
+        run = entry_points.apply(adapter, runner, policy_map, options, taps)
+
+        def loss(_: Any, batch: Any) -> Any:
+            return loss_fn(run(*args_of(batch)), batch)
+
+        return loss, None
+
+    return map_search.search(
+        kernels,
+        make_loss,
+        batches,
+        candidates=candidates,
+        budget=budget,
+        base=base,
+        jit=False,
+        progress=progress,
+    )

@@ -1,0 +1,230 @@
+"""The public Equinox functions: the core's entry points with the Equinox adapter."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import equinox as eqx
+
+from jmp_policy._src.framework import entry_points
+from jmp_policy._src.framework.diagnose import diagnose as diagnose_once
+from jmp_policy._src.identifiers import get as _get_policy
+from jmp_policy._src.options import Island, Options, make_options
+from jmp_policy.equinox._adapter import EquinoxAdapter
+
+M = TypeVar("M")
+
+ADAPTER = EquinoxAdapter()
+
+NORM_FLOAT32: Mapping[type, Any] = types.MappingProxyType(
+    {
+        cls: Island(_get_policy("float32"))
+        for cls in (eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm, eqx.nn.BatchNorm)
+    }
+)
+"""``type_policies`` that compute Equinox's ``LayerNorm``, ``RMSNorm``, ``GroupNorm`` and
+``BatchNorm`` in float32 and return their outputs in the caller's compute dtype (read-only)."""
+
+
+def options_of(option_kwargs: dict[str, Any]) -> Options:
+    options = make_options(eqx.Module, "eqx.Module", "eqx.nn.LayerNorm", **option_kwargs)
+    if options.kv_cache is not None:  # nothing silent: Equinox has no cache collection
+        raise ValueError(
+            "`kv_cache` is not supported for Equinox models yet (their attention keeps no "
+            "cache variables jmp_policy can find); quantized caches run under jp.linen and "
+            f"jp.nnx. Received: kv_cache={option_kwargs.get('kv_cache')!r}"
+        )
+    return options
+
+
+def apply(model: eqx.Module, policy_or_map: Any, **options: Any) -> Callable[..., Any]:
+    """Makes a function with ``model``'s call signature that runs it per submodule.
+
+    Each submodule (the root: path ``""``; a submodule's path is its attribute path as the
+    plain-tree functions write it, ``"mlp/layers/0"``, ``"attn/query_proj"``) runs under
+    :func:`jmp_policy.current_policy` set to its policy, the floating leaves of its
+    arguments and its parameters cast to its compute dtype; its outputs are cast only when
+    its policy's output dtype differs from its compute dtype, and loop carries
+    (``jax.lax.scan`` over a stack of layers) keep their dtype. An ``eqx.nn.Linear`` under
+    an int8 or float8 (current scaling) policy runs its matmul quantized, and a
+    ``QuantizedArray`` weight (:func:`quantize`) reaches its matmul as integers, in a
+    ``jax.lax.scan`` over an ``eqx.filter_vmap``-made stack as each layer's own slice.
+    ``model`` is never modified: each call runs a cast copy, so ``eqx.filter_grad`` gives
+    gradients in the stored dtype. Works under ``eqx.filter_jit``/``jax.jit`` and
+    ``eqx.filter_grad``: call ``apply`` inside the transformed function.
+
+    Args:
+        model: an ``eqx.Module``.
+        policy_or_map: a floating policy, its name, a ``DTypePolicyMap`` or a ``dict``.
+        **options: ``type_policies``, ``autocast_exclude`` (as for
+            :func:`jmp_policy.linen.apply`), ``serving_kernel``.
+
+    Returns:
+        A function ``(*args, **kwargs)`` returning ``model(*args, **kwargs)``.
+
+    Raises:
+        TypeError: ``model`` is not an ``eqx.Module``, or an option has the wrong type.
+        ValueError: ``policy_or_map`` is not a valid floating policy or map.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import equinox as eqx
+        >>> import jmp_policy as jp
+        >>> class Model(eqx.Module):
+        ...     encoder: eqx.nn.Linear
+        ...     head: eqx.nn.Linear
+        ...     def __init__(self, key):
+        ...         k1, k2 = jax.random.split(key)
+        ...         self.encoder = eqx.nn.Linear(3, 4, key=k1)
+        ...         self.head = eqx.nn.Linear(4, 2, key=k2)
+        ...     def __call__(self, x):
+        ...         return self.head(jax.nn.relu(self.encoder(x)))
+        >>> model = Model(jax.random.key(0))
+        >>> policy_map = jp.DTypePolicyMap("mixed_bfloat16", {"head": "float32"})
+        >>> jp.equinox.apply(model, policy_map)(jnp.ones(3)).dtype   # the float32 head
+        dtype('float32')
+        >>> loss = lambda m, x: jp.equinox.apply(m, "mixed_bfloat16")(x).astype("float32").sum()
+        >>> grads = eqx.filter_grad(loss)(model, jnp.ones(3))
+        >>> grads.encoder.weight.dtype
+        dtype('float32')
+    """
+    return entry_points.apply(ADAPTER, model, policy_or_map, options_of(options), ())
+
+
+def quantize(model: M, policy_or_map: Any) -> M:
+    """A new model whose ``eqx.nn.Linear`` weights under int8 or int4 policies are quantized.
+
+    Each such weight becomes a :class:`~jmp_policy.QuantizedArray` stored as ``[in, out]``
+    (Equinox keeps ``[out, in]``; the library's storage and matmuls read ``[in, out]``),
+    scaled per output channel (int4: per block of inputs). A stack of layers made with
+    ``eqx.filter_vmap`` (weights ``[depth, out, in]``) is quantized per layer: each layer
+    its own scales, and a ``jax.lax.scan`` over the stack hands each layer its own slice.
+    Biases, norms, embeddings and convolutions stay float. Policies are resolved by path
+    as in :func:`apply`. ``model`` is not modified.
+
+    Args:
+        model: an ``eqx.Module``.
+        policy_or_map: an int8 or int4 policy (or its name), or a ``DTypePolicyMap`` or
+            ``dict`` holding some.
+
+    Returns:
+        The quantized model (run it with :func:`apply`).
+
+    Raises:
+        TypeError: ``model`` is not an ``eqx.Module``.
+        ValueError: ``policy_or_map`` is invalid or quantizes nothing.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import equinox as eqx
+        >>> import jmp_policy as jp
+        >>> mlp = eqx.nn.MLP(8, 2, 16, depth=2, key=jax.random.key(0))
+        >>> policy_map = jp.DTypePolicyMap("int8_from_float32", {"layers/2": "float32"})
+        >>> q = jp.equinox.quantize(mlp, policy_map)
+        >>> q.layers[0].weight
+        QuantizedArray(int8, shape=(8, 16), original_dtype=float32)
+        >>> q.layers[2].weight.dtype, mlp.layers[0].weight.dtype   # the head, the original
+        (dtype('float32'), dtype('float32'))
+        >>> jp.equinox.apply(q, policy_map)(jnp.ones(8)).shape
+        (2,)
+    """
+    return entry_points.quantize(ADAPTER, model, policy_or_map)  # type: ignore[no-any-return]
+
+
+def explain(model: eqx.Module, policy_or_map: Any, *args: Any, **options: Any) -> str:
+    """A table of the policy every submodule of ``model`` runs under, and why.
+
+    One row per module path (and one per variable a key of the map names itself): the
+    module's class, its policy, the source (``key '<key>'``, ``type <Class>`` or
+    ``default``), the stored and compute dtypes of its parameters and their bytes. Given
+    the model's positional ``args`` (arrays or ``jax.ShapeDtypeStruct``), the model is
+    also traced shape-only and the table is followed by the matmul each quantized or
+    float8 layer runs.
+
+    Args:
+        model: an ``eqx.Module``.
+        policy_or_map: as in :func:`apply`.
+        *args: the model's positional arguments, to list the layers' matmuls (optional).
+        **options: the options of :func:`apply`.
+
+    Returns:
+        The table as a string.
+
+    Examples:
+        >>> import jax
+        >>> import equinox as eqx
+        >>> import jmp_policy as jp
+        >>> mlp = eqx.nn.MLP(4, 2, 8, depth=1, key=jax.random.key(0))
+        >>> print(jp.equinox.explain(mlp, {"layers/1": "float32"}))
+        path      class   policy   source          dtype  bytes  c.bytes
+        <root>    MLP     float32  default
+        layers/0  Linear  float32  default         f32      160      160
+        layers/1  Linear  float32  key 'layers/1'  f32       72       72
+        total                                               232      232
+        bytes: as stored; c.bytes: as the compute reads them (K = 1024, M = 1024 K)
+    """
+    calibration = options.pop("calibration", None)
+    return entry_points.explain(
+        ADAPTER, model, policy_or_map, options_of(options), (), args, calibration
+    )
+
+
+def diagnose(
+    model: eqx.Module,
+    policy_or_map: Any,
+    *,
+    every: int = 1,
+    paths: Any = None,
+    **options: Any,
+) -> Callable[..., Any]:
+    """Makes a function that runs ``model`` as :func:`apply` does and also returns a report.
+
+    The Equinox counterpart of :func:`jmp_policy.linen.diagnose`: the returned function
+    takes the model's arguments plus keywords ``probe`` and ``step`` and returns
+    ``(outputs, report)``; the report holds, per submodule path, the statistics of the
+    floating leaves of its inputs and outputs and, through the gradient with respect to
+    ``probe``, of the cotangents reaching its outputs
+    (``report.with_gradients(probe_gradient)``); :func:`jmp_policy.format_report` names
+    the first submodule where a non-finite value appeared. Works under
+    ``eqx.filter_jit``/``jax.jit`` and ``eqx.filter_grad``, with no host synchronisation.
+    Submodules called inside a transform of their own (a ``jax.vmap`` of a layer, a
+    ``jax.lax.scan`` over a stack) are listed as ``skipped``: diagnose a model written per
+    example (Equinox's idiom) on one example to tap every layer.
+
+    Args:
+        model: an ``eqx.Module``.
+        policy_or_map: as for :func:`apply`.
+        every: compute the statistics when ``step % every == 0`` (requires ``step=``
+            when > 1).
+        paths: ``None`` (every submodule), or a path or regular expression, or a list of
+            them: the submodules to tap.
+        **options: as for :func:`apply`.
+
+    Returns:
+        A function ``fn(*args, probe=None, step=None, **kwargs)`` returning ``(outputs,
+        report)``; ``fn.probe(*args, **kwargs)`` returns a zero-valued probe for that call.
+
+    Raises:
+        TypeError, ValueError: as :func:`apply`; ``every`` or ``paths`` is not valid.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import equinox as eqx
+        >>> import jmp_policy as jp
+        >>> class Model(eqx.Module):
+        ...     body: eqx.nn.Linear
+        ...     head: eqx.nn.Linear
+        ...     def __call__(self, x):
+        ...         return self.head(self.body(x) * 1e5)   # overflows float16
+        >>> k1, k2 = jax.random.split(jax.random.key(0))
+        >>> model = Model(eqx.nn.Linear(3, 4, key=k1), eqx.nn.Linear(4, 2, key=k2))
+        >>> out, report = jp.equinox.diagnose(model, "float16")(jnp.ones(3))
+        >>> print(jp.format_report(report).splitlines()[0])
+        first non-finite: head (forward input)
+    """
+    return diagnose_once(ADAPTER, model, policy_or_map, options_of(options), every, paths)

@@ -1,0 +1,95 @@
+"""Calibrating an Equinox model (GPTQ, AWQ): the core's ``calibrate`` with the adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from jmp_policy._src.framework.calibrate import calibrate as calibrate_once
+from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
+from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
+from jmp_policy.equinox._api import ADAPTER
+
+
+def calibrate(
+    model: Any,
+    policy_or_map: Any,
+    batches: Iterable[Any],
+    *,
+    hessian_damping: float = DEFAULT_HESSIAN_DAMPING,
+    num_grid_points: int = DEFAULT_NUM_GRID_POINTS,
+    clip_search: bool = True,
+    return_report: bool = False,
+    progress: Any = False,
+    max_statistics_bytes: int | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A new model with weights under GPTQ/AWQ policies calibrated, int8/int4 rounded.
+
+    Runs the model in float32 on each calibration batch (``model(*batch, **kwargs)``,
+    jit-compiled, one compilation per batch shape), gathering for each ``eqx.nn.Linear``
+    under a :class:`~jmp_policy.GPTQDTypePolicy` or :class:`~jmp_policy.AWQDTypePolicy`
+    the Gram matrix ``XᵀX`` and ``mean |x|`` of its inputs (over every row a
+    ``jax.vmap`` of the layer sees; a ``jax.lax.scan`` over an ``eqx.filter_vmap``-made
+    stack gathers each layer's own), then solves each weight (GPTQ, or AWQ's scale
+    search) into the ``[in, out]`` ``QuantizedArray`` storage :func:`quantize` makes.
+    Weights under int8/int4 policies are rounded to nearest; the rest stay float; ``model``
+    is not modified. The arguments mean what they mean for
+    :func:`jmp_policy.nnx.calibrate`.
+
+    Args:
+        model: an ``eqx.Module``.
+        policy_or_map: a policy (or name), a :class:`~jmp_policy.DTypePolicyMap` or a dict.
+        batches: an iterable of calls' arguments (a tuple per call, or one array).
+        hessian_damping: GPTQ's damping, a fraction of the mean Hessian diagonal.
+        num_grid_points: AWQ's exponent grid ``0, 1/n, ..., 1``.
+        clip_search: choose each group's scale by a clipping search instead of abs-max.
+        return_report: also return the per-layer report (round-to-nearest's and the
+            method's relative output error on the calibration inputs, seconds).
+        progress: ``True`` for a progress bar, a callable given each layer's report, or
+            ``False``.
+        max_statistics_bytes: bounds the device memory the statistics take (``None``:
+            every layer in one pass).
+        **kwargs: keyword arguments of each call.
+
+    Returns:
+        The calibrated model (and the report if asked).
+
+    Raises:
+        TypeError: ``model`` is not an ``eqx.Module``, or an argument has the wrong type.
+        ValueError: no batch, a batch holding NaN, or a batch the model fails on.
+
+    Examples:
+        >>> import jax
+        >>> import equinox as eqx
+        >>> import jmp_policy as jp
+        >>> class Batched(eqx.Module):   # an MLP on a batch of rows
+        ...     mlp: eqx.nn.MLP
+        ...     def __call__(self, x):
+        ...         return jax.vmap(self.mlp)(x)
+        >>> model = Batched(eqx.nn.MLP(32, 8, 64, depth=1, key=jax.random.key(0)))
+        >>> x = jax.random.normal(jax.random.key(1), (256, 32))
+        >>> policies = {"mlp/layers/0": "gptq/4/16_from_float32",
+        ...             "mlp/layers/1": "int8_from_float32"}
+        >>> q = jp.equinox.calibrate(model, policies, [x[:128], x[128:]])
+        >>> q.mlp.layers[0].weight
+        QuantizedArray(int4/16, shape=(32, 64), original_dtype=float32)
+        >>> jp.equinox.apply(q, policies)(x).shape
+        (256, 8)
+    """
+    settings = {
+        "hessian_damping": hessian_damping,
+        "num_grid_points": num_grid_points,
+        "clip_search": clip_search,
+    }
+    return calibrate_once(
+        ADAPTER,
+        model,
+        policy_or_map,
+        batches,
+        settings,
+        return_report,
+        progress,
+        max_statistics_bytes,
+        kwargs,
+    )
