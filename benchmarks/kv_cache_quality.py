@@ -57,7 +57,8 @@ def init_cache(config, ids, policy, kv_cache):
     """The empty caches for ``ids`` ``[batch, length]``, stored as ``kv_cache`` says."""
     model = gemma3_gguf.Gemma3(config, decode=True)
     init = jp.linen.init(model, policy, kv_cache=kv_cache)
-    return jax.jit(lambda ids: init(jax.random.key(0), ids)["cache"])(ids)
+    # The key an argument, so that XLA does not constant-fold the parameters' initialisation.
+    return jax.jit(lambda key, ids: init(key, ids)["cache"])(jax.random.key(0), ids)
 
 
 def decode(config, params, ids, policy, kv_cache, keep_logits=False):
