@@ -147,19 +147,30 @@ class RMSNorm(nn.Module):
         return (y * scale).astype(x.dtype)
 
 
-def _rope(x, base):
-    """Rotary embedding on ``[batch, time, heads, head_dim]``, halves rotated (as Gemma)."""
+def _rope(x, base, positions=None):
+    """Rotary embedding on ``[batch, time, heads, head_dim]``, halves rotated (as Gemma), at
+    ``positions`` ``[time]`` (default ``0 .. time-1``)."""
     t, half = x.shape[1], x.shape[-1] // 2
     inv = base ** (-jnp.arange(0, 2 * half, 2, dtype=jnp.float32) / (2 * half))
-    angle = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None]
+    if positions is None:
+        positions = jnp.arange(t, dtype=jnp.float32)
+    angle = positions.astype(jnp.float32)[:, None] * inv[None]
     cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
 class Attention(nn.Module):
+    """With ``decode``, a ``cache`` collection as Flax's ``MultiHeadDotProductAttention(
+    decode=True)`` keeps it: ``init`` on ``[batch, length]`` inputs creates ``cached_key`` and
+    ``cached_value`` ``[batch, length, kv_heads, head_dim]`` (keys normed and rotated) and
+    ``cache_index``; each later call takes the next tokens, rotates them at their positions,
+    writes them with ``lax.dynamic_update_slice`` at ``cache_index`` and attends over the
+    cache, masked by position (causal; within the window on local layers)."""
+
     config: Config
     is_global: bool
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -172,7 +183,13 @@ class Attention(nn.Module):
         k = RMSNorm(c.eps, name="k_norm")(k.reshape(b, t, c.kv_heads, c.head_dim))
         v = v.reshape(b, t, c.kv_heads, c.head_dim)
         base = c.rope_base if self.is_global else LOCAL_ROPE_BASE
+        if self.decode and self.has_variable("cache", "cached_key"):
+            return nn.Dense(c.d, use_bias=False, name="o")(self._cached(q, k, v, base))
         q, k = _rope(q, base), _rope(k, base)
+        if self.decode:  # init: the cache sized by the input, the call run as the forward
+            self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+            self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+            self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
         k, v = (jnp.repeat(a, c.heads // c.kv_heads, axis=2) for a in (k, v))
         scores = jnp.einsum("bthd,bshd->bhts", q, k).astype(jnp.float32) / np.sqrt(c.head_dim)
         i = jnp.arange(t)
@@ -182,6 +199,34 @@ class Attention(nn.Module):
         weights = jax.nn.softmax(jnp.where(mask, scores, -1e30), -1).astype(v.dtype)
         out = jnp.einsum("bhts,bshd->bthd", weights, v).reshape(b, t, c.heads * c.head_dim)
         return nn.Dense(c.d, use_bias=False, name="o")(out)
+
+    def _cached(self, q, k, v, base):
+        """The decode step: ``q``, ``k``, ``v`` ``[batch, time, heads, head_dim]`` of the
+        tokens at ``cache_index ..``; the attention's output ``[batch, time, heads * head_dim]``."""
+        c = self.config
+        b, t = q.shape[:2]
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+        i = index.value
+        positions = i + jnp.arange(t)
+        q, k = _rope(q, base, positions), _rope(k, base, positions)
+        # The read passed straight to dynamic_update_slice, as Flax's attention does.
+        key, value = cached_key.value, cached_value.value
+        key = jax.lax.dynamic_update_slice(key, k.astype(key.dtype), (0, i, 0, 0))
+        value = jax.lax.dynamic_update_slice(value, v.astype(value.dtype), (0, i, 0, 0))
+        cached_key.value, cached_value.value = key, value
+        index.value = i + t
+        key, value = (jnp.repeat(a, c.heads // c.kv_heads, axis=2) for a in (key, value))
+        scores = jnp.einsum("bthd,bshd->bhts", q, key.astype(q.dtype)).astype(jnp.float32)
+        scores = scores / np.sqrt(c.head_dim)
+        j = jnp.arange(key.shape[1])
+        mask = positions[:, None] >= j[None]
+        if not self.is_global:
+            mask &= positions[:, None] - j[None] < c.window
+        weights = jax.nn.softmax(jnp.where(mask, scores, -1e30), -1).astype(q.dtype)
+        out = jnp.einsum("bhts,bshd->bthd", weights, value.astype(q.dtype))
+        return out.reshape(b, t, c.heads * c.head_dim)
 
 
 class MLP(nn.Module):
@@ -199,20 +244,28 @@ class MLP(nn.Module):
 class Block(nn.Module):
     config: Config
     is_global: bool
+    decode: bool = False
 
     @nn.compact
     def __call__(self, x):
         eps = self.config.eps
-        h = Attention(self.config, self.is_global, name="attn")(RMSNorm(eps, name="attn_norm")(x))
+        h = Attention(self.config, self.is_global, self.decode, name="attn")(
+            RMSNorm(eps, name="attn_norm")(x)
+        )
         x = x + RMSNorm(eps, name="post_attn_norm")(h)
         h = MLP(self.config, name="mlp")(RMSNorm(eps, name="mlp_norm")(x))
         return x + RMSNorm(eps, name="post_mlp_norm")(h)
 
 
 class Gemma3(nn.Module):
-    """Token ids ``[batch, time]`` (starting with ``BOS``) to logits ``[batch, time, vocab]``."""
+    """Token ids ``[batch, time]`` (starting with ``BOS``) to logits ``[batch, time, vocab]``.
+
+    With ``decode``, the attention caches its keys and values (see :class:`Attention`):
+    ``init`` on ``[batch, length]`` ids sizes the caches, each ``apply(..., mutable=["cache"])``
+    then takes the next tokens (one a step) at their positions."""
 
     config: Config
+    decode: bool = False
 
     @nn.compact
     def __call__(self, ids):
@@ -220,5 +273,5 @@ class Gemma3(nn.Module):
         embed = nn.Embed(c.vocab, c.d, name="embed")
         x = embed(ids) * jnp.float32(np.sqrt(c.d))
         for i in range(c.layers):
-            x = Block(c, (i + 1) % GLOBAL_EVERY == 0, name=f"layers_{i}")(x)
+            x = Block(c, (i + 1) % GLOBAL_EVERY == 0, self.decode, name=f"layers_{i}")(x)
         return embed.attend(RMSNorm(c.eps, name="final_norm")(x))

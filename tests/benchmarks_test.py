@@ -430,3 +430,36 @@ def test_pallas_tune_quick_times_every_tile_beside_bf16_and_xla(tmp_path):
     assert all(0 < r["error"] < 1e-2 for r in kernels), [r["error"] for r in kernels]
     assert all(np.isnan(r["error"]) for r in rows if not r["variant"].startswith("pallas"))
     assert "best tiles per shape" in result.stdout
+
+
+@pytest.mark.heavy(40)
+def test_kv_cache_quality_harness_decodes_as_the_forward_at_tiny_size():
+    # kv_cache_quality.py runs the pretrained Gemma 3 (a GGUF file CI does not have); its
+    # harness runs here on the same port at a small size with random weights: six layers (the
+    # sixth global), a window of 4 within 12 tokens, grouped-query attention. In float32 the
+    # cached decode (a lax.scan of one-token steps under jit) gives the forward's logits; under
+    # mixed_bfloat16 the int8 and float8 caches store quantized values and scales, at the
+    # bytes the layout says, with losses close to the bf16 cache's.
+    import jax.numpy as jnp
+
+    gemma = _bench_module("gemma3_gguf")
+    bench = _bench_module("kv_cache_quality")
+    config = gemma.Config(
+        layers=6, d=64, heads=4, kv_heads=2, head_dim=16, mlp=128, vocab=97, eps=1e-6,
+        rope_base=1e6, window=4,
+    )  # fmt: skip
+    ids = np.array(jax.random.randint(jax.random.key(1), (3, 12), 0, config.vocab), np.int32)
+    ids[:, 0] = gemma.BOS
+    params = gemma.Gemma3(config).init(jax.random.key(0), ids)["params"]
+    diff, scale, decoded, forward = bench.harness(config, params, ids)
+    assert diff <= 1e-5 * scale, (diff, scale)
+    np.testing.assert_allclose(decoded, forward, rtol=1e-5)
+    results = bench.compare(config, params, ids)
+    bf16_losses, bf16_bytes = results["bf16"]
+    # int8: a float32 scale per token and head (16 values); float8: per token (2 heads x 16).
+    for label, ratio, tol in (("int8", 0.5 + 2 / 16, 0.02), ("float8", 0.5 + 1 / 16, 0.05)):
+        losses, nbytes = results[label]
+        assert nbytes / bf16_bytes == pytest.approx(ratio), label
+        np.testing.assert_allclose(losses, bf16_losses, rtol=tol, err_msg=label)
+    cache = bench.init_cache(config, ids, "mixed_bfloat16", "int8")
+    assert cache["layers_5"]["attn"]["cached_key"].values.dtype == jnp.int8
