@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -463,3 +464,17 @@ def test_kv_cache_quality_harness_decodes_as_the_forward_at_tiny_size():
         np.testing.assert_allclose(losses, bf16_losses, rtol=tol, err_msg=label)
     cache = bench.init_cache(config, ids, "mixed_bfloat16", "int8")
     assert cache["layers_5"]["attn"]["cached_key"].values.dtype == jnp.int8
+
+
+def test_serving_bench_loops_report_the_first_pass_and_chain_the_rest():
+    # --loops N times N passes in one program; the error column is read from the first
+    # pass, which does not compound over the passes as the last one's would.
+    looped = _bench_module("serving_bench").looped
+    x = jnp.arange(4.0, dtype=jnp.bfloat16)
+    for fn in (looped(lambda v, y: y * v, 3), jax.jit(looped(lambda v, y: y * v, 3))):
+        first, last = fn(jnp.float32(2.0), x)
+        assert first.dtype == jnp.float32 and last.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(first), 2.0 * np.arange(4.0))
+        np.testing.assert_array_equal(np.asarray(last, np.float32), 8.0 * np.arange(4.0))
+    first, last = looped(lambda v, y: y + v, 1)(jnp.float32(1.0), x)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(last, np.float32))
