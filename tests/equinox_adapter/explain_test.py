@@ -1,6 +1,8 @@
 """``jp.equinox.explain``: the policy of every submodule path and the matmul each layer runs."""
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import pytest
 
 import jmp_policy as jp
@@ -62,3 +64,21 @@ def test_a_typo_in_a_key_is_named_with_the_closest_path(model):
     with pytest.warns(UserWarning, match="haed"):
         table = jp.equinox.explain(model, {"haed": "float32"})
     assert "keys that resolve nothing: 'haed' (closest module paths: 'head')" in table
+
+
+class _Flagged(eqx.Module):
+    """A model with a Python flag among its arguments (as Equinox's BERT example's
+    ``enable_dropout``): explain holds it as given, never as a traced value."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(self, x, train):
+        y = self.linear(x)
+        return y * 2 if train else y  # a bool branch: a traced flag would raise
+
+
+def test_with_inputs_holds_python_arguments_static():
+    model = _Flagged(eqx.nn.Linear(4, 4, key=jax.random.key(0)))
+    for train in (True, False):
+        table = jp.equinox.explain(model, "int8_from_float32", jnp.ones((4,)), train)
+        assert "linear  int8 x int8 (both quantized in the step)" in table

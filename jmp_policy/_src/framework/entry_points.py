@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jmp_policy._src import interception
 from jmp_policy._src.calibration_report import format_calibration
@@ -152,7 +153,17 @@ def explain(
     if not args:
         return table + calibrated
     run = apply(adapter, model, policies, options, extensions)
+    # Arrays (and shapes) traced, every other argument held as given: a Python flag such as
+    # a model's ``enable_dropout`` stays a bool, as under ``eqx.filter_eval_shape``.
+    leaves, treedef = jax.tree.flatten(args)
+    traced = [isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves]
+
+    def shapes_only(*arrays: Any) -> Any:
+        it = iter(arrays)
+        full = [next(it) if flag else x for x, flag in zip(leaves, traced, strict=True)]
+        return run(*jax.tree.unflatten(treedef, full))
+
     with matmuls.recording() as forms:
-        jax.eval_shape(run, *args)
+        jax.eval_shape(shapes_only, *[x for x, flag in zip(leaves, traced, strict=True) if flag])
     float8_not_run(resolver, rows, params, forms)
     return table + format_matmuls(forms) + calibrated
