@@ -34,6 +34,7 @@ from jmp_policy.equinox._api import diagnose as diagnose
 from jmp_policy.equinox._api import explain as explain
 from jmp_policy.equinox._api import quantize as quantize
 from jmp_policy.equinox._calibrate import calibrate as calibrate
+from jmp_policy.equinox._kv_cache import quantize_caches as quantize_caches
 from jmp_policy.equinox._search import search_map as search_map
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "diagnose",
     "explain",
     "quantize",
+    "quantize_caches",
     "search_map",
 ]
 

@@ -13,6 +13,7 @@ from jmp_policy._src.framework.diagnose import diagnose as diagnose_once
 from jmp_policy._src.identifiers import get as _get_policy
 from jmp_policy._src.options import Island, Options, make_options
 from jmp_policy.equinox._adapter import EquinoxAdapter
+from jmp_policy.equinox._kv_cache import with_kv_caches
 
 M = TypeVar("M")
 
@@ -29,14 +30,7 @@ NORM_FLOAT32: Mapping[type, Any] = types.MappingProxyType(
 
 
 def options_of(option_kwargs: dict[str, Any]) -> Options:
-    options = make_options(eqx.Module, "eqx.Module", "eqx.nn.LayerNorm", **option_kwargs)
-    if options.kv_cache is not None:  # nothing silent: Equinox has no cache collection
-        raise ValueError(
-            "`kv_cache` is not supported for Equinox models yet (their attention keeps no "
-            "cache variables jmp_policy can find); quantized caches run under jp.linen and "
-            f"jp.nnx. Received: kv_cache={option_kwargs.get('kv_cache')!r}"
-        )
-    return options
+    return make_options(eqx.Module, "eqx.Module", "eqx.nn.LayerNorm", **option_kwargs)
 
 
 def apply(model: eqx.Module, policy_or_map: Any, **options: Any) -> Callable[..., Any]:
@@ -59,7 +53,9 @@ def apply(model: eqx.Module, policy_or_map: Any, **options: Any) -> Callable[...
         model: an ``eqx.Module``.
         policy_or_map: a floating policy, its name, a ``DTypePolicyMap`` or a ``dict``.
         **options: ``type_policies``, ``autocast_exclude`` (as for
-            :func:`jmp_policy.linen.apply`), ``serving_kernel``.
+            :func:`jmp_policy.linen.apply`), ``serving_kernel``, ``kv_cache`` (the caches
+            a model keeps in ``eqx.nn.State``, stored as int8 or float8: see
+            :func:`quantize_caches`).
 
     Returns:
         A function ``(*args, **kwargs)`` returning ``model(*args, **kwargs)``.
@@ -91,7 +87,9 @@ def apply(model: eqx.Module, policy_or_map: Any, **options: Any) -> Callable[...
         >>> grads.encoder.weight.dtype
         dtype('float32')
     """
-    return entry_points.apply(ADAPTER, model, policy_or_map, options_of(options), ())
+    opts = options_of(options)
+    run = entry_points.apply(ADAPTER, model, policy_or_map, opts, ())
+    return run if opts.kv_cache is None else with_kv_caches(model, opts.kv_cache, run)
 
 
 def quantize(model: M, policy_or_map: Any) -> M:

@@ -172,12 +172,3 @@ def test_a_convolution_computes_in_its_policy_and_is_never_quantized(jit):
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(out.astype(jnp.float32), conv(x), atol=0.05)
     assert jp.equinox.quantize(conv, "int8_from_float32").weight.dtype == jnp.float32
-
-
-def test_kv_cache_is_refused_for_equinox_naming_the_option():
-    """Nothing silent: an Equinox model has no cache variables to store quantized."""
-    import equinox as eqx
-
-    model = eqx.nn.Linear(4, 4, key=jax.random.key(0))
-    with pytest.raises(ValueError, match=r"`kv_cache` is not supported for Equinox.*'int8'"):
-        jp.equinox.apply(model, "mixed_bfloat16", kv_cache="int8")

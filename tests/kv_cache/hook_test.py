@@ -73,3 +73,16 @@ def test_an_error_in_the_run_is_not_hidden_by_a_warning():
         warnings.simplefilter("error")
         with pytest.raises(RuntimeError, match="boom"), CacheRun(make_spec("int8")):
             raise RuntimeError("boom")
+
+
+def test_flax_cache_names_resolve_by_module_path_any_other_name_by_its_own_path():
+    from jmp_policy._src.kv_cache.hook import Run
+
+    run = Run(make_spec({"dec/attn": "int8", "dec/.*/k_cache": "fp8"}))
+    assert run.format_of("dec/attn", "cached_key") is INT8  # Flax's name, its module's key
+    assert run.format_of("dec/attn", "v_cache") is None  # no key names this variable
+    assert run.format_of("dec/mlp", "k_cache") is FORMATS["float8_e4m3fn"]
+    assert run.format_of("dec/mlp", "cache_index") is None
+    default = Run(make_spec("int8"))  # a bare format: Flax's names only
+    assert default.format_of("any/attn", "cached_value") is INT8
+    assert default.format_of("any/attn", "key_cache") is None

@@ -109,6 +109,14 @@ class KVCacheSpec:
             probe = None if not probe else probe.rpartition("/")[0]
         return self.default
 
+    def resolve_variable(self, path: str) -> KVCacheFormat | None:
+        """The format of a model's own cache variable (a name other than Flax's): only a
+        key naming its whole path (``"blocks/attn/k_cache"``) quantizes it."""
+        for key, pattern, fmt in self.entries:
+            if key == path or pattern.fullmatch(path):
+                return fmt
+        return None
+
 
 def make_spec(kv_cache: Any) -> KVCacheSpec | None:
     """``kv_cache=`` checked: ``None`` (off), a format name, or a mapping of paths."""

@@ -41,7 +41,12 @@ class Run:
         self.rewritten: set[str] = set()
 
     def format_of(self, module_path: str, name: str) -> KVCacheFormat | None:
-        return self.spec.resolve(module_path) if name in CACHE_NAMES else None
+        """The format of the cache variable ``name`` of the module at ``module_path``:
+        Flax's attention caches by their module's path (or the default), any other
+        variable only by a key naming its own path."""
+        if name in CACHE_NAMES:
+            return self.spec.resolve(module_path)
+        return self.spec.resolve_variable(f"{module_path}/{name}" if module_path else name)
 
     def hand_out(self, cache: QuantizedKVCache) -> Any:
         """The cache as the model reads it, remembered so its writes reach the cache."""
@@ -118,9 +123,11 @@ class CacheRun:
         spec: KVCacheSpec,
         *patches: transforms.ThreadPatch,
         where: str = "the 'cache' collection's",
+        hint: str | None = None,
     ) -> None:
         self.run = Run(spec)
         self._where = where
+        self._hint = hint
         self._stack = contextlib.ExitStack()
         self._patches = (_LAX, *patches)
 
@@ -136,10 +143,16 @@ class CacheRun:
         finally:
             _RUN.reset(self._token)
         if kind is None:
-            report(self.run, self._where)
+            report(self.run, self._where, self._hint)
 
 
-def report(run: Run, where: str) -> None:
+_FLAX_HINT = (
+    "Check the module paths of `kv_cache` (explain lists the caches), build the model with "
+    "decode=True (Linen: pass mutable=['cache']; NNX: call init_cache), or drop `kv_cache`."
+)
+
+
+def report(run: Run, where: str, hint: str | None = None) -> None:
     if run.spec in _WARNED:
         return
     if run.rewritten:
@@ -155,7 +168,6 @@ def report(run: Run, where: str) -> None:
         warn(
             f"kv_cache={run.spec.given!r} matched no attention cache in this call: jmp_policy "
             f"quantizes {where} {' and '.join(CACHE_NAMES)} of the modules it names (Flax's "
-            "attention with decode=True). Check the module paths of `kv_cache` (explain "
-            "lists the caches), build the model with decode=True (Linen: pass "
-            "mutable=['cache']; NNX: call init_cache), or drop `kv_cache`."
+            "attention with decode=True), and any other cache variable a key names by its "
+            f"whole path. {hint or _FLAX_HINT}"
         )
