@@ -13,7 +13,7 @@ from jmp_policy._src.framework.diagnose import diagnose as diagnose_once
 from jmp_policy._src.identifiers import get as _get_policy
 from jmp_policy._src.options import Island, Options, make_options
 from jmp_policy.equinox._adapter import EquinoxAdapter
-from jmp_policy.equinox._kv_cache import with_kv_caches
+from jmp_policy.equinox._kv_cache import as_shapes, cache_table, with_kv_caches
 
 M = TypeVar("M")
 
@@ -139,9 +139,10 @@ def explain(model: eqx.Module, policy_or_map: Any, *args: Any, **options: Any) -
     One row per module path (and one per variable a key of the map names itself): the
     module's class, its policy, the source (``key '<key>'``, ``type <Class>`` or
     ``default``), the stored and compute dtypes of its parameters and their bytes. Given
-    the model's positional ``args`` (arrays or ``jax.ShapeDtypeStruct``), the model is
-    also traced shape-only and the table is followed by the matmul each quantized or
-    float8 layer runs.
+    the model's positional ``args`` (arrays or ``jax.ShapeDtypeStruct``; other arguments
+    held as given), the model is also traced shape-only and the table is followed by the
+    matmul each quantized or float8 layer runs, and by the KV caches of an
+    ``eqx.nn.State`` among them (format and bytes, as ``kv_cache`` stores them).
 
     Args:
         model: an ``eqx.Module``.
@@ -166,9 +167,10 @@ def explain(model: eqx.Module, policy_or_map: Any, *args: Any, **options: Any) -
         bytes: as stored; c.bytes: as the compute reads them (K = 1024, M = 1024 K)
     """
     calibration = options.pop("calibration", None)
-    return entry_points.explain(
-        ADAPTER, model, policy_or_map, options_of(options), (), args, calibration
-    )
+    opts = options_of(options)
+    traced = as_shapes(args)
+    table = entry_points.explain(ADAPTER, model, policy_or_map, opts, (), traced, calibration)
+    return table + cache_table(model, args, opts.kv_cache)
 
 
 def diagnose(

@@ -19,7 +19,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from jmp_policy._src.kv_cache import KVCacheSpec, make_spec
+from jmp_policy._src.kv_cache import KVCacheSpec, QuantizedKVCache, make_spec
+from jmp_policy._src.kv_cache import report as kv_report
 from jmp_policy._src.kv_cache.hook import CACHE_NAMES, CacheRun, Run
 from jmp_policy._src.tree_paths import leaf_path
 
@@ -168,3 +169,30 @@ def quantize_caches(model: Any, state: Any, kv_cache: Any) -> Any:
         state,
         lambda m, v: run.as_stored(v, markers[m][1], markers[m][0]) if m in markers else v,
     )
+
+
+def cache_table(model: Any, args: Any, spec: KVCacheSpec | None) -> str:
+    """``explain``'s table of the caches in the ``eqx.nn.State`` among ``args``: each
+    ``StateIndex`` entry stored quantized, or that ``spec`` stores so (``""``: none)."""
+    found = jax.tree_util.tree_flatten_with_path(
+        model, is_leaf=lambda x: isinstance(x, eqx.nn.StateIndex)
+    )[0]
+    paths = {i.marker: leaf_path(k) for k, i in found if isinstance(i, eqx.nn.StateIndex)}
+    caches: dict[str, Any] = {}
+    for state in jax.tree.leaves(args, is_leaf=_is_state):
+        if _is_state(state):
+            values, markers = state.tree_flatten()
+            caches.update({paths[m]: v for m, v in zip(markers, values, strict=True) if m in paths})
+    return kv_report.format_caches(kv_report.cache_rows(caches, spec, CACHE_NAMES))
+
+
+def as_shapes(args: Any) -> Any:
+    """``args`` with each stored cache of an ``eqx.nn.State`` as the float array's shape
+    the model reads (``explain`` traces the model shape-only)."""
+
+    def entry(marker: Any, value: Any) -> Any:
+        if isinstance(value, QuantizedKVCache):
+            return jax.ShapeDtypeStruct(value.shape, value.dtype)
+        return value
+
+    return _map_states(args, entry)

@@ -188,3 +188,19 @@ def test_a_request_that_matches_no_cache_warns_once_naming_the_way_out():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(TOKENS[1], 1, state)
+
+
+def test_explain_lists_each_cache_with_its_format_and_bytes():
+    model, state = _model()
+    stored = jp.equinox.quantize_caches(model, state, BOTH)
+    for given in (state, stored):  # as it will be stored, and as it is
+        table = jp.equinox.explain(model, "mixed_bfloat16", TOKENS[0], 0, given, kv_cache=BOTH)
+        rows = {
+            line.split()[0]: line.split() for line in table.split("KV caches")[0].splitlines()[-6:]
+        }
+        row = rows["blocks/0/key_cache"]
+        assert row[1:5] == ["int8", "per", "token", "and"], row
+        assert row[-2:] == [str(16 * 2 * 8 + 16 * 2 * 4), str(16 * 2 * 8 * 2)], row
+        assert rows["total"][-2:] == ["1.5K", "2.0K"]
+    plain = jp.equinox.explain(model, "mixed_bfloat16", TOKENS[0], 0, state)
+    assert "KV caches" not in plain

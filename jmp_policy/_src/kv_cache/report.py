@@ -34,8 +34,9 @@ def _quantized_bytes(shape: tuple[int, ...], fmt: KVCacheFormat) -> int:
 def cache_rows(
     caches: Any, spec: KVCacheSpec | None, names: Collection[str] = ()
 ) -> list[CacheRow]:
-    """One row per quantized cache in ``caches`` (a ``"cache"`` collection), and per float
-    leaf named in ``names`` that ``spec`` would store quantized (shown as it will be)."""
+    """One row per quantized cache in ``caches`` (a ``"cache"`` collection), per float leaf
+    named in ``names`` (stored quantized where ``spec`` says, shown as it will be), and per
+    float leaf of another name that a key of ``spec`` names by its whole path."""
     rows = []
     flat = jax.tree_util.tree_flatten_with_path(
         caches, is_leaf=lambda x: isinstance(x, QuantizedKVCache)
@@ -49,10 +50,15 @@ def cache_rows(
             float_bytes = _size(shape) * np.dtype(leaf.dtype).itemsize
             rows.append(CacheRow(path, stored.name, stored.layout, shape, leaf.nbytes, float_bytes))
             continue
-        if name not in names or not hasattr(leaf, "dtype"):
+        if not hasattr(leaf, "dtype"):
             continue
+        if name in names:  # Flax's cache names: by their module's path, or the default
+            fmt = None if spec is None else spec.resolve(module)
+        else:  # any other variable: only where a key names its whole path
+            fmt = None if spec is None else spec.resolve_variable(path)
+            if fmt is None:
+                continue
         float_bytes = _size(shape) * np.dtype(leaf.dtype).itemsize
-        fmt = None if spec is None else spec.resolve(module)
         if fmt is None:
             row = CacheRow(path, np.dtype(leaf.dtype).name, "", shape, float_bytes, float_bytes)
         else:
