@@ -232,6 +232,27 @@ def serving(
     return build
 
 
+def on_cuda_cores(build: Callable[[], Any]) -> Callable[[], Any]:
+    """``build``'s program traced with the Pallas kernel's rows on CUDA cores and its
+    weights unmasked (``Tiles(fma_rows=4, mask_weights=False)``, read at trace time)."""
+    from jmp_policy._src.quantization import pallas_matmul
+
+    def built() -> Any:
+        serve, args = build()
+
+        def run(*a: Any) -> Any:
+            tuned = pallas_matmul.TILES
+            pallas_matmul.TILES = dataclasses.replace(tuned, fma_rows=4, mask_weights=False)
+            try:
+                return serve(*a)
+            finally:
+                pallas_matmul.TILES = tuned
+
+        return run, args
+
+    return built
+
+
 # The weight-only serving formats the checks compile: label, stored policy, the weights' HLO
 # element type (the H100 and TPU checks share them).
 SERVING_FORMATS = (
@@ -267,6 +288,10 @@ def programs() -> list[Program]:
             build = serving(stored, "mixed_bfloat16", batch, "pallas")
             name = f"serve {label} weights, pallas, batch {batch}"
             result.append(Program(name, "serving pallas", build, SERVE_LAYERS, weights, elements))
+        # The kernel's untuned variant (#48, to time on a GPU): 1 row on CUDA cores, no mask.
+        build = on_cuda_cores(serving(stored, "mixed_bfloat16", 1, "pallas"))
+        name = f"serve {label} weights, pallas CUDA cores, batch 1"
+        result.append(Program(name, "serving pallas", build, SERVE_LAYERS, weights, elements))
     build = serving("int8_from_float32", "int8_from_mixed_bfloat16", 256)
     result.append(
         Program("serve int8 x int8, batch 256", "int8 x int8", build, SERVE_LAYERS, "s8", elements)

@@ -9,6 +9,7 @@
 #                                       # with the winner at dims 8192 and 4096 (~9 min)
 #   bash benchmarks/h100_session.sh kernel2 # #48 again: structure probes, serving 8 passes
 #                                       # per call (~7 min)
+#   bash benchmarks/h100_session.sh kernel3 # #48: CUDA-core rows, no weight mask (~5 min)
 # Everything goes to stdout and, where $OUT is set, to $OUT/gpu<part>.log; the float8
 # steps' and serving programs' optimized HLO goes to $OUT/hlo<part>.tar.gz (read its GEMMs without a GPU).
 # The package needs google-re2, which the GPU image lacks: carry its wheel in .whl/
@@ -58,6 +59,15 @@ elif [[ "$part" == kernel2 ]]; then
   tiles=$(python3 -c "import json,sys; r=[r for r in json.load(open('$out/tune.json'))['rows'] if r['tiles'] and (r['dim'],r['rows'],r['format'])==(8192,16,'int8')]; print(json.dumps(min(r, key=lambda r: r['us'])['tiles']))" 2>/dev/null || echo '{}')
   run serving8192 90 python3 benchmarks/serving_bench.py --dim 8192 --repeats 10 --loops 8 --tiles "$tiles"
   run serving4096 80 python3 benchmarks/serving_bench.py --dim 4096 --repeats 10 --loops 8 --tiles "$tiles"
+elif [[ "$part" == kernel3 ]]; then
+  # #48, third call: rows on CUDA cores (fma_rows=4: 1-4 rows without the 16-row dot) and
+  # no weight mask (x's zero padding meets the weights past the input dimension), each
+  # beside the tuned tiles and XLA's form at 1, 4 and 16 rows.
+  run tune 300 python3 benchmarks/pallas_tune.py --dims 8192 4096 --rows 1 4 16 --budget 250 \
+    --json "$out/tune.json" --tiles '{"out":64,"programs":528}' \
+    '{"out":64,"programs":528,"fma_rows":4}' '{"out":64,"programs":528,"mask_weights":false}' \
+    '{"out":64,"programs":528,"fma_rows":4,"mask_weights":false}' \
+    '{"out":128,"programs":528,"fma_rows":4,"mask_weights":false}'
 elif [[ "$part" == f8h1 ]]; then  # what a lease's last 4 minutes hold: #52's f8_h1, int4 forms
   run float8_h1 115 python3 benchmarks/float8_bench.py --tokens 8192 --width 8192 --hidden 8192 --repeats 3 --steps 40 --log-steps 40 --variants float8,f8_h1,bf16
   run forms 45 python3 benchmarks/int4_block_forms.py --dim 8192 --repeats 30 --batches 1 16 64 96 256

@@ -55,6 +55,9 @@ CANDIDATES = (
     Tiles(stages=4),
     Tiles(out=64, programs=528),
     Tiles(out=256, step=64),
+    Tiles(out=64, programs=528, fma_rows=4),
+    Tiles(out=64, programs=528, mask_weights=False),
+    Tiles(out=64, programs=528, fma_rows=4, mask_weights=False),
 )
 DIMS = (((1,), (0,)), ((), ()))
 
@@ -62,6 +65,8 @@ DIMS = (((1,), (0,)), ((), ()))
 def label(t: Tiles) -> str:
     extra = "".join(f" {k}{v}" for k, v in (("w", t.warps), ("s", t.stages)) if v)
     extra += f" x{t.partials:g}" if t.partials != Tiles().partials else ""
+    extra += f" fma{t.fma_rows}" if t.fma_rows else ""
+    extra += " nomask" if not t.mask_weights else ""
     return f"pallas o{t.out} k{t.step} p{t.programs}{extra}"
 
 

@@ -420,13 +420,15 @@ def test_pallas_tune_quick_times_every_tile_beside_bf16_and_xla(tmp_path):
     float32 small, and the JSON the session script reads the winner from."""
     out = tmp_path / "tune.json"
     result = _run("pallas_tune.py", "--quick", "--json", str(out), "--tiles",
-                  '{"out": 64}', '{"out": 128, "programs": 1000000, "partials": 1.0}')  # fmt: skip
+                  '{"out": 64}', '{"out": 128, "programs": 1000000, "partials": 1.0}',
+                  '{"out": 64, "fma_rows": 4, "mask_weights": false}')  # fmt: skip
     rows = __import__("json").loads(out.read_text())["rows"]
-    assert len(rows) == 2 * 3 * 4  # 2 row counts x 3 formats x (bf16, xla, 2 tiles)
+    assert len(rows) == 2 * 3 * 5  # 2 row counts x 3 formats x (bf16, xla, 3 tiles)
     kernels = [r for r in rows if r["variant"].startswith("pallas")]
     assert {r["variant"] for r in kernels} == {
         "pallas o64 k128 p264",
         "pallas o128 k128 p1000000 x1",
+        "pallas o64 k128 p264 fma4 nomask",
     }
     assert all(0 < r["error"] < 1e-2 for r in kernels), [r["error"] for r in kernels]
     assert all(np.isnan(r["error"]) for r in rows if not r["variant"].startswith("pallas"))

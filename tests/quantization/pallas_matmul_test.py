@@ -120,3 +120,27 @@ def test_the_default_tiles_split_the_input_dimension_less_at_more_rows(rows, gri
 def test_supports_says_which_kernels_and_rows_it_takes(shape, dtype, block, rows, expected):
     values = jax.ShapeDtypeStruct(shape, dtype)
     assert pm.supports(values, block, rows) is expected
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+    ("rows", "dtype", "block"),
+    [(1, jnp.int8, None), (3, jnp.int8, None), (1, jnp.int4, 32), (4, jnp.int4, None)],
+)
+@pytest.mark.parametrize("mask_weights", [True, False])
+def test_cuda_core_rows_and_unmasked_weights_match_the_reference(
+    rows, dtype, block, mask_weights, jit
+):
+    # Tiles.fma_rows: at most 4 rows multiplied on CUDA cores (no 16-row dot); without the
+    # weight mask the rows past the input dimension meet x's zero padding. Ragged shapes.
+    tiles = pm.Tiles(out=32, step=32, programs=16, partials=100.0, fma_rows=4,
+                     mask_weights=mask_weights)  # fmt: skip
+    x, values, scale = _operands(rows, 150, 66, dtype, block, compute=jnp.bfloat16)
+
+    def fn(x, v, s):
+        return pm.weight_only_matmul(x, v, s, block, jnp.float32, interpret=True, tiles=tiles)
+
+    y = (jax.jit(fn) if jit else fn)(x, values, scale)
+    assert y.shape == (rows, 66) and y.dtype == jnp.float32
+    ref = _reference(x, values, scale, block)  # x exact in float32; sums in float32
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

@@ -55,6 +55,12 @@ class Tiles:
     partials: float = 0.25
     warps: int | None = None  # Triton's num_warps (None: Pallas's default, 4)
     stages: int | None = None  # Triton's num_stages (None: Pallas's default, 3)
+    # At most this many rows (a power of two) are multiplied on CUDA cores: each row's
+    # products summed over the input, no padding to Triton's 16-row dot (0: never).
+    fma_rows: int = 0
+    # Zero the weights beyond the input dimension (a select per weight byte). Not needed
+    # for the result: ``x`` is zero-padded there and integer weights are finite.
+    mask_weights: bool = True
 
 
 # Tuned on an H100 (jax 0.11.2, 2026-11-27; benchmarks/pallas_tune.py, docs/benchmarks.md):
@@ -88,6 +94,8 @@ class _Plan:
     int4: bool
     blocked: bool
     compute: np.dtype
+    fma: bool = False  # rows on CUDA cores; ``x`` then comes transposed, ``[in, rows]``
+    mask: bool = True
 
 
 def _body(plan: _Plan, *refs: Any) -> None:
@@ -99,30 +107,55 @@ def _body(plan: _Plan, *refs: Any) -> None:
     first = pl.program_id(1) * plan.per * plan.step
     precision = jax.lax.Precision.HIGHEST if plan.compute == np.float32 else None
 
+    def products(at: Any, xs: Any, wv: Any) -> list[Any]:
+        """This step's products: one ``[rows, out]`` dot, or on CUDA cores one ``[1, out]``
+        sum a row (``x`` transposed, each row a column read from the ref)."""
+        if not plan.fma:
+            return [jnp.dot(
+                xs, wv.astype(plan.compute), precision=precision,
+                preferred_element_type=jnp.float32,
+            )]  # fmt: skip
+        w32 = wv.astype(jnp.float32)
+        return [
+            jnp.sum(x_ref[pl.ds(at, plan.step), pl.ds(r, 1)].astype(jnp.float32) * w32, axis=0,
+                    keepdims=True)
+            for r in range(plan.rows)
+        ]  # fmt: skip
+
     def one_step(i: Any, accs: Any) -> Any:
         at = i * plan.step
-        valid = first + at + jax.lax.broadcasted_iota(jnp.int32, (plan.step,), 0) < plan.k
-        xs = jnp.where(valid[None, :], x_ref[:, pl.ds(at, plan.step)], 0).astype(plan.compute)
-        packed = jnp.where(valid[:, None], w_ref[pl.ds(at, plan.step), :], 0)
+        xs = None
+        if not plan.fma:
+            valid = first + at + jax.lax.broadcasted_iota(jnp.int32, (plan.step,), 0) < plan.k
+            xs = jnp.where(valid[None, :], x_ref[:, pl.ds(at, plan.step)], 0)
+            xs = xs.astype(plan.compute)
+        packed = w_ref[pl.ds(at, plan.step), :]
+        if plan.mask:  # else x's zero padding meets the weights past the input dimension
+            valid = first + at + jax.lax.broadcasted_iota(jnp.int32, (plan.step,), 0) < plan.k
+            packed = jnp.where(valid[:, None], packed, 0)
         if plan.int4:  # sign-extended nibbles: low (even columns), then high (odd ones)
             ws = [jnp.right_shift(jnp.left_shift(packed, 4), 4), jnp.right_shift(packed, 4)]
         else:
             ws = [packed]
         new = []
         for acc, wv, s_ref in zip(accs, ws, s_refs, strict=True):
-            part = jnp.dot(
-                xs, wv.astype(plan.compute), precision=precision,
-                preferred_element_type=jnp.float32,
-            )  # fmt: skip
+            parts = products(at, xs, wv)
             if plan.blocked:
-                part = part * s_ref[pl.ds(i, 1), :]
-            new.append(acc + part)
+                parts = [part * s_ref[pl.ds(i, 1), :] for part in parts]
+            new.append(tuple(a + part for a, part in zip(acc, parts, strict=True)))
         return tuple(new)
 
-    zero = tuple(jnp.zeros((plan.rows, plan.out), jnp.float32) for _ in o_refs)
+    shape = (1, plan.out) if plan.fma else (plan.rows, plan.out)
+    groups = plan.rows if plan.fma else 1
+    zero = tuple(tuple(jnp.zeros(shape, jnp.float32) for _ in range(groups)) for _ in o_refs)
     accs = jax.lax.fori_loop(0, plan.per, one_step, zero) if plan.per > 1 else one_step(0, zero)
     for acc, s_ref, o_ref in zip(accs, s_refs, o_refs, strict=True):
-        o_ref[...] = acc if plan.blocked else acc * s_ref[...]
+        for r, part in enumerate(acc):
+            value = part if plan.blocked else part * s_ref[...]
+            if plan.fma:
+                o_ref[pl.ds(r, 1), :] = value
+            else:
+                o_ref[...] = value
 
 
 def weight_only_matmul(
@@ -166,7 +199,8 @@ def weight_only_matmul(
     else:
         w, scales = values, [scale]
     cols = w.shape[1]
-    rows = max(16, _pow2(m))
+    fma = _pow2(m) <= tiles.fma_rows
+    rows = _pow2(m) if fma else max(16, _pow2(m))
     step = int(block_size) if blocked else tiles.step  # type: ignore[arg-type]
     out_blocks = -(-cols // tiles.out)
     steps = -(-k // step)
@@ -179,7 +213,10 @@ def weight_only_matmul(
     if blocked:
         scales = [jnp.pad(s, ((0, splits * per - s.shape[0]), (0, 0))) for s in scales]
 
-    plan = _Plan(k, step, per, rows, tiles.out, int4, blocked, compute)
+    plan = _Plan(k, step, per, rows, tiles.out, int4, blocked, compute, fma, tiles.mask_weights)
+    x_spec = pl.BlockSpec((rows, chunk), lambda j, s: (0, s))
+    if fma:  # transposed: each row a column, which broadcasts against the weight tile
+        x, x_spec = x.T, pl.BlockSpec((chunk, rows), lambda j, s: (s, 0))
     scale_rows = per if blocked else 1
     scale_index = (lambda j, s: (s, j)) if blocked else (lambda j, s: (0, j))
     partial = pl.pallas_call(
@@ -189,7 +226,7 @@ def weight_only_matmul(
         out_shape=[jax.ShapeDtypeStruct((splits, rows, cols), jnp.float32) for _ in scales],
         grid=(out_blocks, splits),
         in_specs=[
-            pl.BlockSpec((rows, chunk), lambda j, s: (0, s)),
+            x_spec,
             pl.BlockSpec((chunk, tiles.out), lambda j, s: (s, j)),
             *(pl.BlockSpec((scale_rows, tiles.out), scale_index) for _ in scales),
         ],
