@@ -260,6 +260,8 @@ SERVING_FORMATS = (
     ("int4", "int4_from_float32", "s4"),
     ("int4/128", "int4/128_from_float32", "s4"),
 )
+# int4 with a zero point per group: the XLA forms fold it in (the Pallas kernel reads none).
+ZERO_POINT_FORMATS = (("int4/128/asym", "int4/128/asym_from_float32", "s4"),)
 
 
 def programs() -> list[Program]:
@@ -275,13 +277,14 @@ def programs() -> list[Program]:
     qat = linen_step("Dense", "int8_from_mixed_bfloat16")
     result.append(Program("int8 QAT linen Dense", "int8 QAT", qat, STEP_GEMMS))
     elements = SERVE_DIM * SERVE_DIM
-    for label, stored, weights in SERVING_FORMATS:
+    for label, stored, weights in SERVING_FORMATS + ZERO_POINT_FORMATS:
         for batch in (1, 16, 256):
             build = serving(stored, "mixed_bfloat16", batch)
             name = f"serve {label} weights, batch {batch}"
             # int4 blocks from INT4_BLOCKS_MAX_ROWS rows: dequantized, then one bf16 GEMM
             # (measured faster there on an H200 than the matmul per block).
-            group = "serving" if label != "int4/128" or batch < 128 else "serving dequantized"
+            blocks = label.startswith("int4/128")
+            group = "serving" if not blocks or batch < 128 else "serving dequantized"
             result.append(Program(name, group, build, SERVE_LAYERS, weights, elements))
     for label, stored, weights in SERVING_FORMATS:
         for batch in (1, 16):

@@ -4,9 +4,11 @@ Issue 32's second benchmark. ``quantization_bench.py`` trains its LM in the benc
 one reads a model pretrained by others (``gemma3_gguf.py``: Gemma 3 270M as a Flax Linen
 model, 18 blocks, d=640, from a GGUF file) and runs it on real English text. Every block's
 seven projections (query, key, value, attention output, gate, up, down; 126 kernels) are
-quantized under a policy map (int8 and int4/128 rounded to nearest; GPTQ and AWQ
-calibrated by ``jp.linen.calibrate`` with its defaults on calibration sequences from the
-first half of the text); the embedding (tied to the output) and the final norm stay
+quantized under a policy map (int8 and int4/128 rounded to nearest; GPTQ, AWQ and
+SmoothQuant calibrated by ``jp.linen.calibrate`` with its defaults on calibration sequences
+from the first half of the text; ``/asym``: int4 with a zero point per group, all 16 codes).
+``int8`` runs int8 x int8 (activations quantized per row) at these row counts, as
+``smoothquant/8`` does after dividing the activations by its smoothing scale; the embedding (tied to the output) and the final norm stay
 float32. The blocks compute in bfloat16 in every row (``_from_mixed_bfloat16``; the
 reference row ``bf16`` is the blocks under ``mixed_bfloat16``), or in float32 with
 ``--compute float32``, so the rows differ by their weights only. Each row gives the
@@ -59,7 +61,11 @@ REST = (
     r"layers_\d+(/(attn|mlp|attn_norm|post_attn_norm|mlp_norm|post_mlp_norm"
     r"|attn/q_norm|attn/k_norm))?"
 )
-ROWS = ("int8", "gptq/8/-1", "int4/128", "gptq/4/128", "awq/4/128")
+ROWS = (
+    "int8", "gptq/8/-1", "smoothquant/8", "int4/128", "gptq/4/128", "awq/4/128",
+    "int4/128/asym", "gptq/4/128/asym", "awq/4/128/asym",
+)  # fmt: skip
+CALIBRATED = ("gptq", "awq", "smoothquant")
 COMPUTE = {"bfloat16": ("bf16", "mixed_bfloat16"), "float32": ("float32", "float32")}
 
 
@@ -145,7 +151,7 @@ def main():
         start = time.perf_counter()
         if row is None:
             stored = params
-        elif row.startswith(("gptq", "awq")):
+        elif row.startswith(CALIBRATED):
             stored = jp.linen.calibrate(model, pm, {"params": params}, calib)["params"]
         else:
             stored = pm.quantize(params)
@@ -160,7 +166,7 @@ def main():
         err = np.sqrt(diff / sum(np.sum(r**2) for r in ref_logits))
         label = row or reference
         results[label] = (losses, quantization_bench.layer_errors(inputs, params, stored))
-        calib_s = f"{seconds:.0f}" if label.startswith(("gptq", "awq")) else "-"
+        calib_s = f"{seconds:.0f}" if label.startswith(CALIBRATED) else "-"
         blocks = {k: v for k, v in stored.items() if k.startswith("layers_")}
         print(
             f"{label:14} {quantization_bench.nbytes(blocks):>12,} {losses.mean():>7.4f} "
@@ -169,10 +175,12 @@ def main():
         )
     comparisons = []
     if "int4/128" in results:
-        calibrated = tuple(r for r in ("gptq/4/128", "awq/4/128") if r in results)
-        comparisons.append(("int4/128", calibrated))
-    if "int8" in results and "gptq/8/-1" in results:
-        comparisons.append(("int8", ("gptq/8/-1",)))
+        int4 = ("gptq/4/128", "awq/4/128", "int4/128/asym", "gptq/4/128/asym", "awq/4/128/asym")
+        comparisons.append(("int4/128", tuple(r for r in int4 if r in results)))
+    if "int8" in results:
+        comparisons.append(
+            ("int8", tuple(r for r in ("gptq/8/-1", "smoothquant/8") if r in results))
+        )
     quantization_bench.report_gaps(results, reference, comparisons)
 
 

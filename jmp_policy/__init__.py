@@ -17,6 +17,7 @@ from jmp_policy._src.policy import Policy as Policy
 from jmp_policy._src.policy_names import get_policy as get_policy
 from jmp_policy._src.calibrated_policy import AWQDTypePolicy as AWQDTypePolicy
 from jmp_policy._src.calibrated_policy import GPTQDTypePolicy as GPTQDTypePolicy
+from jmp_policy._src.calibrated_policy import SmoothQuantDTypePolicy as SmoothQuantDTypePolicy
 from jmp_policy._src.quantized_policy import Int4DTypePolicy as Int4DTypePolicy
 from jmp_policy._src.quantized_policy import QuantizedDTypePolicy as QuantizedDTypePolicy
 from jmp_policy._src.quantized_policy import (
@@ -84,6 +85,7 @@ __all__ = [
     "Int4DTypePolicy",
     "GPTQDTypePolicy",
     "AWQDTypePolicy",
+    "SmoothQuantDTypePolicy",
     "Policy",
     "QuantizedDTypePolicy",
     "QuantizedFloat8DTypePolicy",

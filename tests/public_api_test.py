@@ -22,6 +22,7 @@ DOCUMENTED = [
     "Int4DTypePolicy",
     "GPTQDTypePolicy",
     "AWQDTypePolicy",
+    "SmoothQuantDTypePolicy",
     "get",
     "get_policy",
     "serialize",
@@ -123,6 +124,7 @@ def test_module_docstring_has_example():
         jp.Int4DTypePolicy,
         jp.GPTQDTypePolicy,
         jp.AWQDTypePolicy,
+        jp.SmoothQuantDTypePolicy,
     ],
 )
 @pytest.mark.parametrize("member", POLICY_MEMBERS)
@@ -137,6 +139,7 @@ def test_policy_classes_are_one_family():
     assert issubclass(jp.Int4DTypePolicy, jp.QuantizedDTypePolicy)
     assert issubclass(jp.GPTQDTypePolicy, jp.QuantizedDTypePolicy)
     assert issubclass(jp.AWQDTypePolicy, jp.QuantizedDTypePolicy)
+    assert issubclass(jp.SmoothQuantDTypePolicy, jp.QuantizedDTypePolicy)
 
 
 def test_version_is_a_string():

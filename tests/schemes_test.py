@@ -19,6 +19,7 @@ from jmp_policy._src.quantization import matmuls
 from jmp_policy._src.quantization.calibrated_schemes import AWQScheme, GPTQScheme
 from jmp_policy._src.quantization.float8_scheme import Float8Scheme
 from jmp_policy._src.quantization.int_schemes import Int4Scheme, Int8Scheme
+from jmp_policy._src.quantization.smoothquant_scheme import SmoothQuantScheme
 
 INT6_MAX = 31.0
 
@@ -90,13 +91,16 @@ def test_every_registered_scheme_round_trips_through_names_and_configs(mode, sch
 
 
 def test_the_built_in_formats_are_registered_by_their_tokens():
-    assert set(schemes.tokens()) == {"int8", "int4", "float8", "float8_current", "gptq", "awq"}
+    assert set(schemes.tokens()) == {
+        "int8", "int4", "float8", "float8_current", "gptq", "awq", "smoothquant",
+    }  # fmt: skip
     assert set(schemes.registered()) == {
         Int8Scheme,
         Int4Scheme,
         Float8Scheme,
         GPTQScheme,
         AWQScheme,
+        SmoothQuantScheme,
     }
     assert schemes.lookup("int4/128") is Int4Scheme and schemes.lookup("int7") is None
 

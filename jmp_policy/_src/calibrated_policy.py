@@ -5,11 +5,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 from jmp_policy._src import schemes
 from jmp_policy._src.policy import DTypePolicy, T
+from jmp_policy._src.quantization.asymmetric_grid import ASYM, check_symmetric
 from jmp_policy._src.quantization.calibrated_schemes import AWQScheme, CalibratedScheme, GPTQScheme
+from jmp_policy._src.quantization.smoothquant import DEFAULT_ALPHA
+from jmp_policy._src.quantization.smoothquant_scheme import SmoothQuantScheme
 from jmp_policy._src.quantized_policy import QuantizedDTypePolicy
 
 
@@ -19,15 +23,35 @@ class _CalibratedDTypePolicy(QuantizedDTypePolicy):
     __slots__ = ()
     _scheme_class: ClassVar[type[CalibratedScheme]] = CalibratedScheme
 
-    def __init__(self, mode: str, source_name: str | None = None):
+    def __init__(self, mode: str, source_name: str | None = None, symmetric: bool | None = None):
         cls, example = type(self).__name__, f"'{self._scheme_class.mode}/4/128'"
         if not isinstance(mode, str):
             raise TypeError(
                 f"`mode` of {cls} must be a string such as {example}. "
                 f"Received: mode={mode!r} (of type {type(mode).__name__})"
             )
-        scheme = schemes.parse_mode(mode, type(self))
+        scheme: Any = schemes.parse_mode(mode, type(self))
+        if symmetric is not None and check_symmetric(symmetric) != scheme.symmetric:
+            if scheme.symmetric is False:
+                raise ValueError(
+                    "`symmetric` contradicts `mode`, whose groups have zero points. "
+                    f"Received: symmetric={symmetric!r}, mode={mode!r}"
+                )
+            scheme = dataclasses.replace(scheme, symmetric=False)
         self._init_quantized(scheme.mode_text(), scheme, source_name)
+
+    @property
+    def symmetric(self) -> bool:
+        """Keras's ``symmetric``: ``False`` where each group has a zero point."""
+        return self._scheme.symmetric  # type: ignore[no-any-return]
+
+    def get_config(self) -> dict[str, Any]:
+        """Keras's fields (``mode``, ``source_name``), and ``"symmetric": False`` where the
+        groups have zero points (configs of symmetric policies are as before)."""
+        if self._scheme.symmetric:
+            return super().get_config()
+        mode = self._mode[: -len(ASYM)]
+        return {"mode": mode, "source_name": self.source_name, "symmetric": False}
 
     @property
     def weight_bits(self) -> int:
@@ -115,5 +139,57 @@ class AWQDTypePolicy(_CalibratedDTypePolicy):
     _scheme_class: ClassVar[type[CalibratedScheme]] = AWQScheme
 
 
+class SmoothQuantDTypePolicy(_CalibratedDTypePolicy):
+    """SmoothQuant (Xiao et al., 2023) for int8 x int8 layers: ``"smoothquant/8_from_<source>"``.
+
+    A per-input-channel smoothing scale ``s = max|x|^alpha / max|W|^(1 - alpha)``, from the
+    calibration inputs' ``max |x|`` (``jmp_policy.linen.calibrate``, ``nnx.calibrate``,
+    ``equinox.calibrate``), is folded into the kernel (stored int8 per output channel)
+    and divides the layer's inputs in the matmul, as AWQ's scale does; the layer then runs
+    int8 x int8 at enough rows, as an int8 policy's does.
+
+    Args:
+        mode: ``"smoothquant/8"``.
+        source_name: the float policy the dtypes come from; ``None`` takes the global one.
+        alpha: the migration strength, from 0 to 1 (0.5: the paper's default). Names do
+            not carry it (as float8's history length); configs do, where it is not 0.5.
+
+    Raises:
+        TypeError: ``alpha`` no number (bools included).
+        ValueError: another mode, ``alpha`` outside ``[0, 1]``, or a bad source name.
+
+    Examples:
+        >>> import jmp_policy as jp
+        >>> policy = jp.get("smoothquant/8_from_mixed_bfloat16")
+        >>> policy, policy.alpha
+        (<SmoothQuantDTypePolicy "smoothquant/8_from_mixed_bfloat16">, 0.5)
+        >>> jp.SmoothQuantDTypePolicy("smoothquant/8", "float32", alpha=0.75).get_config()
+        {'mode': 'smoothquant/8', 'source_name': 'float32', 'alpha': 0.75}
+    """
+
+    __slots__ = ()
+    _scheme_class: ClassVar[type[CalibratedScheme]] = SmoothQuantScheme
+
+    def __init__(
+        self,
+        mode: str = "smoothquant/8",
+        source_name: str | None = None,
+        alpha: float = DEFAULT_ALPHA,
+        symmetric: bool | None = None,
+    ):
+        super().__init__(mode, source_name, symmetric)
+        scheme = dataclasses.replace(self._scheme, alpha=alpha)
+        object.__setattr__(self, "_parsed", dataclasses.replace(self._parsed, scheme=scheme))
+
+    @property
+    def alpha(self) -> float:
+        """SmoothQuant's migration strength."""
+        return self._scheme.alpha  # type: ignore[no-any-return]
+
+    def _rebuild_from(self, source: DTypePolicy) -> SmoothQuantDTypePolicy:
+        return SmoothQuantDTypePolicy(self._mode, source.name, self.alpha)
+
+
 schemes.register(GPTQScheme, GPTQDTypePolicy)
 schemes.register(AWQScheme, AWQDTypePolicy)
+schemes.register(SmoothQuantScheme, SmoothQuantDTypePolicy)

@@ -51,7 +51,7 @@ class _Gathering:
 
     def add(self, path: str, stats: LayerStats) -> None:
         before = self.stats.get(path)
-        self.stats[path] = stats if before is None else jax.tree.map(jnp.add, before, stats)
+        self.stats[path] = stats if before is None else before.merge(stats)
 
 
 _GATHERING: contextvars.ContextVar[_Gathering | None] = contextvars.ContextVar(
@@ -178,7 +178,7 @@ def _add_stacked(state: _Gathering, records: Mapping[str, LayerStats]) -> None:
     whose kernel stacks this loop's layers keeps the axis, any other sums over it."""
     for path, stacked in records.items():
         if state.level >= state.stacked.get(path, 0):  # not this loop's layers: summed
-            stacked = jax.tree.map(lambda a: a.sum(0), stacked)
+            stacked = stacked.total()
         state.add(path, stacked)
 
 

@@ -11,7 +11,7 @@ from jmp_policy._src import quantization, schemes
 from jmp_policy._src.policy import DTypePolicy, T, check_fresh, global_name
 from jmp_policy._src.quantization import float8
 from jmp_policy._src.quantization.float8_scheme import DEFAULT_AMAX_HISTORY_LENGTH, Float8Scheme
-from jmp_policy._src.quantization.int_schemes import Int4Scheme, Int8Scheme
+from jmp_policy._src.quantization.int_schemes import Int4Scheme, Int8Scheme, check_symmetric
 from jmp_policy._src.quantization.quantized_array_checks import int4_block
 from jmp_policy._src.tree_paths import check_depth
 
@@ -192,9 +192,15 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
         mode: ``"int4"`` (or Keras 3's ``"int4/<block>"``, whose block is used).
         source_name: the float policy the dtypes come from; ``None`` takes the global one.
         block_size: rows per block along the input axis; ``-1`` (or ``None``) per channel.
+        symmetric: Keras's key. ``True``: abs-max scales, codes ``-7..7``; ``False``: a
+            zero point per group and all 16 codes (the name ``"int4/<block>/asym"``);
+            ``None`` (the default): as ``mode`` says (symmetric unless it ends ``/asym``).
+            A config writes ``"symmetric": False`` for asymmetric policies only, so configs
+            from before read as they were.
 
     Raises:
-        TypeError: ``block_size`` is not an ``int`` (bools included) or ``None``.
+        TypeError: ``block_size`` is not an ``int`` (bools included) or ``None``;
+            ``symmetric`` no bool.
         ValueError: another mode, a ``block_size`` of 0 or below -1, a ``block_size`` that
             contradicts the block in ``mode``, or a bad source name.
 
@@ -218,6 +224,7 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
         mode: str = "int4",
         source_name: str | None = None,
         block_size: int | None = _DEFAULT_INT4_BLOCK,
+        symmetric: bool | None = None,
     ):
         given = schemes.parse_mode(mode, QuantizedDTypePolicy)
         if not isinstance(given, Int4Scheme):
@@ -241,11 +248,32 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
                     f"Received: block_size={block_size!r}, mode={mode!r}"
                 )
             block = given.block_size
-        scheme = Int4Scheme(block_size=block)
+        if symmetric is None:
+            symmetric = given.symmetric
+        elif check_symmetric(symmetric) != given.symmetric and not given.symmetric:
+            raise ValueError(
+                "`symmetric` contradicts `mode`, whose groups have zero points. "
+                f"Received: symmetric={symmetric!r}, mode={mode!r}"
+            )
+        scheme = Int4Scheme(block_size=block, symmetric=bool(symmetric))
         self._init_quantized(scheme.mode_text(), scheme, source_name)
 
     def _rebuild_from(self, source: DTypePolicy) -> Int4DTypePolicy:
-        return Int4DTypePolicy("int4", source.name, self._scheme.block_size)
+        scheme = self._scheme
+        return Int4DTypePolicy("int4", source.name, scheme.block_size, scheme.symmetric)
+
+    @property
+    def symmetric(self) -> bool:
+        """Keras's ``symmetric``: ``False`` where each group has a zero point."""
+        return self._scheme.symmetric  # type: ignore[no-any-return]
+
+    def get_config(self) -> dict[str, Any]:
+        """Keras's fields: ``mode`` (``"int4/<block>"``) and ``source_name``, and
+        ``"symmetric": False`` where the groups have zero points."""
+        if self._scheme.symmetric:
+            return super().get_config()
+        mode = f"int4/{self._scheme.block_size}"
+        return {"mode": mode, "source_name": self.source_name, "symmetric": False}
 
 
 class QuantizedFloat8DTypePolicy(QuantizedDTypePolicy):

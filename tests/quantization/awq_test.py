@@ -221,7 +221,8 @@ def test_layer_stats_sum_over_batches_of_any_rows(maybe_jit):
     with pytest.raises(ValueError, match=r"end in the layer's 5 input features.*\(2, 4\)"):
         stats.update(np.ones((2, 4)))
     leaves = jax.tree.leaves(jax.tree.map(lambda x: x, stats))
-    assert len(leaves) == 3
+    assert len(leaves) == 4  # gram, abs_sum, count and (SmoothQuant's) abs_max
+    np.testing.assert_allclose(np.asarray(stats.abs_max), np.abs(rows).max(0), rtol=1e-6)
 
 
 def test_input_scaled_array_is_a_pytree_that_keeps_its_scale_and_checks_its_shape(maybe_jit):

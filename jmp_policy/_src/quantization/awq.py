@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src.int_arguments import check_int
-from jmp_policy._src.quantization import clipping
+from jmp_policy._src.quantization import asymmetric_grid, clipping
+from jmp_policy._src.quantization.asymmetric_grid import check_symmetric
 from jmp_policy._src.quantization.gptq import (
     check_bits_and_group,
     check_in_axes,
@@ -41,6 +42,7 @@ from jmp_policy._src.quantization.quantized_array import (
 )
 from jmp_policy._src.quantization.quantized_array_checks import stack_to_front
 from jmp_policy._src.quantization.quantized_tree import make, register
+from jmp_policy._src.quantization.zero_point import ZeroPointArray, quantize_asymmetric
 
 DEFAULT_NUM_GRID_POINTS = 20
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -66,7 +68,7 @@ def output_error(w: jax.Array, w_hat: jax.Array, gram: jax.Array) -> jax.Array:
     return jnp.sum(jnp.matmul(gram, d, precision=_HIGHEST) * d)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "group", "num_grid_points", "clip"))
+@functools.partial(jax.jit, static_argnames=("mode", "group", "num_grid_points", "clip", "sym"))
 def _search(
     w: jax.Array,
     mean_abs: jax.Array,
@@ -76,14 +78,18 @@ def _search(
     group: int | None,
     num_grid_points: int,
     clip: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    sym: bool = True,
+) -> tuple[jax.Array, ...]:
     """One kernel ``w`` (float32, ``[in, ...]``): the best ``s``, the integer values
-    (float32) and scales of ``diag(s) w`` (clipped when ``clip``), and every candidate's
-    output error."""
+    (float32), scales and zero points (zeros when ``sym``) of ``diag(s) w`` (clipped when
+    ``clip``; on the asymmetric grid unless ``sym``), and every candidate's output error."""
+
+    def rtn(x: jax.Array) -> QuantizedArray:
+        return quantize(x, mode, group) if sym else quantize_asymmetric(x, group)
 
     def loss(alpha: jax.Array) -> jax.Array:
         s = candidate_scales(mean_abs, alpha)
-        q = quantize(_rows_times(w, s), mode, group)
+        q = rtn(_rows_times(w, s))
         return output_error(w, _rows_times(q.dequantize(jnp.float32), 1.0 / s), gram)
 
     alphas = jnp.arange(num_grid_points + 1, dtype=jnp.float32) / num_grid_points
@@ -92,18 +98,25 @@ def _search(
     s = candidate_scales(mean_abs, alphas[best])
     scaled = _rows_times(w, s)
     if not clip:
-        q = quantize(scaled, mode, group)
-        return s, q.values.astype(jnp.float32), q.scale, losses
+        q = rtn(scaled)
+        zero = getattr(q, "zero_point", None)
+        zero = jnp.zeros(q.scale.shape, jnp.float32) if zero is None else zero
+        return s, q.values.astype(jnp.float32), q.scale, zero.astype(jnp.float32), losses
     # AWQ's auto_clip: each group's clip by its share of the output error of the scaled
     # layer, whose inputs are x / s (Gram matrix XᵀX / (s sᵀ)).
     rows, rest = w.shape[0], tuple(w.shape[1:])
     qmax = INT4_MAX if mode == "int4" else INT8_MAX
     size = rows if group in (None, -1) else int(group)  # type: ignore[arg-type]
     gram_s = gram / s[:, None] / s[None, :]
+    if not sym:
+        values, scales, zeros = asymmetric_grid.quantize_groups(
+            scaled.reshape(rows, -1), rest, size, gram_s
+        )
+        return s, values.reshape(w.shape), scales, zeros, losses
     values, scales = clipping.quantize_groups(scaled.reshape(rows, -1), rest, qmax, size, gram_s)
     if mode == "int8":
         scales = scales.reshape(-1)
-    return s, values.reshape(w.shape), scales, losses
+    return s, values.reshape(w.shape), scales, jnp.zeros(scales.shape), losses
 
 
 def awq_quantize(
@@ -117,6 +130,7 @@ def awq_quantize(
     stacked: int = 0,
     in_axes: int = 1,
     clip_search: bool = False,
+    symmetric: bool = True,
 ) -> InputScaledArray:
     """AWQ-quantizes ``kernel``: ``Q(diag(s) W)`` with the searched input scale ``s``.
 
@@ -136,6 +150,8 @@ def awq_quantize(
         clip_search: after the scale search, choose each group's int4 scale by AWQ's
             ``auto_clip`` (:func:`~jmp_policy._src.quantization.clipping.search_scale` by
             the group's output error on the calibration inputs) instead of abs-max.
+        symmetric: ``False``: the scaled kernel on the asymmetric grid (a zero point per
+            group, all 16 codes; AutoAWQ's default), searched and clipped on it.
 
     Returns:
         An :class:`InputScaledArray`: the scaled kernel in round-to-nearest's storage and
@@ -150,6 +166,7 @@ def awq_quantize(
             ``stacked`` no integer.
     """
     group = check_bits_and_group(weight_bits, group_size, "AWQ")
+    sym = check_symmetric(symmetric, weight_bits)
     num_grid_points = check_int(num_grid_points, "num_grid_points", 1)
     shape = check_kernel(kernel, stacked)
     in_axes = check_in_axes(in_axes, shape, stacked)
@@ -172,16 +189,20 @@ def awq_quantize(
     flat_block = block * inner if block is not None and block > 0 else block
     search = functools.partial(
         _search, mode=mode, group=flat_block, num_grid_points=num_grid_points,
-        clip=bool(clip_search),
+        clip=bool(clip_search), sym=sym,
     )  # fmt: skip
     for _ in range(stacked):
         search = jax.vmap(search)
     w32 = jnp.asarray(kernel).astype(jnp.float32).reshape(*lead, rows, *rest)
-    s, values, scales, _ = search(w32, mean_abs.astype(jnp.float32), gram.astype(jnp.float32))
+    s, values, scales, zeros, _ = search(
+        w32, mean_abs.astype(jnp.float32), gram.astype(jnp.float32)
+    )
     dtype = jnp.int4 if weight_bits == 4 else jnp.int8
+    cls = InputScaledArray if sym else InputScaledZeroPointArray
+    extra = {} if sym else {"zero_point": zeros.astype(jnp.int8)}
     return make(
-        InputScaledArray, values.reshape(shape).astype(dtype), scales, mode, block, shape,
-        np.dtype(kernel.dtype), stacked, s.reshape(*lead, *ins),
+        cls, values.reshape(shape).astype(dtype), scales, mode, block, shape,
+        np.dtype(kernel.dtype), stacked, input_scale=s.reshape(*lead, *ins), **extra,
     )  # fmt: skip
 
 
@@ -234,3 +255,22 @@ class InputScaledArray(QuantizedArray):
     def nbytes(self) -> int:
         """Bytes stored: values, scales and the input scale."""
         return super().nbytes + int(self.input_scale.size) * 4
+
+
+@register(("values", "scale", "zero_point", "input_scale"))
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class InputScaledZeroPointArray(InputScaledArray, ZeroPointArray):
+    """An AWQ kernel on the asymmetric grid: ``Q(diag(s) W)`` with a zero point per group
+    (:class:`~jmp_policy._src.quantization.zero_point.ZeroPointArray`) and the input scale
+    ``s`` (:class:`InputScaledArray`); :meth:`dequantize` gives ``W``."""
+
+    def scaled_kernel(self) -> QuantizedArray:
+        """The stored ``Q(diag(s) W)`` with its zero points (a ``ZeroPointArray``)."""
+        return make(
+            ZeroPointArray, self.values, self.scale, self.mode, self.block_size, self.shape,
+            self.original_dtype, self.stacked, stacked_at=self.stacked_at,
+            zero_point=self.zero_point,
+        )  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"InputScaledZeroPointArray({QuantizedArray.__repr__(self).partition('(')[2]}"

@@ -22,8 +22,9 @@ import numpy as np
 from jmp_policy._src import schemes
 from jmp_policy._src.dtypes import MAX_INT4_BLOCK, bounded_repr
 from jmp_policy._src.int_arguments import int_from_text
-from jmp_policy._src.quantization import awq, gptq, matmuls
+from jmp_policy._src.quantization import awq, gptq, matmuls, zero_point
 from jmp_policy._src.quantization import quantized_array as quantization
+from jmp_policy._src.quantization.asymmetric_grid import ASYM, check_symmetric
 from jmp_policy._src.quantization.quantized_matmul import normalize_dims
 from jmp_policy._src.schemes import Scheme
 
@@ -41,8 +42,16 @@ class CalibratedScheme(Scheme):
 
     weight_bits: int = 4
     group_size: int = 128
+    #: Keras's ``GPTQConfig(symmetric=...)``: ``False`` (4 bits) stores a zero point per
+    #: group (``"<method>/4/<group>/asym"`` in names).
+    symmetric: bool = True
 
     def __post_init__(self) -> None:
+        if not check_symmetric(self.symmetric) and self.weight_bits != 4:
+            raise ValueError(
+                f"A zero point per group is int4's only: {self.mode.upper()} weights of "
+                f"{self.weight_bits} bits are symmetric. Received: mode='{self.mode_text()}'"
+            )
         if self.weight_bits not in self.bits:
             # Keras's phrase for AWQ ("only supports 4-bit"), with what is stored here.
             supported = " or ".join(f"{b}-bit" for b in self.bits)
@@ -60,10 +69,14 @@ class CalibratedScheme(Scheme):
         if parts[0] != cls.mode:
             return None
         cls_name = schemes.class_of(cls).__name__
+        symmetric = not (len(parts) == 4 and f"/{parts[3]}" == ASYM)
+        if not symmetric:
+            parts = parts[:3]
         if len(parts) != 3:
             raise ValueError(
                 f"Invalid mode for {cls_name}. Expected format "
-                f"'{cls.mode}/<weight_bits>/<group_size>', as in '{cls.mode}/4/128'. "
+                f"'{cls.mode}/<weight_bits>/<group_size>', as in '{cls.mode}/4/128' (a zero "
+                f"point per group: '{cls.mode}/4/128/asym'). "
                 f"Received: mode={bounded_repr(text)}"
             )
         # Each number read by the one bounded parser: full-width digits, "12_8", 20 digits refused.
@@ -82,10 +95,11 @@ class CalibratedScheme(Scheme):
                 f"here: use '{cls.mode}/8/-1' (or 4 bits for groups). "
                 f"Received: mode={bounded_repr(text)}"
             )
-        return cls(weight_bits=bits, group_size=group)
+        return cls(weight_bits=bits, group_size=group, symmetric=symmetric)
 
     def mode_text(self, given: str | None = None) -> str:
-        return f"{self.mode}/{self.weight_bits}/{self.group_size}"
+        asym = "" if self.symmetric else ASYM
+        return f"{self.mode}/{self.weight_bits}/{self.group_size}{asym}"
 
     @property
     def block_size(self) -> int | None:
@@ -111,13 +125,21 @@ class CalibratedScheme(Scheme):
 
     def round_to_nearest(self, x: Any, stacked: int = 0) -> quantization.QuantizedArray:
         """``x`` rounded to nearest in this format's storage (layers calibrate cannot see)."""
+        if not self.symmetric:
+            return zero_point.quantize_asymmetric(x, self.block_size, stacked)
         return quantization.quantize(x, self.storage_mode, self.block_size, stacked)
 
     def solve(
-        self, x: Any, gram: Any, mean_abs: Any, options: Mapping[str, Any], in_axes: int = 1
+        self,
+        x: Any,
+        gram: Any,
+        mean_abs: Any,
+        options: Mapping[str, Any],
+        in_axes: int = 1,
+        abs_max: Any = None,
     ) -> Any:
-        """One kernel chosen from its layer's statistics (``XᵀX``, ``mean |x|``) over its
-        ``in_axes`` leading input axes (flattened)."""
+        """One kernel chosen from its layer's statistics (``XᵀX``, ``mean |x|``, ``max
+        |x|``) over its ``in_axes`` leading input axes (flattened)."""
         raise NotImplementedError
 
     def matmul(self, kind: str, *, path: str, state: Any, kernel: Any) -> Callable[..., Any] | None:
@@ -134,19 +156,28 @@ class GPTQScheme(CalibratedScheme):
         >>> from jmp_policy._src.quantization.calibrated_schemes import GPTQScheme
         >>> scheme = GPTQScheme.parse("gptq/4/128")
         >>> scheme, scheme.mode_text(), scheme.block_size
-        (GPTQScheme(weight_bits=4, group_size=128), 'gptq/4/128', 128)
+        (GPTQScheme(weight_bits=4, group_size=128, symmetric=True), 'gptq/4/128', 128)
     """
 
     mode: ClassVar[str] = "gptq"
-    grammar: ClassVar[tuple[str, ...]] = ("'gptq/<weight_bits>/<group_size>'",)
+    grammar: ClassVar[tuple[str, ...]] = (
+        "'gptq/<weight_bits>/<group_size>'",
+        "'gptq/4/<group_size>/asym'",
+    )
 
     def solve(
-        self, x: Any, gram: Any, mean_abs: Any, options: Mapping[str, Any], in_axes: int = 1
+        self,
+        x: Any,
+        gram: Any,
+        mean_abs: Any,
+        options: Mapping[str, Any],
+        in_axes: int = 1,
+        abs_max: Any = None,
     ) -> Any:
         return gptq.gptq_quantize(
             x, gram, weight_bits=self.weight_bits, group_size=self.group_size,
             hessian_damping=options["hessian_damping"], in_axes=in_axes,
-            clip_search=options.get("clip_search", False),
+            clip_search=options.get("clip_search", False), symmetric=self.symmetric,
         )  # fmt: skip
 
 
@@ -166,23 +197,34 @@ class AWQScheme(CalibratedScheme):
     """
 
     mode: ClassVar[str] = "awq"
-    grammar: ClassVar[tuple[str, ...]] = ("'awq/4/<group_size>'",)
+    grammar: ClassVar[tuple[str, ...]] = ("'awq/4/<group_size>'", "'awq/4/<group_size>/asym'")
     bits: ClassVar[tuple[int, ...]] = (4,)
+    #: Whether a stored int8 kernel runs int8 x int8 at enough rows (SmoothQuant's).
+    int8_compute: ClassVar[bool] = False
 
     def solve(
-        self, x: Any, gram: Any, mean_abs: Any, options: Mapping[str, Any], in_axes: int = 1
+        self,
+        x: Any,
+        gram: Any,
+        mean_abs: Any,
+        options: Mapping[str, Any],
+        in_axes: int = 1,
+        abs_max: Any = None,
     ) -> Any:
         return awq.awq_quantize(
             x, mean_abs, gram, weight_bits=self.weight_bits, group_size=self.group_size,
             num_grid_points=options["num_grid_points"], in_axes=in_axes,
-            clip_search=options.get("clip_search", False),
+            clip_search=options.get("clip_search", False), symmetric=self.symmetric,
         )  # fmt: skip
 
     def matmul(self, kind: str, *, path: str, state: Any, kernel: Any) -> Callable[..., Any] | None:
+        int8 = self.int8_compute
         if not isinstance(kernel, awq.InputScaledArray):
-            return super().matmul(kind, path=path, state=state, kernel=kernel)
+            if quantization.is_quantized(kernel):
+                return matmuls.stored_kernel(kind, path, kernel, scheme=self, int8_compute=int8)
+            return None
         plain = kernel.scaled_kernel()
-        fast = matmuls.stored_kernel("dot_general", path, plain, scheme=self, int8_compute=False)
+        fast = matmuls.stored_kernel("dot_general", path, plain, scheme=self, int8_compute=int8)
 
         def dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, *a: Any, **kw: Any) -> Any:
             dims = normalize_dims(dimension_numbers)
@@ -204,7 +246,8 @@ class AWQScheme(CalibratedScheme):
                     shape_s[axes[j]] = kernel.shape[j]
                 s = s.reshape(shape_s)
                 return fast((lhs.astype(jnp.float32) / s).astype(lhs.dtype), rhs, dims, *a, **kw)
-            matmuls.record(path, "awq int4 weights: dequantized (input scale not divisible)")
+            label = f"{self.mode} {matmuls.storage_label(kernel)}"
+            matmuls.record(path, f"{label} weights: dequantized (input scale not divisible)")
             compute = np.dtype(getattr(rhs, "dtype", jnp.asarray(lhs).dtype))
             w = kernel.dequantize(compute).reshape(shape)
             precision = a[0] if a else kw.get("precision")

@@ -230,7 +230,7 @@ def _solve_layer(
     """One (unstacked) kernel solved from its layer's statistics, its report appended."""
     start = time.perf_counter()
     in_axes = input_axes(tuple(x.shape), layer.features)
-    q = scheme.solve(x, layer.gram, layer.mean_abs, options, in_axes)
+    q = scheme.solve(x, layer.gram, layer.mean_abs, options, in_axes, abs_max=layer.abs_max)
     jax.block_until_ready(q.values)
     seconds = time.perf_counter() - start
     w = jnp.asarray(x, jnp.float32)

@@ -1,7 +1,8 @@
 """What calibration gathers about a layer's inputs: the Gram matrix ``XᵀX`` (GPTQ's Hessian,
-AWQ's output error) and the per-input-channel mean magnitude ``mean |x|`` (AWQ's saliency).
+AWQ's output error), the per-input-channel mean magnitude ``mean |x|`` (AWQ's saliency) and
+the per-input-channel ``max |x|`` (SmoothQuant's).
 
-Both are running sums in float32 over the rows of every batch a layer sees (all axes but
+The first two are running sums (the last a running maximum) in float32 over the rows of every batch a layer sees (all axes but
 the last flattened), so batches of any number of rows add up; :class:`LayerStats` keeps
 them with the row count. Nothing here knows Flax.
 """
@@ -31,17 +32,19 @@ def rows_of(x: Any, features: int) -> jax.Array:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["gram", "abs_sum", "count"],
+    data_fields=["gram", "abs_sum", "count", "abs_max"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class LayerStats:
     """Running input statistics of one layer: ``gram = Σ xᵀx`` (``[in, in]``), ``abs_sum =
-    Σ |x|`` (``[in]``) and ``count``, the rows seen (float32, so that it sums under ``jit``)."""
+    Σ |x|`` (``[in]``), ``count``, the rows seen (float32, so that it sums under ``jit``),
+    and ``abs_max = max |x|`` (``[in]``)."""
 
     gram: jax.Array
     abs_sum: jax.Array
     count: jax.Array
+    abs_max: jax.Array
 
     @classmethod
     def zeros(cls, features: int) -> LayerStats:
@@ -50,6 +53,22 @@ class LayerStats:
             jnp.zeros((features, features), jnp.float32),
             jnp.zeros((features,), jnp.float32),
             jnp.zeros((), jnp.float32),
+            jnp.zeros((features,), jnp.float32),
+        )
+
+    def merge(self, other: LayerStats) -> LayerStats:
+        """The statistics of both sets of rows (sums added, maxima the larger)."""
+        return LayerStats(
+            self.gram + other.gram,
+            self.abs_sum + other.abs_sum,
+            self.count + other.count,
+            jnp.maximum(self.abs_max, other.abs_max),
+        )
+
+    def total(self) -> LayerStats:
+        """Statistics stacked along a leading axis, merged over it."""
+        return LayerStats(
+            self.gram.sum(0), self.abs_sum.sum(0), self.count.sum(0), self.abs_max.max(0)
         )
 
     @property
@@ -74,6 +93,7 @@ def _update(stats: LayerStats, rows: jax.Array) -> LayerStats:
         stats.gram + gram,
         stats.abs_sum + jnp.abs(rows).sum(0),
         stats.count + rows.shape[0],
+        jnp.maximum(stats.abs_max, jnp.abs(rows).max(0, initial=0.0)),
     )
 
 

@@ -18,12 +18,13 @@ from typing import Any
 import jax
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.quantization.awq import InputScaledArray
+from jmp_policy._src.quantization.awq import InputScaledArray, InputScaledZeroPointArray
 from jmp_policy._src.quantization.quantized_array import QuantizedArray, is_quantized
 from jmp_policy._src.quantization.quantized_tree import make, settings_of, stack_layout
+from jmp_policy._src.quantization.zero_point import ZeroPointArray
 from jmp_policy._src.tree_paths import leaf_path
 
-_ARRAYS = ("values", "scale", "input_scale")
+_ARRAYS = ("values", "scale", "input_scale", "zero_point")
 _SETTINGS = ("mode", "block_size", "original_dtype", "shape", "stacked", "stacked_at")
 
 
@@ -150,8 +151,12 @@ def _rebuild_one(path: str, x: Mapping[str, Any], settings: Mapping[str, Any]) -
         layer = (*shape[:at], *shape[at + k :])
         # a checkpoint of a stack made after saving: the stacked axes as the values have them
         shape, k, at = stack_layout(values, layer, at)
-    cls = InputScaledArray if "input_scale" in x else QuantizedArray
-    extra = {"input_scale": x["input_scale"]} if cls is InputScaledArray else {}
+    classes = {
+        (False, False): QuantizedArray, (True, False): InputScaledArray,
+        (False, True): ZeroPointArray, (True, True): InputScaledZeroPointArray,
+    }  # fmt: skip
+    cls = classes["input_scale" in x, "zero_point" in x]
+    extra = {k: x[k] for k in ("input_scale", "zero_point") if k in x}
     try:
         return make(
             cls, values=values, scale=x["scale"], mode=settings["mode"],

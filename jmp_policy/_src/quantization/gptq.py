@@ -32,14 +32,14 @@ import numpy as np
 
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.int_arguments import check_int
-from jmp_policy._src.quantization import clipping
+from jmp_policy._src.quantization import asymmetric_grid, clipping, zero_point
+from jmp_policy._src.quantization.asymmetric_grid import check_symmetric
 from jmp_policy._src.quantization.quantized_array import (
     INT4_MAX,
     INT8_MAX,
     QuantizedArray,
     abs_max_scale,
     quantize,
-    round_to_grid,
 )
 from jmp_policy._src.quantization.quantized_array_checks import check_stacked
 from jmp_policy._src.quantization.quantized_tree import make
@@ -126,20 +126,26 @@ def inverse_cholesky(h: jax.Array) -> jax.Array:
 
 
 def _channel_scale(
-    rows: jax.Array, rest: tuple[int, ...], qmax: float, clip: bool = False
-) -> tuple[jax.Array, jax.Array]:
-    """The scale of ``rows`` (``[r, M]``, ``M = prod(rest)``) per index of the last axis of
-    ``rest``, broadcast back to ``[M]``, and the ``[n]`` scale itself: abs-max, or with
-    ``clip`` the clipping search's (the reference code's ``mse=True`` grid)."""
-    if clip:
-        scale = clipping.search_scale(rows, rest, qmax)
+    rows: jax.Array, rest: tuple[int, ...], qmax: float, clip: bool = False, sym: bool = True
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The scale and zero point of ``rows`` (``[r, M]``, ``M = prod(rest)``) per index of the
+    last axis of ``rest``, broadcast back to ``[M]``, and the ``[n]`` ones themselves:
+    abs-max (zero points 0), or with ``clip`` the clipping search's (the reference code's
+    ``mse=True`` grid); ``sym=False``: the asymmetric grid's (:mod:`~jmp_policy._src.
+    quantization.asymmetric_grid`)."""
+    if not sym:
+        scale, zero = asymmetric_grid.column_grid(rows, rest, clip)
+    elif clip:
+        scale, zero = clipping.search_scale(rows, rest, qmax), jnp.zeros(rest[-1])
     else:
         cols = jnp.max(jnp.abs(rows), axis=0).reshape(rest)
         scale = abs_max_scale(cols, tuple(range(len(rest) - 1)), qmax).reshape(rest[-1])
-    return clipping.broadcast_scale(scale, rest), scale
+        zero = jnp.zeros_like(scale)
+    broadcast = clipping.broadcast_scale
+    return broadcast(scale, rest), broadcast(zero, rest), scale, zero
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "group", "block", "rest", "clip"))
+@functools.partial(jax.jit, static_argnames=("bits", "group", "block", "rest", "clip", "sym"))
 def _solve(
     w2: jax.Array,
     hessian: jax.Array,
@@ -150,10 +156,13 @@ def _solve(
     block: int,
     rest: tuple[int, ...],
     clip: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    sym: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """GPTQ on one kernel ``w2`` (``[in, M]``, float32): integer values (float32, ``[in, M]``),
-    scales (``[groups, n]``; ``[n]`` per channel) and whether the factorisation was finite."""
+    scales and zero points (``[groups, n]``; ``[n]`` per channel) and whether the
+    factorisation was finite."""
     qmax = INT4_MAX if bits == 4 else INT8_MAX
+    lo, hi = (-qmax, qmax) if sym else (asymmetric_grid.QMIN, asymmetric_grid.QMAX)
     rows, m = w2.shape
     # A group (or block) longer than the kernel is one block of its rows: padding it out
     # would change nothing but the size of the Cholesky factor and of the row loop.
@@ -168,23 +177,21 @@ def _solve(
     h = h + jnp.diag(pad_diag.astype(h.dtype))
     u = inverse_cholesky(h)
     ok = jnp.all(jnp.isfinite(u))
-    per_channel_m, per_channel_n = _channel_scale(w2, rest, qmax, clip and group <= 0)
+    per_channel = _channel_scale(w2, rest, qmax, clip and group <= 0, sym)
     later = jnp.arange(size)[None, :] > jnp.arange(size)[:, None]  # [j, k]: k after j
 
-    def one_block(w: jax.Array, k: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    def one_block(w: jax.Array, k: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         start = k * size
         w1 = jax.lax.dynamic_slice(w, (start, 0), (size, m))
         u1 = jax.lax.dynamic_slice(u, (start, start), (size, size))
-        if group > 0:
-            scale_m, scale_n = _channel_scale(w1, rest, qmax, clip)
-        else:
-            scale_m, scale_n = per_channel_m, per_channel_n
+        grid = _channel_scale(w1, rest, qmax, clip, sym) if group > 0 else per_channel
+        scale_m, zero_m, scale_n, zero_n = grid
 
         def one_row(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             w1, q1, err1 = carry
             row = w1[j]
-            q = round_to_grid(row, scale_m, qmax)
-            e = (row - q * scale_m) / u1[j, j]
+            q = jnp.clip(jnp.round(row / scale_m) + zero_m, lo, hi)
+            e = (row - (q - zero_m) * scale_m) / u1[j, j]
             w1 = w1 - jnp.outer(jnp.where(later[j], u1[j], 0.0), e)
             return w1, q1.at[j].set(q), err1.at[j].set(e)
 
@@ -194,13 +201,13 @@ def _solve(
         # (the rows of this block are quantized already and are not read again).
         u_rows = jax.lax.dynamic_slice(u, (start, 0), (size, padded))
         w = w - jnp.matmul(u_rows.T, err1, precision=_HIGHEST)
-        return w, (q1, scale_n)
+        return w, (q1, scale_n, zero_n)
 
-    _, (q, scales) = jax.lax.scan(one_block, w, jnp.arange(blocks))
+    _, (q, scales, zeros) = jax.lax.scan(one_block, w, jnp.arange(blocks))
     q = q.reshape(padded, m)[:rows]
     if group <= 0:
-        scales = per_channel_n
-    return q, scales, ok
+        scales, zeros = per_channel[2], per_channel[3]
+    return q, scales, zeros, ok
 
 
 def gptq_quantize(
@@ -214,6 +221,7 @@ def gptq_quantize(
     stacked: int = 0,
     in_axes: int = 1,
     clip_search: bool = False,
+    symmetric: bool = True,
 ) -> QuantizedArray:
     """GPTQ-quantizes ``kernel`` for inputs whose Gram matrix is ``hessian``.
 
@@ -237,10 +245,13 @@ def gptq_quantize(
             ``mse=True`` grid: :func:`~jmp_policy._src.quantization.clipping.search_scale`
             on the weights as GPTQ has updated them when the group starts) instead of
             abs-max.
+        symmetric: ``False`` (4 bits): each group on the asymmetric grid (a zero point
+            per group, all 16 codes; GPTQ's reference ``sym=False``), the clipping search
+            shrinking both ends of its range.
 
     Returns:
         A :class:`~jmp_policy.QuantizedArray` in the storage round-to-nearest gives
-        (``int4/<group_size>`` or ``int8``). If a Hessian cannot be factorised, that layer
+        (``int4/<group_size>`` or ``int8``; a ``ZeroPointArray`` when not symmetric). If a Hessian cannot be factorised, that layer
         is rounded to nearest (with a warning outside ``jit``). Works under ``jit``.
 
     Raises:
@@ -262,33 +273,56 @@ def gptq_quantize(
             f"(stacked={stacked}). Received: hessian of shape {tuple(hessian.shape)}"
         )
     mode = "int4" if weight_bits == 4 else "int8"
-    rtn = quantize(kernel, mode, group if weight_bits == 4 else None, stacked)
+    sym = check_symmetric(symmetric, weight_bits)
+    rtn = _round_to_nearest(kernel, weight_bits, group, stacked, sym)
     if rows == 0 or math.prod(rest) == 0:
         return rtn
     inner = math.prod(ins[1:])  # rows of the 2-D kernel per row of the stored kernel
     solve = functools.partial(
         _solve, bits=weight_bits, group=group * inner if group > 0 else group,
-        block=block_size, rest=rest, clip=bool(clip_search),
+        block=block_size, rest=rest, clip=bool(clip_search), sym=sym,
     )  # fmt: skip
     for _ in range(stacked):
         solve = jax.vmap(solve, in_axes=(0, 0, None))
     w2 = jnp.asarray(kernel).astype(jnp.float32).reshape(*lead, rows, -1)
-    q, scales, ok = solve(w2, hessian.astype(jnp.float32), jnp.float32(hessian_damping))
+    q, scales, zeros, ok = solve(w2, hessian.astype(jnp.float32), jnp.float32(hessian_damping))
     if weight_bits == 4 and group == -1:
-        scales = scales[..., None, :]  # int4 per channel: one block
+        scales, zeros = scales[..., None, :], zeros[..., None, :]  # int4 per channel: one block
     dtype = jnp.int4 if weight_bits == 4 else jnp.int8
     ok_b = ok.reshape(*lead, *([1] * (q.ndim - stacked)))
     values = jnp.where(ok_b, q.reshape(shape), rtn.values.astype(jnp.float32)).astype(dtype)
     ok_s = ok.reshape(*lead, *([1] * (scales.ndim - stacked)))
     scales = jnp.where(ok_s, scales, rtn.scale)
+    _warn_if_unfactorised(ok)
+    if not sym:
+        zeros = jnp.where(ok_s, zeros, rtn.zero_point).astype(jnp.int8)  # type: ignore[attr-defined]
+        return make(
+            zero_point.ZeroPointArray, values, scales, mode, group, shape,
+            np.dtype(kernel.dtype), stacked, zero_point=zeros,
+        )  # fmt: skip
+    return make(
+        QuantizedArray, values, scales, mode, group if weight_bits == 4 else None, shape,
+        np.dtype(kernel.dtype), stacked,
+    )  # fmt: skip
+
+
+def _warn_if_unfactorised(ok: jax.Array) -> None:
+    """Warns (outside ``jit``) where a layer's Hessian could not be factorised."""
     if not isinstance(ok, jax.core.Tracer) and not bool(jnp.all(ok)):
         warnings.warn(
             "GPTQ could not factorise a Hessian (a layer whose calibration inputs make it "
             "singular even after damping): that layer is rounded to nearest. Raise "
             "`hessian_damping` or calibrate on more varied batches.",
-            stacklevel=2,
+            stacklevel=3,
         )
-    return make(
-        QuantizedArray, values, scales, mode, group if weight_bits == 4 else None, shape,
-        np.dtype(kernel.dtype), stacked,
-    )  # fmt: skip
+
+
+def _round_to_nearest(
+    kernel: Any, weight_bits: int, group: int, stacked: int, sym: bool
+) -> QuantizedArray:
+    """``kernel`` rounded to nearest on GPTQ's grid (what a layer whose Hessian cannot be
+    factorised keeps)."""
+    if not sym:
+        return zero_point.quantize_asymmetric(kernel, group, stacked)
+    mode, block = ("int4", group) if weight_bits == 4 else ("int8", None)
+    return quantize(kernel, mode, block, stacked)

@@ -18,8 +18,9 @@ import numpy as np
 
 from jmp_policy._src.dtypes import MAX_INT4_BLOCK, bounded_repr
 from jmp_policy._src.int_arguments import int_from_text
-from jmp_policy._src.quantization import matmuls, quantized_matmul
+from jmp_policy._src.quantization import matmuls, quantized_matmul, zero_point
 from jmp_policy._src.quantization import quantized_array as quantization
+from jmp_policy._src.quantization.asymmetric_grid import ASYM, check_symmetric
 from jmp_policy._src.quantization.quantized_array_checks import is_bad_block
 from jmp_policy._src.schemes import Scheme
 
@@ -66,19 +67,24 @@ class Int8Scheme(Scheme):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Int4Scheme(Scheme):
     """int4 weights, per channel (``block_size=-1``, ``"int4"``) or in blocks of rows
-    (``"int4/<block>"``).
+    (``"int4/<block>"``); ``symmetric=False`` (``"int4/<block>/asym"``): a zero point per
+    group and all 16 codes (:mod:`~jmp_policy._src.quantization.zero_point`).
 
     Examples:
         >>> from jmp_policy._src.quantization.int_schemes import Int4Scheme
         >>> scheme = Int4Scheme.parse("int4/128")
         >>> scheme, scheme.mode_text(), Int4Scheme.parse("int4").mode_text("int4")
-        (Int4Scheme(block_size=128), 'int4/128', 'int4')
+        (Int4Scheme(block_size=128, symmetric=True), 'int4/128', 'int4')
+        >>> Int4Scheme.parse("int4/64/asym").mode_text()
+        'int4/64/asym'
     """
 
     mode: ClassVar[str] = "int4"
-    grammar: ClassVar[tuple[str, ...]] = ("'int4'", "'int4/<block>'")
+    grammar: ClassVar[tuple[str, ...]] = ("'int4'", "'int4/<block>'", "'int4/<block>/asym'")
 
     block_size: int = -1  # type: ignore[assignment]
+    #: Keras's spelling: ``False`` stores a zero point per group (``"/asym"`` in names).
+    symmetric: bool = True
 
     def __post_init__(self) -> None:
         if is_bad_block(self.block_size):
@@ -86,12 +92,16 @@ class Int4Scheme(Scheme):
                 f"`block_size` must be -1 (per channel) or from 1 to {MAX_INT4_BLOCK}. "
                 f"Received: block_size={self.block_size!r}"
             )
+        check_symmetric(self.symmetric)
 
     @classmethod
     def parse(cls, text: str) -> Int4Scheme | None:
         base, sep, block_text = text.partition("/")
         if base != "int4":
             return None
+        if block_text.endswith(ASYM) and block_text.count("/") == 1:
+            scheme = cls.parse(text[: -len(ASYM)])
+            return None if scheme is None else cls(block_size=scheme.block_size, symmetric=False)
         if not sep or block_text == "None":  # Keras's legacy "int4/None": per channel
             return cls(block_size=-1)
         block = int_from_text(block_text, -1, MAX_INT4_BLOCK)
@@ -99,17 +109,20 @@ class Int4Scheme(Scheme):
             raise ValueError(
                 f"Invalid quantization mode. The block size of `mode` must be -1 "
                 f"(per channel) or from 1 to {MAX_INT4_BLOCK} in ASCII digits, as in "
-                f"'int4/128'. Received: mode={bounded_repr(text)}"
+                f"'int4/128' (a zero point per group: 'int4/128/asym'). "
+                f"Received: mode={bounded_repr(text)}"
             )
         return cls(block_size=block)
 
     def mode_text(self, given: str | None = None) -> str:
         # "int4" stays "int4" (Keras's own spelling); a given block is written canonically.
-        if given is not None and "/" not in given:
+        if given is not None and "/" not in given and self.symmetric:
             return "int4"
-        return f"int4/{self.block_size}"
+        return f"int4/{self.block_size}{'' if self.symmetric else ASYM}"
 
     def quantize(self, x: Any, stacked: int) -> Any:
+        if not self.symmetric:
+            return zero_point.quantize_asymmetric(x, self.block_size, stacked)
         return quantization.quantize(x, "int4", self.block_size, stacked)
 
     def describe(self, kernel: Any) -> str:

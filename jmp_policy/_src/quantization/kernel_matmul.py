@@ -75,10 +75,12 @@ def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> 
         return "dequantized"
     if not q.reads_as_stored:
         return "dequantized"  # an AWQ kernel outside its scheme's matmul (which divides x)
-    if int8_compute and kind.integer_gemm and rows >= INT8_GEMM_MIN_ROWS:
+    zero = zero_point_of(q) is not None  # folded into the XLA forms, not the Pallas kernel
+    if int8_compute and kind.integer_gemm and rows >= INT8_GEMM_MIN_ROWS and not zero:
         return "int8 x int8"
     if (
-        q.ndim == 2
+        not zero
+        and q.ndim == 2
         and rc == (0,)
         and len(lc) == 1
         and rows <= serving_kernels.pallas_rows()
@@ -90,6 +92,12 @@ def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> 
     if q.ndim == 2 and rc == (0,) and len(lc) == 1:
         return "int4 blocks" if rows < INT4_BLOCKS_MAX_ROWS else "dequantized, one GEMM"
     return "dequantized"
+
+
+def zero_point_of(q: QuantizedArray) -> jax.Array | None:
+    """The zero point of ``q``'s groups (``real = (values - zero_point) * scale``), or
+    ``None`` for symmetric storage."""
+    return getattr(q, "zero_point", None)
 
 
 def _rows(lhs: jax.Array, dims: DimensionNumbers) -> int:
@@ -146,7 +154,9 @@ def quantized_kernel_dot_general(
         rows = _rows(lhs, dims)
         form = "dequantized" if kernel is None else kernel_form(kernel, dims, rows, int8_compute)
         if record is not None:
-            record(form)
+            folded = kernel is not None and zero_point_of(kernel) is not None
+            fast = form not in (*DEQUANTIZED_FORMS, "dequantized")
+            record(f"{form}, zero point folded" if folded and fast else form)
         if kernel is None:  # reshaped by its layer, in a layout no fast form covers
             w = q.dequantize(compute).reshape(shape)
         elif form in DEQUANTIZED_FORMS:
@@ -213,6 +223,11 @@ def _fast(
         )  # fmt: skip
         if one_row:  # the lhs's free axes lead the result (no batch dims)
             y = jax.lax.slice_in_dim(y, 0, 1, axis=0)
+        zero = zero_point_of(kernel)
+        if zero is not None:  # x @ (q - z) = x @ q - sum(x) z, per output channel
+            sums = jnp.sum(lhs.astype(compute).astype(jnp.float32), axis=lc)  # lhs free axes
+            sums = sums.reshape(*sums.shape, *([1] * (y.ndim - sums.ndim)))
+            y = y - sums * zero.reshape(-1).astype(jnp.float32)
         return _scaled(y, kernel.scale, out)
     if form == "int4 blocks":
         return _int4_blocks(lhs.astype(compute), kernel, out)
@@ -245,5 +260,9 @@ def _int4_blocks(x: jax.Array, q: QuantizedArray, out: np.dtype) -> jax.Array:
     part = jax.lax.dot_general(
         xb, wb, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32
     )  # (blocks, m, n)
+    zero = zero_point_of(q)
+    if zero is not None:  # x_b @ (q_b - z_b) = x_b @ q_b - sum(x_b) z_b: elementwise, no GEMM
+        sums = jnp.sum(xb.astype(jnp.float32), axis=2).T  # (blocks, m)
+        part = part - sums[:, :, None] * zero.astype(jnp.float32)[:, None, :]
     y = JNP_EINSUM("bmn,bn->mn", part, q.scale)  # not the glue's routed jnp.einsum
     return y[:m].astype(out).reshape(*lead, n)

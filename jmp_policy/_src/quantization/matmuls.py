@@ -75,7 +75,8 @@ def storage_label(kernel: Any) -> str:
     """A ``QuantizedArray`` kernel named by its storage (``"int8"``, ``"int4"`` per channel,
     ``"int4/128"``): how the built-in formats, and a float policy, word its weights."""
     block = kernel.block_size
-    return str(kernel.mode) if block in (None, -1) else f"int4/{block}"
+    label = str(kernel.mode) if block in (None, -1) else f"int4/{block}"
+    return f"{label} with zero points" if getattr(kernel, "zero_point", None) is not None else label
 
 
 def _label(scheme: Any, kernel: Any) -> str:

@@ -29,7 +29,7 @@ import numpy as np
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.quantization.int4_layout import blocked, dequantize_int4
 from jmp_policy._src.quantization.quantized_array_checks import (
-    check_stacked,
+    check_array,
     int4_block,
     stack_from_front,
     stack_to_front,
@@ -274,23 +274,7 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
         TypeError: ``x`` is not a floating array, or ``stacked`` no integer.
     """
     kind = storage_of(mode)  # a ValueError naming the modes
-    if not isinstance(x, (jax.Array, np.ndarray)) or not dt.is_floating(np.dtype(x.dtype)):
-        raise TypeError(
-            f"Only floating arrays can be quantized. Received: {type(x).__name__} "
-            f"of dtype {getattr(x, 'dtype', None)}"
-        )
-    if x.ndim < 2:
-        raise ValueError(
-            "Only arrays of rank >= 2 (kernels) are quantized; biases and norm scales stay "
-            f"float. Received an array of shape {tuple(x.shape)}"
-        )
-    stacked = check_stacked(stacked)
-    if x.ndim - stacked < 2:
-        raise ValueError(
-            "Each stacked layer must be of rank >= 2 (a kernel): with `stacked` leading "
-            f"axes the array needs rank >= {stacked + 2}. Received: an array of shape "
-            f"{tuple(x.shape)} and stacked={stacked!r}"
-        )
+    stacked = check_array(x, stacked)
     block = int4_block(block_size) if kind.blocked else None
     x32 = jnp.asarray(x).astype(jnp.float32)
     shape, dtype = tuple(x.shape), np.dtype(x.dtype)

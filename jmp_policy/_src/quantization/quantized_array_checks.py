@@ -52,6 +52,34 @@ def check_stacked(stacked: Any) -> int:
     return check_int(stacked, "stacked", 0, why=" (the number of leading stacked-layer axes)")
 
 
+def check_array(x: Any, stacked: Any) -> int:
+    """``stacked``, checked with the array ``quantize`` is given: a floating array whose
+    layers (after ``stacked`` leading axes) have rank >= 2.
+
+    Raises:
+        TypeError: ``x`` is not a floating array, or ``stacked`` no integer.
+        ValueError: a negative ``stacked``, or layers of rank < 2.
+    """
+    if not isinstance(x, (jax.Array, np.ndarray)) or not dt.is_floating(np.dtype(x.dtype)):
+        raise TypeError(
+            f"Only floating arrays can be quantized. Received: {type(x).__name__} "
+            f"of dtype {getattr(x, 'dtype', None)}"
+        )
+    if x.ndim < 2:
+        raise ValueError(
+            "Only arrays of rank >= 2 (kernels) are quantized; biases and norm scales stay "
+            f"float. Received an array of shape {tuple(x.shape)}"
+        )
+    stacked = check_stacked(stacked)
+    if x.ndim - stacked < 2:
+        raise ValueError(
+            "Each stacked layer must be of rank >= 2 (a kernel): with `stacked` leading "
+            f"axes the array needs rank >= {stacked + 2}. Received: an array of shape "
+            f"{tuple(x.shape)} and stacked={stacked!r}"
+        )
+    return stacked  # type: ignore[no-any-return]
+
+
 def stack_to_front(shape: tuple[int, ...], k: int, at: int) -> tuple[int, ...]:
     """``shape`` with its ``k`` stacked axes at ``at`` moved to the front."""
     return (*shape[at : at + k], *shape[:at], *shape[at + k :])
