@@ -3,31 +3,76 @@
 It answers what the core's entry points ask of an NNX model: its modules (root first, then
 in ``nnx.iter_modules``' order, as NNX's resolver records them), its ``nnx.Param`` values,
 and a run of a policy-running copy (``nnx.split``, cast, ``nnx.merge``, each module
-re-classed to run through the hook; nothing written back, so a traced run leaves the model
-as it was). NNX routes its layers' matmuls itself (:mod:`jmp_policy.nnx._quantization`),
-so no module is handed to the core's matmul routing.
+re-classed to run through the hook). Its routable layers (``nnx.Linear``,
+``nnx.LinearGeneral``, ``nnx.Einsum`` with NNX's own matmul) get the core's matmul in
+their matmul's attribute for a call, and hold a stateful scheme's state in the attribute
+the scheme's ``state_kind`` names (:mod:`jmp_policy.nnx._quantization`).
+
+Under :func:`applying` (``jp.nnx.apply``) a run also warns of what turns the policy off,
+runs quantized KV caches and writes the copy's non-parameter state back into the model;
+``explain``'s shape-only trace does none of these.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from flax import nnx
 
+from jmp_policy._src import user_warnings
 from jmp_policy._src.framework.protocol import Layer
+from jmp_policy._src.framework.routing import routed_matmuls
 from jmp_policy._src.options import Options
 from jmp_policy._src.resolution import Resolver
-from jmp_policy.nnx._copy import cast_copy
-from jmp_policy.nnx._hook import dress, original_class
-from jmp_policy.nnx._modules import check_model, own_dtype, path_of
-from jmp_policy.nnx._quantization import quantized_run
+from jmp_policy._src.run_report import compute_modules, warn_once
+from jmp_policy.nnx._copy import cast_copy, warn_plain_arrays, write_back
+from jmp_policy.nnx._hook import call_path, dress, original_class
+from jmp_policy.nnx._kv_cache import kv_caches
+from jmp_policy.nnx._modules import MATMUL_CLASSES, check_model, own_dtype, path_of
+from jmp_policy.nnx._quantization import (
+    install,
+    kind_of,
+    quantized_run,
+    replacement,
+    routable,
+    stacked,
+    state_type,
+)
+from jmp_policy.nnx._quantization import kernel as routed_kernel
+from jmp_policy.nnx._quantization import kernel_ahead as dequantized_ahead
+from jmp_policy.nnx._quantization import layer_state as state_of
+from jmp_policy.nnx._stack_axes import ambiguous_stack, stack_axes
+
+# What the apply wrapper in progress has warned about (None outside `applying`).
+_APPLYING: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
+    "jmp_policy_nnx_applying", default=None
+)
+
+
+@contextlib.contextmanager
+def applying(warned: set[str]) -> Iterator[None]:
+    """Runs inside are ``jp.nnx.apply``'s: warned once (``warned``, the wrapper's), with
+    their KV caches, their non-parameter state written back."""
+    token = _APPLYING.set(warned)
+    try:
+        yield
+    finally:
+        _APPLYING.reset(token)
 
 
 class NnxAdapter:
-    """The adapter protocol (:class:`jmp_policy._src.framework.protocol.Adapter`) for NNX."""
+    """The adapter protocol (:class:`jmp_policy._src.framework.protocol.Adapter`) for NNX,
+    with the routing operations (:class:`~jmp_policy._src.framework.protocol.Routing`);
+    ``methods`` are the methods of every module that run through the hook."""
 
     model_name = "nnx.Module"
+
+    def __init__(self, methods: tuple[str, ...] = ("__call__",)) -> None:
+        self.methods = methods
 
     def check(self, model: Any) -> None:
         check_model(model)
@@ -35,13 +80,30 @@ class NnxAdapter:
     def layers(self, model: Any) -> Iterator[Layer]:
         modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]) > 0)
         for parts, module in modules:  # the root first (NNX lists children before parents)
-            yield Layer(path_of(parts), original_class(module), own_dtype(module))
+            path, cls = path_of(parts), original_class(module)
+            if not routable(module):
+                yield Layer(path, cls, own_dtype(module))
+                continue
+            kernel = getattr(module, "kernel").get_value()  # noqa: B009
+            yield Layer(path, cls, own_dtype(module), "kernel", kernel, stacked(module))
 
     def params(self, model: Any) -> Mapping[str, Any]:
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))  # type: ignore[no-any-return]
 
     def kernel_of(self, module: Any) -> Any:
-        return None  # NNX's layers route their own matmuls (nnx._quantization)
+        return routed_kernel(module, call_path(module)) if routable(module) else None
+
+    def matmul_kind(self, module: Any) -> str:
+        return kind_of(replacement(module) or "dot_general")
+
+    def install_matmul(self, call: Any, matmul: Callable[..., Any]) -> Any:
+        return install(call, matmul)
+
+    def kernel_ahead(self, call: Any) -> Any:
+        return dequantized_ahead(call.path)
+
+    def layer_state(self, call: Any, scheme: Any) -> Any:
+        return state_of(call, scheme)
 
     def call_with_matmul(
         self,
@@ -51,7 +113,7 @@ class NnxAdapter:
         args: tuple[Any, ...],
         kwargs: Any,
     ) -> Any:
-        raise NotImplementedError("NNX layers route their own matmuls")
+        raise NotImplementedError("NNX layers take their matmul by install_matmul")
 
     def run(
         self,
@@ -62,16 +124,78 @@ class NnxAdapter:
         call: Callable[[Any], Any],
     ) -> Any:
         copy, casts = cast_copy(model, resolver)
-        dress(copy, resolver, ("__call__",), extensions)
-        with quantized_run(casts.whole, casts.ahead, casts.sliced):
-            return call(copy)
+        dress(copy, resolver, self.methods, extensions, routed_matmuls(self))
+        warned = _APPLYING.get()
+        if warned is None:
+            with quantized_run(casts.whole, casts.ahead, casts.sliced):
+                return call(copy)
+        # Before the call: a policy turned off by modules' own dtypes may well make the
+        # model fail (a cache of one dtype written with another), so say why first.
+        compute = compute_modules(resolver, nnx.state(model), MATMUL_CLASSES)
+        warn_once(resolver, type(model).__name__, warned, compute)
+        if casts.plain and "plain" not in warned:
+            warned.add("plain")
+            warn_plain_arrays(type(model).__name__, casts.plain)
+        with (
+            quantized_run(casts.whole, casts.ahead, casts.sliced),
+            kv_caches(options.kv_cache, copy, casts.stored),
+        ):
+            out = call(copy)
+        write_back(model, copy, casts.stored)
+        return out
+
+    def weights(self, model: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
+        # Every nnx.Param of a copy (the map quantizes those of rank >= 2), a stacked
+        # layer's at the axis its stack is on (left whole, with a warning, when unknown).
+        copy = nnx.clone(model)
+        stacked_axes = {}
+        axes = stack_axes(copy)
+        for parts, module in nnx.iter_modules(copy):
+            if lead := len(stacked(module)):
+                path = path_of(parts)
+                if (at := axes[path]) is None:  # whole: run dequantized ahead of its stack
+                    user_warnings.warn(ambiguous_stack(path, module))
+                    continue
+                stacked_axes[re.escape(f"{path}/" if path else "") + "[^/]+"] = (lead, at)
+
+        def rebuild(quantized: Any) -> Any:
+            nnx.update(copy, quantized)
+            return copy
+
+        return nnx.state(copy, nnx.Param), stacked_axes, rebuild
+
+    def with_states(self, model: Any, states: Mapping[str, Any]) -> Any:
+        copy = nnx.clone(model)
+        modules = {path_of(parts): module for parts, module in nnx.iter_modules(copy)}
+        for path, slot in states.items():
+            module, kind = modules[path], state_type(slot.kind)
+            current = getattr(module, slot.kind, None)
+            if current is not None and not isinstance(current, kind):
+                raise ValueError(
+                    f"{type(module).__name__} at {path or 'the root'!r} runs under the "
+                    f"{slot.kind} policy {slot.policy!r}, but its attribute {slot.kind!r}, "
+                    f"where its {slot.kind} state goes, already holds {current!r}. Rename "
+                    "that attribute."
+                )
+            setattr(module, slot.kind, kind(slot.value))
+        return copy
 
     def split(self, model: Any) -> tuple[Any, Callable[[Any], Any]]:
         graphdef, state = nnx.split(model)
         return state, lambda s: nnx.merge(graphdef, s)
 
     def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
-        raise NotImplementedError("jp.nnx.quantize places NNX kernels itself")
+        raise NotImplementedError("NNX's quantize puts back its weights (`weights`)")
 
 
-ADAPTER = NnxAdapter()
+_ADAPTERS: dict[tuple[str, ...], NnxAdapter] = {}
+
+
+def adapter_for(methods: tuple[str, ...]) -> NnxAdapter:
+    """The adapter whose runs hook ``methods`` (one per tuple: the core caches per adapter)."""
+    if methods not in _ADAPTERS:
+        _ADAPTERS[methods] = NnxAdapter(methods)
+    return _ADAPTERS[methods]
+
+
+ADAPTER = adapter_for(("__call__",))

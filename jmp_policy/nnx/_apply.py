@@ -1,4 +1,4 @@
-"""Running an NNX model per submodule: a policy-running copy of the object graph."""
+"""Running an NNX model per submodule: the core's ``apply`` with the NNX adapter."""
 
 from __future__ import annotations
 
@@ -9,17 +9,9 @@ from typing import Any
 from flax import nnx
 
 from jmp_policy._src import interception
-from jmp_policy._src.run_report import compute_modules, warn_once
-from jmp_policy.nnx._copy import cast_copy, warn_plain_arrays, write_back
-from jmp_policy.nnx._hook import dress, resolver_for
-from jmp_policy.nnx._kv_cache import kv_caches
-from jmp_policy.nnx._modules import (
-    MATMUL_CLASSES,
-    is_nnx_object,
-    methods_for,
-    prepare,
-)
-from jmp_policy.nnx._quantization import quantized_matmuls, quantized_run
+from jmp_policy._src.framework import entry_points
+from jmp_policy.nnx._adapter import adapter_for, applying
+from jmp_policy.nnx._modules import is_nnx_object, methods_for, prepare
 
 
 def apply(
@@ -94,41 +86,29 @@ def apply_with(
     model: nnx.Module, policies: Any, opts: Any, method: str | Callable[..., Any]
 ) -> Callable[..., Any]:
     """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
-    methods = methods_for(model, method)
-    # Quantized layers' matmuls innermost, and only on the layers they can reach: each
-    # Python frame a module call adds costs trace time in every op it runs.
-    extensions = (*opts.extensions, quantized_matmuls)
+    adapter = adapter_for(methods_for(model, method))
+    invoke = None if method == "__call__" else functools.partial(_invoke, method)
+    run = entry_points.apply(adapter, model, policies, opts, opts.extensions, invoke)
     warned: set[str] = set()  # what this wrapper has warned about
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        resolver = resolver_for(model, policies, opts)
-        copy, casts = cast_copy(model, resolver)
-        dress(copy, resolver, methods, opts.extensions)
-        # Before the call: a policy turned off by modules' own dtypes may well make the
-        # model fail (a cache of one dtype written with another), so say why first.
-        compute = compute_modules(resolver, nnx.state(model), MATMUL_CLASSES)
-        warn_once(resolver, type(model).__name__, warned, compute)
-        if casts.plain and "plain" not in warned:
-            warned.add("plain")
-            warn_plain_arrays(type(model).__name__, casts.plain)
-        with (
-            interception.model_run(opts),
-            quantized_run(casts.whole, casts.ahead, casts.sliced),
-            kv_caches(opts.kv_cache, copy, casts.stored),
-        ):
-            if isinstance(method, str):
-                out = getattr(copy, method)(*args, **kwargs)
-            else:
-                call = interception.Call("", copy, resolver.module(""))
-                out = interception.run(
-                    call,
-                    functools.partial(method, copy),
-                    args,
-                    kwargs,
-                    extensions=extensions,
-                    opaque=is_nnx_object,
-                )
-        write_back(model, copy, casts.stored)
-        return out
+    def apply_run(*args: Any, **kwargs: Any) -> Any:
+        with applying(warned):
+            return run(*args, **kwargs)
 
-    return run
+    return apply_run
+
+
+def _invoke(
+    method: str | Callable[..., Any],
+    copy: nnx.Module,
+    resolver: Any,
+    extensions: tuple[Any, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The copy's ``method`` (a name), or ``method(copy, ...)`` under the root's policy."""
+    if isinstance(method, str):
+        return getattr(copy, method)(*args, **kwargs)
+    call = interception.Call("", copy, resolver.module(""))
+    fn = functools.partial(method, copy)
+    return interception.run(call, fn, args, kwargs, extensions=extensions, opaque=is_nnx_object)

@@ -10,9 +10,9 @@ from typing import Any
 from flax import nnx
 
 from jmp_policy._src import interception
-from jmp_policy._src.resolution import ModuleInfo, Resolution, Resolver
-from jmp_policy.nnx._modules import filled_dtype, is_nnx_object, method_of, own_dtype, path_of
-from jmp_policy.nnx._quantization import quantized_matmuls, routable
+from jmp_policy._src.resolution import Resolution, Resolver
+from jmp_policy.nnx._modules import filled_dtype, is_nnx_object, method_of, path_of
+from jmp_policy.nnx._quantization import routable
 
 # The attributes a policy-running subclass keeps its original class and its call under.
 _ORIGINAL = "_jmp_policy_original_class"
@@ -36,24 +36,15 @@ def _policy_method(original: Callable[..., Any]) -> Callable[..., Any]:
     return method
 
 
+def call_path(module: Any) -> str | None:
+    """The path of a module of a policy-running copy (``None`` for any other module)."""
+    found = getattr(type(module), _CALL, None)
+    return None if found is None else found[0]  # type: ignore[no-any-return]
+
+
 def original_class(module: Any) -> type:
     """The module's class as the user wrote it (not its policy-running subclass)."""
     return getattr(type(module), _ORIGINAL, type(module))  # type: ignore[no-any-return]
-
-
-def resolver_for(model: nnx.Module, policies: Any, options: Any) -> Resolver:
-    """A resolver that knows every module of ``model`` (classes and own dtypes)."""
-    # Every module is recorded before any is resolved: NNX lists children before their
-    # parents, and a child inherits its parent's class policy (`type_policies`).
-    infos: dict[str, ModuleInfo] = {}
-    modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]) > 0)  # root first
-    for parts, module in modules:
-        cls = getattr(type(module), _ORIGINAL, type(module))
-        infos.setdefault(path_of(parts), ModuleInfo(cls, own_dtype(module)))
-    resolver = Resolver(policies, options, infos)
-    for path in sorted(infos, key=len):  # the root first, parents before children
-        resolver.module(path)
-    return resolver
 
 
 def _policy_subclass(
@@ -94,11 +85,12 @@ def dress(
     resolver: Resolver,
     methods: tuple[str, ...],
     extensions: tuple[Any, ...],
+    routed: Any = None,
 ) -> None:
     """Each module of the copy computes in its policy's dtype (where its ``dtype`` is not
     the user's) and runs its methods through the hook (a policy subclass) with
-    ``extensions``, and the quantized matmuls innermost where a layer's matmul is
-    routable."""
+    ``extensions``, less ``routed`` (the core's routed matmuls) where the module's matmul
+    is not routable."""
     for parts, module in list(nnx.iter_modules(copy)):
         path = path_of(parts)
         resolution = resolver.module(path)
@@ -108,6 +100,8 @@ def dress(
             object.__setattr__(module, "dtype", resolution.policy.compute_dtype)
         wrapped = tuple(name for name in methods if method_of(type(module), name))
         if wrapped:
-            own = (*extensions, quantized_matmuls) if routable(module) else extensions
+            # The routed matmuls only on the layers they can reach: each Python frame a
+            # module call adds costs trace time in every op it runs.
+            own = tuple(e for e in extensions if e is not routed or routable(module))
             subclass = _policy_subclass(type(module), path, resolution, own, wrapped)
             object.__setattr__(module, "__class__", subclass)

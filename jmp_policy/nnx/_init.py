@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any, TypeVar
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from jmp_policy._src import user_warnings
-from jmp_policy._src.options import quantizing_policy_or_map
-from jmp_policy.nnx._hook import resolver_for
-from jmp_policy.nnx._modules import check_model, path_of, prepare
-from jmp_policy.nnx._quantization import (
-    ATTR,
-    Float8State,
-    routable,
-    stacked,
-)
-from jmp_policy.nnx._stack_axes import ambiguous_stack, stack_axes
+from jmp_policy._src.framework import entry_points, state
+from jmp_policy.nnx._adapter import ADAPTER
+from jmp_policy.nnx._modules import prepare
 
 M = TypeVar("M", bound=nnx.Module)
-
-
-def _state(state: Any, module: Any) -> Float8State:
-    lead = stacked(module)
-    return Float8State(jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), state))
 
 
 def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
@@ -92,27 +76,7 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
         dtype('float32')
     """
     policies, opts = prepare(model, policy_or_map, options)
-    copy = nnx.clone(model)
-    resolver = resolver_for(copy, policies, opts)
-    found = 0
-    for parts, module in list(nnx.iter_modules(copy)):
-        path = path_of(parts)
-        policy: Any = resolver.module(path).policy
-        scheme = policy.scheme
-        if scheme is None or scheme.state_kind != ATTR or not routable(module):
-            continue
-        found += 1
-        state = scheme.init_state()
-        if state is None:
-            continue  # current scaling keeps no state
-        current = getattr(module, ATTR, None)
-        if current is not None and not isinstance(current, Float8State):
-            raise ValueError(
-                f"{type(module).__name__} at {path or 'the root'!r} runs under the float8 "
-                f"policy {policy.name!r}, but its attribute {ATTR!r}, where its float8 state "
-                f"goes, already holds {current!r}. Rename that attribute."
-            )
-        setattr(module, ATTR, _state(state, module))
+    copy, found = state.init_states(ADAPTER, model, policies, opts)
     if not found:
         raise ValueError(
             "No layer of the model runs under a float8 policy: `init_float8` creates float8 "
@@ -179,20 +143,4 @@ def quantize(model: M, policy_or_map: Any) -> M:
         >>> jp.nnx.apply(q, "int8_from_float32")(jnp.ones((2, 8))).shape
         (2, 8)
     """
-    check_model(model)
-    policies = quantizing_policy_or_map(policy_or_map)
-    copy = nnx.clone(model)
-    stacked_axes = {}
-    axes = stack_axes(copy)
-    for parts, module in nnx.iter_modules(copy):
-        lead = len(stacked(module))
-        if lead:
-            path = path_of(parts)
-            at = axes[path]
-            if at is None:  # cannot tell: whole (it runs dequantized ahead of its stack)
-                user_warnings.warn(ambiguous_stack(path, module))
-                continue
-            stacked_axes[re.escape(f"{path}/" if path else "") + "[^/]+"] = (lead, at)
-    state = nnx.state(copy, nnx.Param)
-    nnx.update(copy, policies.quantize(state, stacked_axes=stacked_axes))
-    return copy
+    return entry_points.quantize(ADAPTER, model, policy_or_map)  # type: ignore[no-any-return]

@@ -1,19 +1,20 @@
-"""Quantized compute for NNX: the hook's extension that routes layers' matmuls.
+"""Quantized compute for NNX: what the adapter answers the core's matmul routing
+(:mod:`jmp_policy._src.framework.routing`) with.
 
-Under an int8 or float8 policy, an ``nnx.Linear`` whose ``dot_general`` is JAX's own, an
-``nnx.LinearGeneral`` whose user set neither ``dot_general`` nor ``dot_general_cls``, and
-an ``nnx.Einsum`` whose ``einsum_op`` is ``jnp.einsum`` run with a replacement in that
-attribute for the duration of the call, on the policy-running copy of the model (it is
-restored after): the matmul :func:`jmp_policy._src.quantization.matmuls.pick` chooses for the layer's
-policy and kernel (int8 compute, a quantized kernel read whole, or explicit float8 matmuls
-with delayed scaling, reading the layer's state, or current scaling:
-:mod:`jmp_policy._src.quantization.float8_matmul`). A layer whose user set their own matmul is left alone.
+An ``nnx.Linear`` whose ``dot_general`` is JAX's own, an ``nnx.LinearGeneral`` whose user
+set neither ``dot_general`` nor ``dot_general_cls``, and an ``nnx.Einsum`` whose
+``einsum_op`` is ``jnp.einsum`` are routable: the core's matmul goes in that attribute for
+the duration of the call, on the policy-running copy of the model (it is restored after).
+A layer whose user set their own matmul is left alone. A ``QuantizedArray`` kernel reaches
+its layer whole, as a stack's slice read in the loop, or dequantized ahead of its stack
+(:func:`quantized_run`).
 
-**float8 state.** A float8 layer reads its state from its attribute ``float8``
-(:data:`ATTR`), a :class:`Float8State` that :func:`jmp_policy.nnx.init_float8` creates:
-one dict of the scales and amax histories of its input, kernel and output gradient. The
-state's gradient is its new value (:func:`split_gradients`). NNX keeps one state per
-layer, not per call: a float8 layer called twice in one run is a ``ValueError``.
+**The state slot.** A layer under a stateful scheme reads its state from the attribute
+named by the scheme's ``state_kind`` (float8: ``float8``, a :class:`Float8State` that
+:func:`jmp_policy.nnx.init_float8` creates: one dict of the scales and amax histories of
+its input, kernel and output gradient). The state's gradient is its new value
+(:func:`split_gradients`). NNX keeps one state per layer, not per call: a float8 layer
+called twice in one run is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ class Float8State(nnx.Variable):
         >>> sorted(nnx.state(layer, jp.nnx.Float8State)["float8"].get_value())[:2]
         ['input_amax_history', 'input_scale']
     """
+
+
+class SchemeState(nnx.Variable):
+    """The state of a stateful scheme other than float8 (a toy format's), on its layer."""
+
+
+def state_type(kind: str) -> type[nnx.Variable[Any]]:
+    """The variable type holding a layer's state of kind ``kind`` (the scheme's
+    ``state_kind``): :class:`Float8State` for float8's."""
+    return Float8State if kind == ATTR else SchemeState
 
 
 def replacement(module: Any) -> str | None:
@@ -153,11 +164,12 @@ def _where(call: Any) -> str:
     return f"{type(call.module).__name__} at {call.path or 'the root'!r}"
 
 
-def _float8_state(call: Any) -> dict[str, jax.Array]:
-    """The state of a float8 layer's call, after checking it is there and called once."""
+def layer_state(call: Any, scheme: Any) -> dict[str, jax.Array]:
+    """The state slot: the state of kind ``scheme.state_kind`` of a layer's call, after
+    checking it is there, fits the scheme and is read once in the run."""
     module, policy = call.module, call.resolution.policy
-    variable = getattr(module, ATTR, None)
-    if not isinstance(variable, Float8State):
+    variable: Any = getattr(module, scheme.state_kind, None)
+    if not isinstance(variable, state_type(scheme.state_kind)):
         raise ValueError(
             f"{_where(call)} runs under the float8 policy {policy.name!r} but has no float8 "
             f"state (a `jmp_policy.nnx.Float8State` attribute {ATTR!r}). Create it with "
@@ -179,53 +191,56 @@ def _float8_state(call: Any) -> dict[str, jax.Array]:
             )
         called[id(module)] = module  # kept alive, so its id is not reused in this run
     state = variable.get_value()
-    history = getattr(
-        state.get("input_amax_history") if isinstance(state, dict) else None, "shape", None
-    )
-    if history != (policy.amax_history_length,):
+    if _shapes(state) != _shapes(jax.eval_shape(scheme.init_state)):
+        history = _shapes(state.get("input_amax_history") if isinstance(state, dict) else None)
+        length = getattr(policy, "amax_history_length", None)
         raise ValueError(
             f"{_where(call)} runs under the float8 policy {policy.name!r} with "
-            f"amax_history_length={policy.amax_history_length}, but its float8 state holds "
+            f"amax_history_length={length}, but its float8 state holds "
             f"an amax history of shape {history}. Create the state with the map you apply: "
             "`jmp_policy.nnx.init_float8(model, policy_or_map)`."
         )
-    return state
+    return state  # type: ignore[no-any-return]
 
 
-def quantized_matmuls(
-    call: Any, next_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """The hook extension: quantized layers' matmuls (see the module docstring)."""
-    module, policy = call.module, call.resolution.policy
-    name = None if module is None else replacement(module)
-    if name is None:
-        ahead = (_AHEAD.get() or {}).get(call.path)
-        matmuls.own_matmul_in_stack(call.path, ahead, policy.scheme)
-        return next_fn(*args, **kwargs)
-    if policy.scheme is not None and policy.scheme.stateful:
-        state = _float8_state(call)
-    else:
-        state = None
-        ahead = (_AHEAD.get() or {}).get(call.path)
-        if matmuls.dequantized_ahead(call.path, ahead, policy.scheme):
-            return next_fn(*args, **kwargs)
-    kind = kind_of(name)
-    whole = _WHOLE.get()
-    kernel = None if whole is None else whole.get(call.path)
-    stack = None if state is not None else (_SLICED.get() or {}).get(call.path)
-    if stack is not None:
-        kernel = _layer_kernel(module, stack)
-    value = matmuls.pick(policy, kind, call.path, state, kernel)
-    if value is None:
-        return next_fn(*args, **kwargs)
-    if stack is None:
-        with interception.attribute_set(module, name, value):
-            return next_fn(*args, **kwargs)
+def _shapes(tree: Any) -> Any:
+    return jax.tree.map(lambda x: getattr(x, "shape", None), tree)
+
+
+def kernel(module: Any, path: str | None) -> Any:
+    """A routable layer's kernel as its matmul receives it: the ``QuantizedArray`` it
+    reads whole, its own slice of a stacked one, else its (cast) kernel's value."""
+    if path is not None:
+        whole = (_WHOLE.get() or {}).get(path)
+        if whole is not None:
+            return whole
+        stack = (_SLICED.get() or {}).get(path)
+        if stack is not None:
+            return _layer_kernel(module, stack)
+    return module.kernel.get_value()
+
+
+def kernel_ahead(path: str) -> Any:
+    """The ``QuantizedArray`` kernel dequantized ahead of the layer at ``path``."""
+    return (_AHEAD.get() or {}).get(path)
+
+
+@contextlib.contextmanager
+def install(call: Any, matmul: Callable[..., Any]) -> Iterator[None]:
+    """The layer of ``call`` runs with ``matmul`` in its matmul's attribute (a stacked
+    layer's reading its slice, its int4 values promoted as int8)."""
+    module = call.module
+    name = replacement(module)
+    assert name is not None  # the core routes routable layers only
+    if (_SLICED.get() or {}).get(call.path) is None:
+        with interception.attribute_set(module, name, matmul):
+            yield
+        return
     with (
-        interception.attribute_set(module, name, matmuls.in_stack(value, call.path)),
+        interception.attribute_set(module, name, matmuls.in_stack(matmul, call.path)),
         interception.attribute_set(module, "promote_dtype", _int4_as_int8(module.promote_dtype)),
     ):
-        return next_fn(*args, **kwargs)
+        yield
 
 
 def _layer_kernel(module: Any, stack: Any) -> Any:

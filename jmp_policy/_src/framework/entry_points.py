@@ -21,6 +21,7 @@ from jmp_policy._src import interception
 from jmp_policy._src.calibration_report import format_calibration
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.framework.protocol import OUT_IN, Adapter, Layer
+from jmp_policy._src.framework.routing import routed_matmuls as routed_matmuls
 from jmp_policy._src.options import Options, floating_policy_or_map, quantizing_policy_or_map
 from jmp_policy._src.quantization import is_quantized, matmuls
 from jmp_policy._src.resolution import ModuleInfo, Resolver
@@ -37,57 +38,18 @@ def resolver_for(adapter: Adapter, model: Any, policies: Any, options: Options) 
     return resolver
 
 
-def _where(call: interception.Call) -> str:
-    return f"{type(call.module).__name__} at {call.path or 'the root'!r}"
-
-
-# id(adapter) -> (adapter, its routed-matmul extension): one extension per adapter, so the
-# classes an adapter caches per (path, resolution, extensions) are made once.
-_ROUTED: dict[int, tuple[Adapter, interception.Extension]] = {}
-
-
-def routed_matmuls(adapter: Adapter) -> interception.Extension:
-    """The hook extension that installs, for one call, the matmul the core picks for a
-    routable layer (its policy's scheme, or a ``QuantizedArray`` kernel read whole)."""
-    if id(adapter) in _ROUTED:
-        return _ROUTED[id(adapter)][1]
-
-    def extension(
-        call: interception.Call, next_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
-    ) -> Any:
-        kernel = None if call.module is None else adapter.kernel_of(call.module)
-        if kernel is None:  # not a layer whose matmul the core can route
-            return next_fn(*args, **kwargs)
-        policy = call.resolution.policy
-        scheme = policy.scheme
-        if scheme is not None and scheme.stateful:
-            raise ValueError(
-                f"{_where(call)} runs under {policy.name!r}, whose scheme keeps state per "
-                f"layer (float8 delayed scaling), which {adapter.model_name} models do not "
-                "hold yet. Use current scaling, 'float8_current_from_<source>' (the tensor's "
-                "own amax, no state), or a float or int8 policy for this layer."
-            )
-        dequantized = (
-            is_quantized(kernel) and scheme is not None and not scheme.reads_stored_kernels
-        )
-        if dequantized:  # its format reads a stored kernel dequantized, as Linen and NNX do
-            kernel = policy.cast_to_compute(kernel)
-        stored = kernel if is_quantized(kernel) else None
-        matmul = matmuls.pick(policy, "dot_general", call.path, None, stored)
-        if matmul is None:
-            if not dequantized:
-                return next_fn(*args, **kwargs)  # the layer as written
-            matmul = jax.lax.dot_general
-        return adapter.call_with_matmul(call.module, matmul, kernel, args, kwargs)
-
-    _ROUTED[id(adapter)] = (adapter, extension)  # the adapter kept: its id is never reused
-    return extension
-
-
 def apply(
-    adapter: Adapter, model: Any, policy_or_map: Any, options: Options, extensions: tuple[Any, ...]
+    adapter: Adapter,
+    model: Any,
+    policy_or_map: Any,
+    options: Options,
+    extensions: tuple[Any, ...],
+    invoke: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
-    """A function with ``model``'s call signature that runs it per submodule."""
+    """A function with ``model``'s call signature that runs it per submodule.
+
+    ``invoke(copy, resolver, extensions, args, kwargs)``, when given, calls the
+    policy-running copy instead of ``copy(*args, **kwargs)`` (another method of it)."""
     adapter.check(model)
     policies = floating_policy_or_map(policy_or_map)
     # Quantized and float8 matmuls innermost, on the layers whose kernel the core routes.
@@ -95,8 +57,14 @@ def apply(
 
     def run(*args: Any, **kwargs: Any) -> Any:
         resolver = resolver_for(adapter, model, policies, options)
+
+        def call(copy: Any) -> Any:
+            if invoke is None:
+                return copy(*args, **kwargs)
+            return invoke(copy, resolver, every, args, kwargs)
+
         with interception.model_run(options):
-            return adapter.run(model, resolver, options, every, lambda m: m(*args, **kwargs))
+            return adapter.run(model, resolver, options, every, call)
 
     return run
 
@@ -108,28 +76,44 @@ def canonical(kernel: Any, layer: Layer) -> Any:
 
 def quantize(adapter: Adapter, model: Any, policy_or_map: Any) -> Any:
     """A new model whose routable layers under int8/int4 policies hold ``QuantizedArray``
-    kernels (``[in, out]``; a stacked layer quantized per layer)."""
+    kernels (``[in, out]``; a stacked layer quantized per layer); an adapter with the
+    optional ``weights`` operation names the weights its quantize covers itself."""
     adapter.check(model)
     policies = quantizing_policy_or_map(policy_or_map)
-    tree: dict[str, Any] = {}
-    stacked_axes: dict[str, tuple[int, int]] = {}
-    for layer in adapter.layers(model):
-        if layer.kernel_name is None or is_quantized(layer.kernel):
-            continue
-        parts = [*(layer.path.split("/") if layer.path else []), layer.kernel_name]
-        node = tree
-        for part in parts[:-1]:  # nested by path: the map resolves it as a module tree
-            node = node.setdefault(part, {})
-        node[parts[-1]] = canonical(layer.kernel, layer)
-        if layer.stacked:
-            stacked_axes[re.escape("/".join(parts))] = (len(layer.stacked), 0)
-    quantized = policies.quantize(tree, stacked_axes=stacked_axes)
-    found = jax.tree_util.tree_flatten_with_path(quantized, is_leaf=is_quantized)[0]
-    kernels = {}
-    for key_path, q in found:
-        if is_quantized(q):
-            kernels[parent_path(leaf_path(key_path)) or ""] = q
-    return adapter.with_kernels(model, kernels)
+    weights = getattr(adapter, "weights", None)
+    tree, stacked_axes, rebuild = (weights or _layer_kernels(adapter))(model)
+    return rebuild(policies.quantize(tree, stacked_axes=stacked_axes))
+
+
+def _layer_kernels(adapter: Adapter) -> Callable[[Any], Any]:
+    """``weights`` from the adapter's layers: each routable float kernel as ``[in, out]``
+    in a module tree, a stacked one's stacked axes leading; put back by ``with_kernels``."""
+
+    def weights(model: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
+        tree: dict[str, Any] = {}
+        stacked_axes: dict[str, tuple[int, int]] = {}
+        for layer in adapter.layers(model):
+            if layer.kernel_name is None or is_quantized(layer.kernel):
+                continue
+            parts = [*(layer.path.split("/") if layer.path else []), layer.kernel_name]
+            node = tree
+            for part in parts[:-1]:  # nested by path: the map resolves it as a module tree
+                node = node.setdefault(part, {})
+            node[parts[-1]] = canonical(layer.kernel, layer)
+            if layer.stacked:
+                stacked_axes[re.escape("/".join(parts))] = (len(layer.stacked), 0)
+
+        def rebuild(quantized: Any) -> Any:
+            found = jax.tree_util.tree_flatten_with_path(quantized, is_leaf=is_quantized)[0]
+            kernels = {}
+            for key_path, q in found:
+                if is_quantized(q):
+                    kernels[parent_path(leaf_path(key_path)) or ""] = q
+            return adapter.with_kernels(model, kernels)
+
+        return tree, stacked_axes, rebuild
+
+    return weights
 
 
 def explain(

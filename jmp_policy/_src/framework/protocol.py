@@ -91,3 +91,41 @@ class Adapter(Protocol):
     def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
         """A new model whose layers at these paths hold these kernels (``[in, out]``
         ``QuantizedArray`` values); ``model`` is left as it is."""
+
+
+class Routing(Protocol):
+    """Optional operations of an adapter, each asked only of an adapter that has it
+    (:mod:`jmp_policy._src.framework.routing`, :mod:`jmp_policy._src.framework.state`).
+
+    ``call`` is the hook's :class:`~jmp_policy._src.interception.Call` of the layer.
+    """
+
+    def matmul_kind(self, module: Any) -> str:
+        """``"dot_general"`` (the default without this method) or ``"einsum"``: the
+        drop-in a routed layer's matmul is."""
+
+    def install_matmul(self, call: Any, matmul: Callable[..., Any]) -> Any:
+        """A context manager during which the layer of ``call`` runs its own code with
+        ``matmul`` as its matmul (instead of ``call_with_matmul``)."""
+
+    def kernel_ahead(self, call: Any) -> Any:
+        """The ``QuantizedArray`` kernel dequantized ahead of the layer of ``call`` (a
+        stack's that its layer cannot read a slice of), else ``None``."""
+
+    def layer_state(self, call: Any, scheme: Any) -> Any:
+        """The per-layer state slot: the state of kind ``scheme.state_kind`` that the
+        layer of ``call`` holds for this call (a ``ValueError`` saying how to create it
+        when it is missing or does not fit ``scheme``). Without this method a stateful
+        scheme is refused by name."""
+
+    def weights(self, model: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
+        """``(tree, stacked_axes, rebuild)``: the weights ``quantize`` covers (a tree the
+        map resolves by path), their stacked axes (``DTypePolicyMap.quantize``'s
+        ``stacked_axes``), and ``rebuild(quantized tree)``, a new model holding them
+        (without this method: the routable layers' kernels, put back by
+        ``with_kernels``)."""
+
+    def with_states(self, model: Any, states: Mapping[str, Any]) -> Any:
+        """A new model whose layers at these paths hold these states (``path ->``
+        :class:`~jmp_policy._src.framework.state.Slot`, its value stacked as the layer
+        is); ``model`` is left as it is."""
