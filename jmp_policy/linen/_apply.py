@@ -12,10 +12,7 @@ from jmp_policy._src.options import Options
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
 from jmp_policy.linen._adapter import ADAPTER, Bound
-from jmp_policy.linen._kv_cache import kv_caches
 from jmp_policy.linen._modules import MATMUL_CLASSES, check_method, check_variables, prepare
-from jmp_policy.linen._reads import PARAM_READS
-from jmp_policy.linen._trace import method_for
 
 
 def apply(
@@ -93,20 +90,6 @@ def apply(
     """
     policies, opts = prepare(module, policy_or_map, method, options)
     return apply_with(module, policies, opts, method)
-
-
-def apply_call(
-    module: nn.Module, args: Any, kwargs: Mapping[str, Any], method: Any, **apply_kwargs: Any
-) -> Callable[[Any, Resolver], Any]:
-    """The model call a traced run makes: ``module.apply`` on the cast variables, with
-    ``method`` as the resolver runs it (``apply_kwargs``: ``rngs``, ``mutable``, ...)."""
-
-    def call(cast_variables: Any, resolver: Resolver) -> Any:
-        method_run = method_for(resolver, method)
-        with kv_caches(resolver.options.kv_cache, PARAM_READS):
-            return module.apply(cast_variables, *args, method=method_run, **apply_kwargs, **kwargs)
-
-    return call
 
 
 def apply_with(
