@@ -1,4 +1,4 @@
-"""Running a Linen model per submodule: `apply` and the parameters it hands back."""
+"""Running a Linen model per submodule: ``apply``, the core's with the Linen adapter."""
 
 from __future__ import annotations
 
@@ -6,55 +6,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
-import jax
 
-from jmp_policy._src import casting, quantization
+from jmp_policy._src.framework import entry_points
 from jmp_policy._src.options import Options
-from jmp_policy._src.policy_map import leaf_path
-from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
-from jmp_policy.linen._kv_cache import kv_caches
+from jmp_policy.linen._adapter import ADAPTER, Bound
 from jmp_policy.linen._modules import MATMUL_CLASSES, check_method, check_variables, prepare
-from jmp_policy.linen._reads import PARAM_READS
-from jmp_policy.linen._trace import flat_params, method_for, run_traced
-
-
-def _restore_params(returned: Any, passed: Any, stored: Any, resolver: Resolver) -> Any:
-    """``mutable`` "params" back in their stored dtypes (the stored leaf when unchanged; a
-    quantized kernel as stored, the scales a stack's loop sliced beside it dropped)."""
-
-    def by_path(tree: Any) -> dict[str, Any]:
-        return {leaf_path(key_path): leaf for key_path, leaf in flat_params(tree)[0]}
-
-    passed_leaves, stored_leaves = by_path(passed), by_path(stored)
-    flat, treedef = flat_params(_without_layer_leaves(returned))
-    leaves = []
-    for key_path, leaf in flat:
-        path = leaf_path(key_path)
-        if path in stored_leaves and (
-            leaf is passed_leaves[path] or quantization.is_quantized(stored_leaves[path])
-        ):
-            leaves.append(stored_leaves[path])
-        elif path in stored_leaves and hasattr(stored_leaves[path], "dtype"):
-            leaves.append(casting.cast_leaf(leaf, stored_leaves[path].dtype))
-        else:
-            leaves.append(casting.cast_leaf(leaf, resolver.variable_dtype(path)))
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _without_layer_leaves(tree: Any) -> Any:
-    """``tree`` without the leaves a stacked quantized kernel's scales were passed in
-    (:mod:`jmp_policy._src.quantization.stack_layers`)."""
-    if not isinstance(tree, Mapping):
-        return tree
-    return type(tree)(  # type: ignore[call-arg]
-        {
-            name: _without_layer_leaves(value)
-            for name, value in tree.items()
-            if not stack_layers.is_extra_leaf(str(name))
-        }
-    )
 
 
 def apply(
@@ -134,31 +92,19 @@ def apply(
     return apply_with(module, policies, opts, method)
 
 
-def apply_call(
-    module: nn.Module, args: Any, kwargs: Mapping[str, Any], method: Any, **apply_kwargs: Any
-) -> Callable[[Any, Resolver], Any]:
-    """The model call a traced run makes: ``module.apply`` on the cast variables, with
-    ``method`` as the resolver runs it (``apply_kwargs``: ``rngs``, ``mutable``, ...)."""
-
-    def call(cast_variables: Any, resolver: Resolver) -> Any:
-        method_run = method_for(resolver, method)
-        with kv_caches(resolver.options.kv_cache, PARAM_READS):
-            return module.apply(cast_variables, *args, method=method_run, **apply_kwargs, **kwargs)
-
-    return call
-
-
-def apply_with(module: nn.Module, policies: Any, opts: Options, method: Any) -> Callable[..., Any]:
-    """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
+def apply_with(
+    module: nn.Module,
+    policies: Any,
+    opts: Options,
+    method: Any,
+    extensions: tuple[Any, ...] = (),
+) -> Callable[..., Any]:
+    """:func:`apply` with checked arguments and built options: the core's ``apply`` on
+    each call's variables (``extensions``: ``diagnose``'s taps). ``fn.bind(variables,
+    **apply_kwargs)`` is the core's model of one call."""
     default_method = method
-    known: dict[str, Any] = {}
+    known: dict[str, Any] = {}  # the modules met, kept across calls
     warned: set[str] = set()  # what this wrapper has warned about
-
-    params: list[Any] = [None]  # the parameters of the call being run
-
-    def report(resolver: Resolver) -> None:
-        compute = compute_modules(resolver, params[0], MATMUL_CLASSES)
-        warn_once(resolver, type(module).__name__, warned, compute)
 
     def apply_fn(
         variables: Mapping[str, Any],
@@ -169,31 +115,29 @@ def apply_with(module: nn.Module, policies: Any, opts: Options, method: Any) -> 
         capture_intermediates: Any = False,
         **kwargs: Any,
     ) -> Any:
-        check_variables(variables)
-        params[0] = variables.get("params")
-        method = default_method if method is None else method
-        check_method(module, method)
-        call = apply_call(
-            module,
-            args,
-            kwargs,
-            method,
+        model = bind(
+            variables,
             rngs=rngs,
+            method=method,
             mutable=mutable,
             capture_intermediates=capture_intermediates,
+            **kwargs,
         )
-        result, resolver, cast_variables = run_traced(
-            module, policies, opts, known, variables, call, method, report
-        )
-        report(resolver)
-        if mutable is not False or capture_intermediates:
-            out, state = result
-            if isinstance(state, Mapping) and "params" in state and "params" in variables:
-                state = dict(state)
-                state["params"] = _restore_params(
-                    state["params"], cast_variables["params"], variables["params"], resolver
-                )
-            return out, state
-        return result
+        return entry_points.apply(ADAPTER, model, policies, opts, extensions)(*args)
 
+    def bind(variables: Mapping[str, Any], method: Any = None, **apply_kwargs: Any) -> Bound:
+        """The core's model for one call (``apply_kwargs``: ``module.apply``'s keywords
+        and the model's); checks ``variables`` and ``method``."""
+        check_variables(variables)
+        method = default_method if method is None else method
+        check_method(module, method)
+        params = variables.get("params")
+
+        def report(resolver: Resolver) -> None:
+            compute = compute_modules(resolver, params, MATMUL_CLASSES)
+            warn_once(resolver, type(module).__name__, warned, compute)
+
+        return Bound(module, variables, known, method, apply_kwargs, report)
+
+    apply_fn.bind = bind  # type: ignore[attr-defined]
     return apply_fn

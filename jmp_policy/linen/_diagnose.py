@@ -1,8 +1,7 @@
-"""Diagnosing a Linen model: its apply function with statistics taps, returning a report."""
+"""Diagnosing a Linen model: the core's ``diagnose`` on each call's variables."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,6 +9,8 @@ import flax.linen as nn
 import jax
 
 from jmp_policy._src import diagnostics
+from jmp_policy._src.framework.diagnose import diagnose as diagnose_once
+from jmp_policy.linen._adapter import ADAPTER
 from jmp_policy.linen._apply import apply_with
 from jmp_policy.linen._modules import prepare
 
@@ -85,10 +86,9 @@ def diagnose(
         >>> int(report.with_gradients(probe_grad).gradients["head"].size)   # head's (8, 2)
         16
     """
-    select = diagnostics.selection(every, paths)
+    diagnostics.selection(every, paths)  # checked now, as the other arguments
     policies, opts = prepare(module, policy_or_map, method, options)
-    opts = dataclasses.replace(opts, extensions=(diagnostics.Taps(), *opts.extensions))
-    run = apply_with(module, policies, opts, method)
+    bind = apply_with(module, policies, opts, method).bind  # type: ignore[attr-defined]
 
     def diagnose_fn(
         variables: Mapping[str, Any],
@@ -97,15 +97,13 @@ def diagnose(
         step: Any = None,
         **kwargs: Any,
     ) -> tuple[Any, diagnostics.Report]:
-        with diagnostics.collecting(probe, select, step) as collector:
-            result = run(variables, *args, **kwargs)
-            report = collector.report()
-        return result, report
+        run = diagnose_once(ADAPTER, bind(variables, **kwargs), policies, opts, every, paths)
+        return run(*args, probe=probe, step=step)  # type: ignore[no-any-return]
 
     def probe(variables: Mapping[str, Any], *args: Any, **kwargs: Any) -> dict[str, jax.Array]:
         step = kwargs.pop("step", 0)
-        _, report = jax.eval_shape(lambda: diagnose_fn(variables, *args, step=step, **kwargs))
-        return report.probe()
+        run = diagnose_once(ADAPTER, bind(variables, **kwargs), policies, opts, every, paths)
+        return run.probe(*args, step=step)  # type: ignore[attr-defined,no-any-return]
 
     diagnose_fn.probe = probe  # type: ignore[attr-defined]
     return diagnose_fn

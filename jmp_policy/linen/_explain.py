@@ -9,23 +9,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jmp_policy._src.calibration_report import format_calibration
-from jmp_policy._src.explain import format_matmuls, format_rows
+from jmp_policy._src.framework import entry_points
 from jmp_policy._src.kv_cache import report as kv_report
 from jmp_policy._src.options import OPTION_DEFAULTS, floating_policy_or_map
-from jmp_policy._src.quantization import matmuls
-from jmp_policy._src.resolution import Resolver
-from jmp_policy._src.run_report import float8_not_run, resolved_rows, unused_keys_note
-from jmp_policy.linen._apply import apply_call
+from jmp_policy.linen._adapter import ADAPTER, Bound
 from jmp_policy.linen._kv_cache import CACHE_NAMES
-from jmp_policy.linen._modules import (
-    check_method,
-    check_module,
-    check_variables,
-    options,
-    own_dtype,
-)
-from jmp_policy.linen._trace import run_traced
+from jmp_policy.linen._modules import check_method, check_module, check_variables, options
 
 
 def explain(
@@ -87,32 +76,26 @@ def explain(
     """
     check_module(module)
     check_variables(variables)
-    calibrated = format_calibration(kwargs.pop("calibration", None), variables.get("params"))
+    calibration = kwargs.pop("calibration", None)
     policies = floating_policy_or_map(policy_or_map)
     opts = options({k: kwargs.pop(k) for k in OPTION_DEFAULTS if k in kwargs})
-    rngs, mutable = kwargs.pop("rngs", None), kwargs.pop("mutable", False)
+    apply_kwargs = {"rngs": kwargs.pop("rngs", None), "mutable": kwargs.pop("mutable", False)}
     method = kwargs.pop("method", None)
     check_method(module, method)
-    known: dict[str, Any] = {}
-    found: list[Resolver] = []
     leaves, treedef = jax.tree.flatten((dict(variables), args, kwargs))
     traced = [isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves]
+    text: list[str] = []
 
-    def trace(*arrays: Any) -> None:
+    def trace(*arrays: Any) -> None:  # variables given as shapes are traced with the rest
         it = iter(arrays)
         full = [next(it) if flag else x for x, flag in zip(leaves, traced, strict=True)]
         v, a, k = jax.tree.unflatten(treedef, full)
-        call = apply_call(module, a, k, method, rngs=rngs, mutable=mutable)
-        found.append(run_traced(module, policies, opts, known, v, call, method)[1])
+        model = Bound(module, v, {}, method, {**apply_kwargs, **k})  # the call's keywords
+        ADAPTER.learn(model, policies, opts, a, {})  # the modules, in the order of their calls
+        text.append(
+            entry_points.explain(ADAPTER, model, policies, opts, (), a, calibration, trace=True)
+        )
 
-    with matmuls.recording() as forms:
-        jax.eval_shape(trace, *[x for x, flag in zip(leaves, traced, strict=True) if flag])
-    resolver = found[-1]
-    resolver.module("", type(module), own_dtype(module))
-    params = variables.get("params", {})
-    rows = resolved_rows(resolver, params)
-    float8_not_run(resolver, rows, params, forms)
-    unused = unused_keys_note(resolver, type(module).__name__)
+    jax.eval_shape(trace, *[x for x, flag in zip(leaves, traced, strict=True) if flag])
     caches = kv_report.cache_rows(variables.get("cache", {}), opts.kv_cache, CACHE_NAMES)
-    tables = format_rows(rows) + unused + format_matmuls(forms) + calibrated
-    return tables + kv_report.format_caches(caches)
+    return text[-1] + kv_report.format_caches(caches)

@@ -14,9 +14,9 @@ from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
-from jmp_policy.linen._apply import apply_call
+from jmp_policy.linen._adapter import ADAPTER, Bound
 from jmp_policy.linen._modules import MATMUL_CLASSES, check_method, prepare
-from jmp_policy.linen._trace import interceptor, method_for, root_method, run_traced
+from jmp_policy.linen._trace import interceptor, method_for, root_method
 
 _INIT_MUTABLE = nn.DenyList("intermediates")  # `module.init`'s default
 
@@ -91,18 +91,15 @@ def init(
         # The other collections (caches, batch statistics, float8 state) are made as
         # `apply` uses them: by a run on the parameters cast to compute dtypes.
         apply_rngs: Any = rngs if isinstance(rngs, Mapping) else {"params": rngs}
-        call = apply_call(
+        model = Bound(
             module,
-            args,
-            kwargs,
+            {"params": params},
+            dict(first.infos),
             method,
-            rngs=apply_rngs,
-            mutable=True,
-            capture_intermediates=capture_intermediates,
+            {"rngs": apply_rngs, "mutable": True, "capture_intermediates": capture_intermediates},
         )
-        (_, state), resolver, _ = run_traced(
-            module, policies, opts, dict(first.infos), {"params": params}, call, method
-        )
+        resolver = Resolver(policies, opts)
+        _, state = ADAPTER.run(model, resolver, opts, (), lambda m: m(*args, **kwargs))
         variables = {"params": _in_variable_dtypes(params, resolver)}
         for name, collection in state.items():
             if name != "params" and in_filter(mutable, name):

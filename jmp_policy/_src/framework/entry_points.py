@@ -29,6 +29,13 @@ from jmp_policy._src.run_report import float8_not_run, resolved_rows, unused_key
 from jmp_policy._src.tree_paths import leaf_path, parent_path
 
 
+def class_name(adapter: Adapter, model: Any) -> str:
+    """The model's class in messages: the adapter's optional ``class_name(model)``, else
+    the model's type (a framework whose model is a pair names its module's class)."""
+    named = getattr(adapter, "class_name", None)
+    return type(model).__name__ if named is None else str(named(model))
+
+
 def resolver_for(adapter: Adapter, model: Any, policies: Any, options: Options) -> Resolver:
     """A resolver that knows every module of ``model`` (its class and own dtype)."""
     infos = {layer.path: ModuleInfo(layer.cls, layer.own_dtype) for layer in adapter.layers(model)}
@@ -124,17 +131,20 @@ def explain(
     extensions: tuple[Any, ...],
     args: tuple[Any, ...],
     calibration: Any = None,
+    *,
+    trace: bool = False,
 ) -> str:
-    """The table of each module's policy and why; with ``args``, the matmul each layer runs
-    (traced shape-only: nothing is computed)."""
+    """The table of each module's policy and why; with ``args`` (or ``trace``: a model
+    called with none), the matmul each layer runs (traced shape-only: nothing is
+    computed)."""
     adapter.check(model)
     policies = floating_policy_or_map(policy_or_map)
     params = dict(adapter.params(model))
     calibrated = format_calibration(calibration, params)
     resolver = resolver_for(adapter, model, policies, options)
     rows = resolved_rows(resolver, params, is_leaf=is_quantized)
-    table = format_rows(rows) + unused_keys_note(resolver, type(model).__name__)
-    if not args:
+    table = format_rows(rows) + unused_keys_note(resolver, class_name(adapter, model))
+    if not args and not trace:
         return table + calibrated
     run = apply(adapter, model, policies, options, extensions)
     # Arrays (and shapes) traced, every other argument held as given: a Python flag such as

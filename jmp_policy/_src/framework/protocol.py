@@ -88,6 +88,9 @@ class Adapter(Protocol):
         """``(arrays, merge)``: the model's arrays as a pytree ``jax.jit`` takes, and the
         function that rebuilds the model from them (``merge(arrays)``)."""
 
+    # Optional: ``class_name(model) -> str``, the model's class in messages (default
+    # ``type(model).__name__``; Linen's model is a module with its variables).
+
     def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
         """A new model whose layers at these paths hold these kernels (``[in, out]``
         ``QuantizedArray`` values); ``model`` is left as it is."""
@@ -129,3 +132,24 @@ class Routing(Protocol):
         """A new model whose layers at these paths hold these states (``path ->``
         :class:`~jmp_policy._src.framework.state.Slot`, its value stacked as the layer
         is); ``model`` is left as it is."""
+
+class RoutesOwnMatmuls:
+    """A base for adapters whose layers route their own matmuls (the Flax glues, while
+    their float8 state and stacked kernels live there): the core routes none of their
+    modules, and their ``quantize`` places kernels itself."""
+
+    def kernel_of(self, module: Any) -> Any:
+        return None
+
+    def call_with_matmul(
+        self,
+        module: Any,
+        matmul: Callable[..., Any],
+        kernel: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}'s layers route their own matmuls")
+
+    def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} places quantized kernels itself")
