@@ -133,6 +133,7 @@ class Routing(Protocol):
         :class:`~jmp_policy._src.framework.state.Slot`, its value stacked as the layer
         is); ``model`` is left as it is."""
 
+
 class RoutesOwnMatmuls:
     """A base for adapters whose layers route their own matmuls (the Flax glues, while
     their float8 state and stacked kernels live there): the core routes none of their
