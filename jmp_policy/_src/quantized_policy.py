@@ -192,11 +192,8 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
         mode: ``"int4"`` (or Keras 3's ``"int4/<block>"``, whose block is used).
         source_name: the float policy the dtypes come from; ``None`` takes the global one.
         block_size: rows per block along the input axis; ``-1`` (or ``None``) per channel.
-        symmetric: Keras's key. ``True``: abs-max scales, codes ``-7..7``; ``False``: a
-            zero point per group and all 16 codes (the name ``"int4/<block>/asym"``);
-            ``None`` (the default): as ``mode`` says (symmetric unless it ends ``/asym``).
-            A config writes ``"symmetric": False`` for asymmetric policies only, so configs
-            from before read as they were.
+        symmetric: Keras's key: ``False``, a zero point per group on all 16 codes (names
+            ``"int4/<block>/asym"``); ``None``: as ``mode`` says (configs write it if False).
 
     Raises:
         TypeError: ``block_size`` is not an ``int`` (bools included) or ``None``;
@@ -268,8 +265,7 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
         return self._scheme.symmetric  # type: ignore[no-any-return]
 
     def get_config(self) -> dict[str, Any]:
-        """Keras's fields: ``mode`` (``"int4/<block>"``) and ``source_name``, and
-        ``"symmetric": False`` where the groups have zero points."""
+        """Keras's ``mode`` and ``source_name``; ``"symmetric": False`` with zero points."""
         if self._scheme.symmetric:
             return super().get_config()
         mode = f"int4/{self._scheme.block_size}"

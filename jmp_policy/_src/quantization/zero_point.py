@@ -47,11 +47,11 @@ class ZeroPointArray(QuantizedArray):
         >>> import jax.numpy as jnp
         >>> import jmp_policy as jp
         >>> policy = jp.Int4DTypePolicy("int4", "float32", block_size=2, symmetric=False)
-        >>> q = policy.quantize({"kernel": jnp.asarray([[0.0, 1.0], [3.0, -1.0]])})["kernel"]
+        >>> q = policy.quantize({"kernel": jnp.asarray([[0.0, -1.5], [3.0, 0.0]])})["kernel"]
         >>> q.zero_point.dtype, q.zero_point.shape, q.nbytes
         (dtype('int8'), (1, 2), 12)
-        >>> q.dequantize().tolist()
-        [[0.0, 1.0], [3.0, -1.0]]
+        >>> jnp.round(q.dequantize(), 4).tolist()
+        [[0.0, -1.5], [3.0, 0.0]]
     """
 
     zero_point: Any = None
