@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import jax
 from flax import nnx
 
 from jmp_policy._src import user_warnings
@@ -29,6 +30,7 @@ from jmp_policy._src.framework.routing import routed_matmuls
 from jmp_policy._src.options import Options
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
+from jmp_policy._src.tree_paths import leaf_path
 from jmp_policy.nnx._copy import cast_copy, warn_plain_arrays, write_back
 from jmp_policy.nnx._hook import call_path, dress, original_class
 from jmp_policy.nnx._kv_cache import kv_caches
@@ -163,6 +165,17 @@ class NnxAdapter:
             return copy
 
         return nnx.state(copy, nnx.Param), stacked_axes, rebuild
+
+    def search_kernels(self, model: Any) -> tuple[dict[str, Any], dict[str, int]]:
+        # Every nnx.Param kernel of rank >= 2 (nnx.Conv's too), and where a stack's
+        # layers start when not on axis 0.
+        kernels = {}
+        params = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
+        for key_path, leaf in params:
+            layer, _, name = leaf_path(key_path).rpartition("/")
+            if name == "kernel" and getattr(leaf, "ndim", 0) >= 2:
+                kernels[layer] = leaf
+        return kernels, {path: at for path, at in stack_axes(model).items() if at}
 
     def with_states(self, model: Any, states: Mapping[str, Any]) -> Any:
         copy = nnx.clone(model)

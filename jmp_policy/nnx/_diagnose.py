@@ -6,10 +6,10 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import jax
 from flax import nnx
 
-from jmp_policy._src import diagnostics
+from jmp_policy._src.framework.diagnose import diagnose as diagnose_once
+from jmp_policy.nnx._adapter import ADAPTER
 from jmp_policy.nnx._apply import apply_with
 from jmp_policy.nnx._modules import is_nnx_object, prepare
 
@@ -75,28 +75,12 @@ def diagnose(
         >>> report.paths[1].path, report.paths[1].dtype
         ('body', 'float16')
     """
-    select = diagnostics.selection(every, paths)
     policies, opts = prepare(model, policy_or_map, options)
-    taps = diagnostics.Taps(opaque=is_nnx_object)
-    opts = dataclasses.replace(opts, extensions=(taps, *opts.extensions))
-    run = apply_with(model, policies, opts, method)
 
-    def diagnose_fn(*args: Any, probe: Any = None, step: Any = None, **kwargs: Any) -> Any:
-        with diagnostics.collecting(probe, select, step) as collector:
-            out = run(*args, **kwargs)
-            report = collector.report()
-        return out, report
+    def apply(model: nnx.Module, taps: tuple[Any, ...]) -> Callable[..., Any]:
+        tapped = dataclasses.replace(opts, extensions=(*taps, *opts.extensions))
+        return apply_with(model, policies, tapped, method)
 
-    def make_probe(*args: Any, **kwargs: Any) -> dict[str, jax.Array]:
-        graphdef, state = nnx.split(model)
-        step = kwargs.pop("step", 0)
-
-        def shapes(state: Any) -> diagnostics.Report:
-            copy = nnx.merge(graphdef, state)
-            fn = diagnose(copy, policies, method, every=every, paths=paths, **options)
-            return fn(*args, step=step, **kwargs)[1]
-
-        return jax.eval_shape(shapes, state).probe()
-
-    diagnose_fn.probe = make_probe  # type: ignore[attr-defined]
-    return diagnose_fn
+    return diagnose_once(
+        ADAPTER, model, policies, opts, every, paths, opaque=is_nnx_object, apply=apply
+    )

@@ -6,15 +6,14 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 from flax import nnx
 
 from jmp_policy._src import map_search
-from jmp_policy._src.tree_paths import leaf_path
+from jmp_policy._src.framework.search import search_map as search_once
+from jmp_policy._src.options import Options
+from jmp_policy.nnx._adapter import ADAPTER
 from jmp_policy.nnx._apply import apply_with
-from jmp_policy.nnx._init import quantize
 from jmp_policy.nnx._modules import check_model, prepare
-from jmp_policy.nnx._stack_axes import stack_axes
 
 
 def search_map(
@@ -77,32 +76,22 @@ def search_map(
         True
     """
     check_model(model)
-    args_of = inputs or (lambda batch: (batch,))
-    kernels = {}
-    for kp, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
-        layer, _, name = leaf_path(kp).rpartition("/")
-        if name == "kernel" and getattr(leaf, "ndim", 0) >= 2:
-            kernels[layer] = leaf
 
-    def make_loss(policy_map: Any) -> tuple[Callable[[Any, Any], Any], Any]:
-        policies, opts = prepare(model, policy_map, dict(options))
-        opts = dataclasses.replace(opts, extensions=(map_search.ScoreTaps(), *opts.extensions))
-        runner = quantize(model, policy_map) if map_search.stores_weights(policy_map) else model
-        run = apply_with(runner, policies, opts, "__call__")
+    def apply(runner: nnx.Module, policy_map: Any, taps: tuple[Any, ...]) -> Any:
+        policies, opts = prepare(runner, policy_map, dict(options))
+        tapped = dataclasses.replace(opts, extensions=(*taps, *opts.extensions))
+        return apply_with(runner, policies, tapped, "__call__")
 
-        def loss(_: Any, batch: Any) -> Any:
-            return loss_fn(run(*args_of(batch)), batch)
-
-        return loss, None
-
-    return map_search.search(
-        kernels,
-        make_loss,
+    return search_once(
+        ADAPTER,
+        model,
         batches,
-        candidates=candidates,
+        loss_fn,
         budget=budget,
+        candidates=candidates,
         base=base,
-        jit=False,
+        inputs=inputs,
         progress=progress,
-        stacked_at={path: at for path, at in stack_axes(model).items() if at},
+        options=Options(),
+        apply=apply,
     )

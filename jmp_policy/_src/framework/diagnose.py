@@ -20,14 +20,24 @@ def diagnose(
     options: Options,
     every: int = 1,
     paths: Any = None,
+    *,
+    opaque: Callable[[Any], bool] | None = None,
+    apply: Callable[[Any, tuple[Any, ...]], Callable[..., Any]] | None = None,
 ) -> Callable[..., Any]:
     """``fn(*args, probe=None, step=None, **kwargs) -> (outputs, report)``: the model run
     as ``apply`` runs it, each module call tapped (the taps outermost, so they see the
     call's cast inputs and its outputs after the output rule); ``fn.probe(*args)`` a zero
-    probe for the gradient statistics (traced shape-only)."""
+    probe for the gradient statistics (traced shape-only, on the model's arrays split
+    from it: nothing runs, nothing changes).
+
+    ``opaque``: argument nodes the taps never measure (NNX objects); ``apply(model,
+    extensions)``: the framework's run with the taps outermost (default: the core's
+    ``apply`` with ``extensions``)."""
     select = diagnostics.selection(every, paths)
-    taps = diagnostics.Taps()
-    run = entry_points.apply(adapter, model, policy_or_map, options, (taps,))
+    taps = diagnostics.Taps(opaque=opaque)
+    if apply is None:
+        apply = _core_apply(adapter, policy_or_map, options)
+    run = apply(model, (taps,))
 
     def diagnose_fn(*args: Any, probe: Any = None, step: Any = None, **kwargs: Any) -> Any:
         with diagnostics.collecting(probe, select, step) as collector:
@@ -37,8 +47,31 @@ def diagnose(
 
     def make_probe(*args: Any, **kwargs: Any) -> dict[str, jax.Array]:
         step = kwargs.pop("step", 0)
-        shapes = jax.eval_shape(lambda: diagnose_fn(*args, step=step, **kwargs)[1])
-        return shapes.probe()  # type: ignore[no-any-return]
+        arrays, merge = adapter.split(model)
+
+        def shapes(arrays: Any) -> Any:
+            again = diagnose(
+                adapter,
+                merge(arrays),
+                policy_or_map,
+                options,
+                every,
+                paths,
+                opaque=opaque,
+                apply=apply,
+            )
+            return again(*args, step=step, **kwargs)[1]
+
+        return jax.eval_shape(shapes, arrays).probe()  # type: ignore[no-any-return]
 
     diagnose_fn.probe = make_probe  # type: ignore[attr-defined]
     return diagnose_fn
+
+
+def _core_apply(
+    adapter: Adapter, policy_or_map: Any, options: Options
+) -> Callable[[Any, tuple[Any, ...]], Callable[..., Any]]:
+    def apply(model: Any, extensions: tuple[Any, ...]) -> Callable[..., Any]:
+        return entry_points.apply(adapter, model, policy_or_map, options, extensions)
+
+    return apply

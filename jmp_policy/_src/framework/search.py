@@ -25,22 +25,28 @@ def search_map(
     inputs: Callable[[Any], tuple[Any, ...]] | None,
     progress: Callable[[str], None] | None,
     options: Options,
+    apply: Callable[[Any, Any, tuple[Any, ...]], Callable[..., Any]] | None = None,
 ) -> map_search.SearchResult:
-    """One policy per routable layer under ``budget`` (a stack is one path, chosen whole);
-    ``model`` is not modified (the candidates run on quantized copies)."""
+    """One policy per layer under ``budget`` (a stack is one path, chosen whole); ``model``
+    is not modified (the candidates run on quantized copies).
+
+    The layers are the routable ones, or those the adapter's optional ``search_kernels``
+    names (``(kernels, stacked_at)``: layer path -> float kernel, and the axis a stacked
+    one's layers start at where it is not 0); ``apply(model, policy_map, extensions)``
+    runs a candidate (default: the core's ``apply``)."""
     adapter.check(model)
     args_of = inputs or (lambda batch: (batch,))
-    kernels = {
-        layer.path: entry_points.canonical(layer.kernel, layer)
-        for layer in adapter.layers(model)
-        if layer.kernel_name is not None and not is_quantized(layer.kernel)
-    }
+    found = getattr(adapter, "search_kernels", None)
+    kernels, stacked_at = (found or _routed_kernels(adapter))(model)
 
     def make_loss(policy_map: Any) -> tuple[Callable[[Any, Any], Any], Any]:
         stores = map_search.stores_weights(policy_map)
         runner = entry_points.quantize(adapter, model, policy_map) if stores else model
         taps = (map_search.ScoreTaps(),)
-        run = entry_points.apply(adapter, runner, policy_map, options, taps)
+        if apply is None:
+            run = entry_points.apply(adapter, runner, policy_map, options, taps)
+        else:
+            run = apply(runner, policy_map, taps)
 
         def loss(_: Any, batch: Any) -> Any:
             return loss_fn(run(*args_of(batch)), batch)
@@ -56,4 +62,17 @@ def search_map(
         base=base,
         jit=False,
         progress=progress,
+        stacked_at=stacked_at,
     )
+
+
+def _routed_kernels(adapter: Adapter) -> Callable[[Any], tuple[dict[str, Any], dict[str, int]]]:
+    def kernels(model: Any) -> tuple[dict[str, Any], dict[str, int]]:
+        found = {
+            layer.path: entry_points.canonical(layer.kernel, layer)
+            for layer in adapter.layers(model)
+            if layer.kernel_name is not None and not is_quantized(layer.kernel)
+        }
+        return found, {}
+
+    return kernels
