@@ -32,20 +32,26 @@ from jmp_policy.equinox._api import NORM_FLOAT32 as NORM_FLOAT32
 from jmp_policy.equinox._api import apply as apply
 from jmp_policy.equinox._api import diagnose as diagnose
 from jmp_policy.equinox._api import explain as explain
+from jmp_policy.equinox._api import init_float8 as init_float8
 from jmp_policy.equinox._api import quantize as quantize
 from jmp_policy.equinox._calibrate import calibrate as calibrate
 from jmp_policy.equinox._kv_cache import quantize_caches as quantize_caches
 from jmp_policy.equinox._search import search_map as search_map
+from jmp_policy.equinox._state import Float8State as Float8State
+from jmp_policy.equinox._state import split_gradients as split_gradients
 
 __all__ = [
     "NORM_FLOAT32",
+    "Float8State",
     "apply",
     "calibrate",
     "diagnose",
     "explain",
+    "init_float8",
     "quantize",
     "quantize_caches",
     "search_map",
+    "split_gradients",
 ]
 
 

@@ -30,6 +30,14 @@ from jmp_policy._src.options import Options
 from jmp_policy._src.quantization import is_quantized
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.tree_paths import leaf_path
+from jmp_policy.equinox._state import (
+    holding,
+    is_slot,
+    per_batch,
+    public_class,
+    slot_of,
+    state_value,
+)
 
 _ORIGINAL = "_jmp_policy_original_class"
 _CALL = "_jmp_policy_call"
@@ -52,11 +60,15 @@ def _children(node: Any) -> tuple[list[tuple[tuple[Any, ...], Any]], Any]:
 
 def _modules(model: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     """``(path, module)`` of every module, the root first, parents before children."""
-    if isinstance(model, eqx.Module) and not is_quantized(model):
+    if _is_module(model):
         yield path, model
     for key_path, child in _children(model)[0]:
-        if isinstance(child, eqx.Module) and not is_quantized(child):
+        if _is_module(child):
             yield from _modules(child, _join(path, key_path))
+
+
+def _is_module(x: Any) -> bool:
+    return isinstance(x, eqx.Module) and not is_quantized(x) and not is_slot(x)
 
 
 def _original(cls: type) -> type:
@@ -111,7 +123,7 @@ class EquinoxAdapter:
 
     def layers(self, model: Any) -> Iterator[Layer]:
         for path, module in _modules(model):
-            cls = _original(type(module))
+            cls = public_class(_original(type(module)))
             if not _routed(module):
                 yield Layer(path, cls, None)
                 continue
@@ -121,8 +133,9 @@ class EquinoxAdapter:
             yield Layer(path, cls, None, "weight", weight, stacked, OUT_IN)
 
     def params(self, model: Any) -> Mapping[str, Any]:
-        found = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_quantized)[0]
-        return {
+        stop = lambda x: is_quantized(x) or is_slot(x)  # noqa: E731
+        found = jax.tree_util.tree_flatten_with_path(model, is_leaf=stop)[0]
+        return {  # a layer's state is not a parameter
             leaf_path(key_path): leaf
             for key_path, leaf in found
             if is_quantized(leaf) or (isinstance(leaf, jax.Array) and dt.is_floating(leaf.dtype))
@@ -148,8 +161,26 @@ class EquinoxAdapter:
                 f"{len(args)} positional argument(s) and keywords {sorted(kwargs)}"
             )
         (x,) = args
-        y = matmul(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-        return y if module.bias is None else y + module.bias
+
+        def run(x: Any) -> Any:
+            y = matmul(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+            return y if module.bias is None else y + module.bias
+
+        return run(x) if slot_of(module) is None else per_batch(run, x)
+
+    def layer_state(self, call: Any, scheme: Any) -> Any:
+        return state_value(call, scheme)
+
+    def with_states(self, model: Any, states: Mapping[str, Any]) -> Any:
+        modules = dict(_modules(model))
+        paths = [p for p in states if p in modules]
+        if not paths:
+            return model
+        return eqx.tree_at(
+            lambda m: [_at(m, p) for p in paths],
+            model,
+            [holding(modules[p], states[p].kind, states[p].value) for p in paths],
+        )
 
     def run(
         self,
@@ -188,16 +219,17 @@ def _dressed(node: Any, path: str, resolver: Resolver, extensions: tuple[Any, ..
     new = []
     for key_path, leaf in leaves:
         child = _join(path, key_path)
-        if isinstance(leaf, eqx.Module) and not is_quantized(leaf):
+        if _is_module(leaf):
             new.append(_dressed(leaf, child, resolver, extensions))
-        elif is_quantized(leaf):
+        elif is_quantized(leaf) or is_slot(leaf):  # a layer's state: never cast
             new.append(leaf)
         else:
             new.append(resolver.variable(child)[0].cast_to_compute(leaf))
     copy = jax.tree_util.tree_unflatten(treedef, new)
     if isinstance(copy, eqx.Module) and callable(copy):
         cls = _original(type(copy))
-        subclass = _subclass(cls, path, resolver.module(path, cls), extensions)
+        resolution = resolver.module(path, public_class(cls))
+        subclass = _subclass(cls, path, resolution, extensions)
         object.__setattr__(copy, "__class__", subclass)
     return copy
 

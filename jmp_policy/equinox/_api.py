@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 
-from jmp_policy._src.framework import entry_points
+from jmp_policy._src.framework import entry_points, state
 from jmp_policy._src.framework.diagnose import diagnose as diagnose_once
 from jmp_policy._src.identifiers import get as _get_policy
 from jmp_policy._src.options import Island, Options, make_options
@@ -131,6 +131,60 @@ def quantize(model: M, policy_or_map: Any) -> M:
         (2,)
     """
     return entry_points.quantize(ADAPTER, model, policy_or_map)  # type: ignore[no-any-return]
+
+
+def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
+    """A new model whose ``eqx.nn.Linear`` layers under float8 delayed scaling hold their state.
+
+    Each such layer (its policy resolved from ``policy_or_map`` and ``options`` as
+    :func:`apply` resolves it) becomes a copy holding, in a field ``float8``, a
+    :class:`~jmp_policy.equinox.Float8State`: scales of 1 and zero amax histories of the
+    policy's ``amax_history_length`` (float32); it stays an ``eqx.nn.Linear`` at the same
+    path. A layer of an ``eqx.filter_vmap``-made stack gets its state stacked the same way,
+    so a ``jax.lax.scan`` over the stack hands each layer its own. :func:`apply` then runs
+    those layers' matmuls in float8 with delayed scaling (inputs and weights
+    ``float8_e4m3fn``, output gradients ``float8_e5m2``), one amax over the batch when the
+    layer is called under ``jax.vmap``. The new state comes back as the state's gradient:
+    :func:`split_gradients` separates it. Call each float8 layer once per differentiated
+    function (two calls would sum their new states). ``model`` is not modified.
+
+    Args:
+        model: an ``eqx.Module``.
+        policy_or_map: the policy or map that :func:`apply` will run.
+        **options: the options of :func:`apply` (``type_policies``, ...).
+
+    Returns:
+        The new model.
+
+    Raises:
+        TypeError: ``model`` is not an ``eqx.Module``, or an option has the wrong type.
+        ValueError: ``policy_or_map`` is invalid, or no layer runs under a float8 policy.
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import equinox as eqx
+        >>> import jmp_policy as jp
+        >>> mlp = eqx.nn.MLP(4, 2, 8, depth=1, key=jax.random.key(0))
+        >>> policy_map = jp.DTypePolicyMap("float8_from_mixed_bfloat16", {"layers/1": "float32"})
+        >>> fp8 = jp.equinox.init_float8(mlp, policy_map)
+        >>> fp8.layers[0].float8.value["kernel_amax_history"].shape
+        (1024,)
+        >>> hasattr(fp8.layers[1], "float8"), isinstance(fp8.layers[0], eqx.nn.Linear)
+        (False, True)
+        >>> jp.equinox.apply(fp8, policy_map)(jnp.ones(4)).dtype
+        dtype('float32')
+    """
+    opts = options_of(options)
+    new, found = state.init_states(ADAPTER, model, policy_or_map, opts)
+    if not found:
+        raise ValueError(
+            "No layer of the model runs under a float8 policy: `init_float8` creates float8 "
+            "state for eqx.nn.Linear layers whose policy is float8 (such as "
+            f"'float8_from_mixed_bfloat16'). Received: policy_or_map={policy_or_map!r} for "
+            f"a {type(model).__name__}"
+        )
+    return new  # type: ignore[no-any-return]
 
 
 def explain(model: eqx.Module, policy_or_map: Any, *args: Any, **options: Any) -> str:
