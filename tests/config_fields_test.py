@@ -27,7 +27,7 @@ ACCEPTED = {
     jp.FloatDTypePolicy: ["name", "compute_dtype", "output_dtype", "param_dtype", "variable_dtype"],
     jp.Policy: ["name", "compute_dtype", "output_dtype", "param_dtype", "variable_dtype"],
     jp.QuantizedDTypePolicy: ["mode", "source_name"],
-    jp.Int4DTypePolicy: ["mode", "source_name", "block_size"],
+    jp.Int4DTypePolicy: ["mode", "source_name", "block_size", "symmetric"],
     jp.QuantizedFloat8DTypePolicy: ["mode", "source_name", "amax_history_length", "scaling"],
     jp.DTypePolicyMap: ["default_policy", "policy_map"],
 }
