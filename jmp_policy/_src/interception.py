@@ -38,6 +38,7 @@ import numpy as np
 
 from jmp_policy._src import casting, global_state, transforms
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src.kv_cache import arguments as cache_arguments
 from jmp_policy._src.options import Options
 from jmp_policy._src.quantization import serving_kernels
 from jmp_policy._src.resolution import Resolution
@@ -129,15 +130,23 @@ def run(
     resolution = call.resolution
     policy = resolution.policy
     caller = global_state.current_policy()
+    caches, opaque = cache_arguments.run_for(opaque)
     if resolution.autocast:
         args, kwargs = cast_inputs((args, kwargs), policy.compute_dtype, opaque)
     else:
         args, kwargs = uncast_inputs((args, kwargs), opaque)
+    handed = (
+        None if caches is None else cache_arguments.hand_out(caches, call.path, fn, args, kwargs)
+    )
+    if handed is not None:
+        args, kwargs = handed
     inner = fn
     for ext in reversed(extensions):
         inner = _link(ext, call, inner)
     with global_state.current_policy_scope(policy, call.path):
         out = inner(*args, **kwargs)
+    if caches is not None and handed is not None:
+        out = cache_arguments.take_back(caches, out)
     if resolution.island:
         return _cast_outputs(out, caller.compute_dtype, opaque)
     if policy.output_dtype != policy.compute_dtype:
