@@ -2,9 +2,11 @@
 attention that takes its layer's cache dict (``k``, ``v``, ``end_index``) as an argument,
 writes the new tokens with ``lax.dynamic_update_slice`` and returns the new dict (written
 here from that pattern). A key of ``kv_cache`` naming the argument's path quantizes it in
-Linen and Equinox alike."""
+Linen, NNX and Equinox alike."""
 
 from __future__ import annotations
+
+import itertools
 
 import equinox as eqx
 import flax.linen as nn
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jmp_policy as jp
 
@@ -84,6 +87,30 @@ class EqxModel(eqx.Module):
         return x, new
 
 
+class NnxAttention(nnx.Module):
+    def __init__(self, rngs):
+        self.q, self.k, self.v = (
+            nnx.LinearGeneral(WIDTH, (HEADS, HEAD_DIM), rngs=rngs) for _ in range(3)
+        )
+        self.o = nnx.LinearGeneral((HEADS, HEAD_DIM), WIDTH, axis=(-2, -1), rngs=rngs)
+
+    def __call__(self, x, cache):
+        new, mixed = _attend(self.q(x), cache, self.k(x), self.v(x), x.shape[1])
+        return new, self.o(mixed)
+
+
+class NnxModel(nnx.Module):
+    def __init__(self, rngs):
+        self.layer_0, self.layer_1 = NnxAttention(rngs), NnxAttention(rngs)
+
+    def __call__(self, x, cache):
+        new = {}
+        for name in ("layer_0", "layer_1"):
+            new[name], y = getattr(self, name)(x, cache[name])
+            x = x + y
+        return x, new
+
+
 TOKENS = jax.random.normal(jax.random.key(1), (B, T, WIDTH))
 
 
@@ -108,7 +135,12 @@ def _equinox(kv_cache):
     return jp.equinox.apply(model, "float32", kv_cache=kv_cache)
 
 
-FRAMEWORKS = {"linen": _linen, "equinox": _equinox}
+def _nnx(kv_cache):
+    model = NnxModel(nnx.Rngs(0))
+    return jp.nnx.apply(model, "float32", kv_cache=kv_cache)
+
+
+FRAMEWORKS = {"linen": _linen, "equinox": _equinox, "nnx": _nnx}
 
 
 def _decode(step, jit, prefill=2):
@@ -146,7 +178,7 @@ def test_an_argument_cache_named_by_path_is_stored_int8_and_decodes_close(framew
 @pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
 def test_a_token_once_stored_never_changes(framework):
     _, caches = _decode(FRAMEWORKS[framework](KEYS), jit=True)
-    for step, (before, after) in enumerate(zip(caches, caches[1:])):
+    for step, (before, after) in enumerate(itertools.pairwise(caches)):
         written = 2 + step  # tokens written before the later step
         for kv in ("k", "v"):
             old, new = before["layer_0"][kv], after["layer_0"][kv]
