@@ -123,21 +123,21 @@ def _empty_cache(dtype=jnp.float32):
     return {f"layer_{i}": dict(layer) for i in range(LAYERS)}
 
 
-def _linen(kv_cache):
+def _linen(kv_cache, policy="float32"):
     model = LinenModel()
     params = model.init(jax.random.key(0), TOKENS[:, :1], _empty_cache())
-    fn = jp.linen.apply(model, "float32", kv_cache=kv_cache)
+    fn = jp.linen.apply(model, policy, kv_cache=kv_cache)
     return lambda x, cache: fn(params, x, cache)
 
 
-def _equinox(kv_cache):
+def _equinox(kv_cache, policy="float32"):
     model = EqxModel(jax.random.key(0))
-    return jp.equinox.apply(model, "float32", kv_cache=kv_cache)
+    return jp.equinox.apply(model, policy, kv_cache=kv_cache)
 
 
-def _nnx(kv_cache):
+def _nnx(kv_cache, policy="float32"):
     model = NnxModel(nnx.Rngs(0))
-    return jp.nnx.apply(model, "float32", kv_cache=kv_cache)
+    return jp.nnx.apply(model, policy, kv_cache=kv_cache)
 
 
 FRAMEWORKS = {"linen": _linen, "equinox": _equinox, "nnx": _nnx}
@@ -212,6 +212,17 @@ def test_float8_argument_caches_read_in_the_modules_compute_dtype():
     assert stored.scale.shape == (B, T, 1, 1)
     assert stored.dtype == "float32"
     assert stored.dequantize().dtype == jnp.float32
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_a_bfloat16_cache_under_a_bfloat16_policy_is_stored_int8(framework):
+    step = FRAMEWORKS[framework](KEYS, "mixed_bfloat16")
+    _, cache = step(TOKENS[:, :2], _empty_cache(jnp.bfloat16))
+    stored = cache["layer_1"]["v"]
+    assert isinstance(stored, jp.QuantizedKVCache)
+    assert stored.values.dtype == jnp.int8
+    assert stored.dtype == "bfloat16"
+    assert stored.dequantize().dtype == jnp.bfloat16
 
 
 def test_a_key_that_names_no_argument_warns_once_and_leaves_the_cache_float():

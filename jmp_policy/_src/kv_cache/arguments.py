@@ -20,8 +20,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
+from jmp_policy._src import dtypes
 from jmp_policy._src.kv_cache.cache import QuantizedKVCache
 from jmp_policy._src.kv_cache.hook import Run, active
 from jmp_policy._src.tree_paths import leaf_path
@@ -74,7 +74,7 @@ def hand_out(
     for key_path, leaf in flat:
         if run.cache_of(leaf) is not None:
             continue  # handed out by a caller already
-        floating = np.issubdtype(getattr(leaf, "dtype", np.dtype(object)), np.floating)
+        floating = hasattr(leaf, "dtype") and dtypes.is_floating(leaf.dtype)
         if not (is_cache(leaf) or floating):
             continue
         variable = "/".join(p for p in (path, leaf_path(key_path)) if p)
