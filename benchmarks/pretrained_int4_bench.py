@@ -29,7 +29,10 @@ or any Gemma 3 270M GGUF file (``--gguf``). The text is any plain English file (
 the figures in docs/quantization.md used the State of the Union addresses of
 github.com/nathanael-fijalkow/LLM_from_scratch (``sotu.txt``, 1.28 MB).
 
-Needs ``pip install -e ".[bench]"`` (gguf, sentencepiece, protobuf). About 16 minutes on a
+Rows ``qwix:int4/128`` and ``keras:int4/128`` quantize the same kernels with qwix's PTQ and
+Keras's int4 (``peer_int4.py``), run dequantized, bytes as each peer stores them.
+
+Needs ``pip install -e ".[bench]"`` (gguf, sentencepiece, protobuf, keras, qwix). About 16 minutes on a
 2-core CPU at the defaults.
 
 Run: python benchmarks/pretrained_int4_bench.py --text sotu.txt [--gguf FILE]
@@ -53,6 +56,7 @@ import jmp_policy as jp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma3_gguf
+import peer_int4
 import quantization_bench
 
 PROJECTIONS = r"layers_\d+/(attn/(q|k|v|o)|mlp/(gate|up|down))"
@@ -63,8 +67,10 @@ REST = (
 )
 ROWS = (
     "int8", "gptq/8/-1", "smoothquant/8", "int4/128", "gptq/4/128", "awq/4/128",
-    "int4/128/asym", "gptq/4/128/asym", "awq/4/128/asym",
+    "int4/128/asym", "gptq/4/128/asym", "awq/4/128/asym", "qwix:int4/128", "keras:int4/128",
 )  # fmt: skip
+# The peers' int4 on the same kernels, run dequantized (benchmarks/peer_int4.py).
+PEERS = ("qwix:", "keras:")
 CALIBRATED = ("gptq", "awq", "smoothquant")
 COMPUTE = {"bfloat16": ("bf16", "mixed_bfloat16"), "float32": ("float32", "float32")}
 
@@ -147,10 +153,15 @@ def main():
     print(f"{'blocks under':14} {'block bytes':>12} {'loss':>7} {'rel err':>8} {'calib s':>8}")
     results, ref_logits = {}, []
     for row in (None, *rows):
-        pm = policy_map(row, args.compute)
+        pm = policy_map(None if row is not None and row.startswith(PEERS) else row, args.compute)
         start = time.perf_counter()
+        peer_bytes = None
         if row is None:
             stored = params
+        elif row.startswith("qwix:"):
+            stored, peer_bytes, replaced = peer_int4.qwix_int4(model, params, held[0], PROJECTIONS)
+        elif row.startswith("keras:"):
+            stored, peer_bytes, replaced = peer_int4.keras_int4(params, PROJECTIONS)
         elif row.startswith(CALIBRATED):
             stored = jp.linen.calibrate(model, pm, {"params": params}, calib)["params"]
         else:
@@ -168,14 +179,17 @@ def main():
         results[label] = (losses, quantization_bench.layer_errors(inputs, params, stored))
         calib_s = f"{seconds:.0f}" if label.startswith(CALIBRATED) else "-"
         blocks = {k: v for k, v in stored.items() if k.startswith("layers_")}
+        block_bytes = quantization_bench.nbytes(blocks)
+        if peer_bytes is not None:  # the peer's storage in place of the float kernels
+            block_bytes = int(block_bytes - replaced + peer_bytes)
         print(
-            f"{label:14} {quantization_bench.nbytes(blocks):>12,} {losses.mean():>7.4f} "
-            f"{err:>8.4f} {calib_s:>8}",
+            f"{label:14} {block_bytes:>12,} {losses.mean():>7.4f} {err:>8.4f} {calib_s:>8}",
             flush=True,
         )
     comparisons = []
     if "int4/128" in results:
         int4 = ("gptq/4/128", "awq/4/128", "int4/128/asym", "gptq/4/128/asym", "awq/4/128/asym")
+        int4 += ("qwix:int4/128", "keras:int4/128")
         comparisons.append(("int4/128", tuple(r for r in int4 if r in results)))
     if "int8" in results:
         comparisons.append(

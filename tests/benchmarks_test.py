@@ -398,6 +398,41 @@ def test_pretrained_bench_sequences_start_with_bos_and_refuse_a_short_text():
         bench.sequences(ids, 10, 100, 10, 2, 8)
 
 
+def test_peer_int4_rows_quantize_the_projections_as_keras_stores_them():
+    """The ``keras:int4/128`` row: each projection through a Keras ``Dense`` quantized to
+    int4 in groups of 128 with zero points, read back as its effective kernel; the rest
+    of the tree untouched; bytes as Keras stores them (two int4 values per int8 byte)."""
+    gemma = _bench_module("gemma3_gguf")
+    bench = _bench_module("pretrained_int4_bench")
+    peers = _bench_module("peer_int4")
+    config = gemma.Config(
+        layers=1, d=256, heads=2, kv_heads=1, head_dim=128, mlp=512, vocab=64, eps=1e-6,
+        rope_base=1e6, window=4,
+    )  # fmt: skip
+    ids = np.arange(32, dtype=np.int32).reshape(2, 16) % config.vocab
+    params = gemma.Gemma3(config).init(jax.random.key(0), ids)["params"]
+    stored, peer_bytes, replaced = peers.keras_int4(params, bench.PROJECTIONS)
+    up, new = params["layers_0"]["mlp"]["up"]["kernel"], stored["layers_0"]["mlp"]["up"]["kernel"]
+    assert new.shape == up.shape and new.dtype == np.float32
+    rel = float(np.linalg.norm(new - up) / np.linalg.norm(up))
+    assert 0.01 < rel < 0.15, rel  # int4's rounding: changed, and close
+    levels = np.unique(np.round((new[:128, 0] - new[:128, 0].min()) * 1e4))
+    assert len(levels) <= 16  # one group of one column: at most int4's 16 values
+    assert stored["layers_0"]["attn_norm"]["scale"] is params["layers_0"]["attn_norm"]["scale"]
+    # 7 kernels: d*(2*128 + 128 + ...) values at 4 bits, plus float32 scales, int8 zero
+    # points per group of 128 and Keras's float32 g_idx per input row.
+    kernels = [
+        np.asarray(v)
+        for k, v in jax.tree_util.tree_flatten_with_path(params["layers_0"])[0]
+        if "kernel" in str(k[-1]) and "norm" not in str(k)
+    ]
+    assert replaced == sum(k.nbytes for k in kernels)
+    expected = sum(
+        k.size // 2 + (k.shape[0] // 128) * k.shape[1] * 5 + k.shape[0] * 4 for k in kernels
+    )
+    assert peer_bytes == expected
+
+
 @pytest.mark.heavy(90)
 def test_bf16_training_bench_quick_prints_bytes_and_losses_as_ratios(tmp_path):
     masters, sr = "f32 masters", "bf16 + SR, bf16 moments"
