@@ -237,3 +237,22 @@ def test_a_stored_cache_of_another_format_is_a_clear_error():
     step = FRAMEWORKS["linen"]({r"layer_\d+/cache/[kv]": "fp8"})
     with pytest.raises(ValueError, match=r"layer_0/cache/k is stored as int8.*asks for"):
         step(TOKENS[:, 2:3], cache)
+
+
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_explain_lists_the_argument_caches_with_format_and_bytes(framework):
+    x, cache = TOKENS[:, :1], _empty_cache()
+    if framework == "linen":
+        model = LinenModel()
+        params = model.init(jax.random.key(0), x, cache)
+        text = jp.linen.explain(model, "float32", params, x, cache, kv_cache=KEYS)
+    elif framework == "nnx":
+        text = jp.nnx.explain(NnxModel(nnx.Rngs(0)), "float32", x, cache, kv_cache=KEYS)
+    else:
+        text = jp.equinox.explain(EqxModel(jax.random.key(0)), "float32", x, cache, kv_cache=KEYS)
+    lines = {line.split()[0]: line for line in text.splitlines() if "/cache/" in line}
+    assert sorted(lines) == [f"layer_{i}/cache/{kv}" for i in range(LAYERS) for kv in "kv"]
+    # [2, 6, 2, 64] int8 values + [2, 6, 2, 1] float32 scales: 1,536 + 96 bytes; float32 6 K.
+    assert lines["layer_0/cache/k"].split()[1:5] == ["int8", "per", "token", "and"]
+    assert lines["layer_0/cache/k"].split()[-2:] == ["1.6K", "6.0K"]
+    assert "KV caches: bytes as stored, scales included (0.266x" in text

@@ -22,6 +22,7 @@ from jmp_policy._src.calibration_report import format_calibration
 from jmp_policy._src.explain import format_matmuls, format_rows
 from jmp_policy._src.framework.protocol import OUT_IN, Adapter, Layer
 from jmp_policy._src.framework.routing import routed_matmuls as routed_matmuls
+from jmp_policy._src.kv_cache import arguments as cache_arguments
 from jmp_policy._src.options import Options, floating_policy_or_map, quantizing_policy_or_map
 from jmp_policy._src.quantization import is_quantized, matmuls
 from jmp_policy._src.resolution import ModuleInfo, Resolver
@@ -157,7 +158,7 @@ def explain(
         full = [next(it) if flag else x for x, flag in zip(leaves, traced, strict=True)]
         return run(*jax.tree.unflatten(treedef, full))
 
-    with matmuls.recording() as forms:
+    with matmuls.recording() as forms, cache_arguments.recording(options.kv_cache) as caches:
         jax.eval_shape(shapes_only, *[x for x, flag in zip(leaves, traced, strict=True) if flag])
     float8_not_run(resolver, rows, params, forms)
-    return table + format_matmuls(forms) + calibrated
+    return table + format_matmuls(forms) + cache_arguments.table(caches) + calibrated

@@ -15,16 +15,26 @@ a ``kv_cache`` that names no path, nothing here runs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 
 from jmp_policy._src import dtypes
 from jmp_policy._src.kv_cache.cache import QuantizedKVCache
-from jmp_policy._src.kv_cache.hook import Run, active
+from jmp_policy._src.kv_cache.formats import FORMATS, KVCacheSpec
+from jmp_policy._src.kv_cache.hook import CacheRun, Run, active
+from jmp_policy._src.kv_cache.report import CacheRow, format_caches
 from jmp_policy._src.tree_paths import leaf_path
+
+# {variable path: stored cache} of the argument caches handed out inside `recording`.
+_RECORDED: contextvars.ContextVar[dict[str, QuantizedKVCache] | None] = contextvars.ContextVar(
+    "jmp_policy_argument_caches", default=None
+)
 
 
 def is_cache(x: Any) -> bool:
@@ -82,7 +92,11 @@ def hand_out(
         if fmt is None:
             continue
         run.hooked.add(path)
-        reads[id(leaf)] = run.hand_out(run.as_stored(leaf, fmt, variable))
+        stored = run.as_stored(leaf, fmt, variable)
+        recorded = _RECORDED.get()
+        if recorded is not None:
+            recorded[variable] = stored
+        reads[id(leaf)] = run.hand_out(stored)
     if not reads:
         return None
 
@@ -100,3 +114,33 @@ def take_back(run: Run, out: Any) -> Any:
         return x if cache is None else cache
 
     return jax.tree.map(back, out, is_leaf=is_cache)
+
+
+@contextlib.contextmanager
+def recording(spec: KVCacheSpec | None) -> Iterator[dict[str, QuantizedKVCache]]:
+    """A block (``explain``'s shape-only run) inside which the argument caches handed out
+    are recorded, ``{variable path: stored cache}``, under a run of its own when the
+    framework's run does not enter one (it says nothing when it ends)."""
+    recorded: dict[str, QuantizedKVCache] = {}
+    if spec is None or not spec.entries:
+        yield recorded
+        return
+    token = _RECORDED.set(recorded)
+    try:
+        with CacheRun(spec, quiet=True):
+            yield recorded
+    finally:
+        _RECORDED.reset(token)
+
+
+def table(recorded: dict[str, QuantizedKVCache]) -> str:
+    """``explain``'s rows of the argument caches (empty when there are none)."""
+    rows = []
+    for path, cache in recorded.items():
+        size = 1
+        for n in cache.shape:
+            size *= int(n)
+        float_bytes = size * np.dtype(cache.dtype).itemsize
+        fmt = FORMATS[cache.format]
+        rows.append(CacheRow(path, fmt.name, fmt.layout, cache.shape, cache.nbytes, float_bytes))
+    return format_caches(rows)

@@ -124,10 +124,12 @@ class CacheRun:
         *patches: transforms.ThreadPatch,
         where: str = "the 'cache' collection's",
         hint: str | None = None,
+        quiet: bool = False,
     ) -> None:
         self.run = Run(spec)
         self._where = where
         self._hint = hint
+        self._quiet = quiet  # says nothing when it ends (explain's run around a framework's)
         self._stack = contextlib.ExitStack()
         self._patches = (_LAX, *patches)
 
@@ -142,7 +144,7 @@ class CacheRun:
             self._stack.close()
         finally:
             _RUN.reset(self._token)
-        if kind is None:
+        if kind is None and not self._quiet:
             report(self.run, self._where, self._hint)
 
 
