@@ -67,7 +67,8 @@ def qwix_int4(model, params, sample, pattern, tile=128):
     rules = [qwix.QuantizationRule(module_path=pattern, weight_qtype=jnp.int4, tile_size=tile)]
     qmodel = qwix.quantize_model(model, qwix.PtqProvider(rules))
     abstract = jax.eval_shape(qmodel.init, jax.random.key(0), sample)["params"]
-    quantized = qwix.quantize_params(params, abstract)
+    # qwix takes a pure dict of jax.Array (the GGUF reader gives numpy arrays).
+    quantized = qwix.quantize_params(jax.tree.map(jnp.asarray, params), abstract)
 
     def read(path, kernel):
         node = quantized
