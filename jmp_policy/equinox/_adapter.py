@@ -26,6 +26,7 @@ import jax
 from jmp_policy._src import casting, interception
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.framework.protocol import OUT_IN, Layer
+from jmp_policy._src.framework.state import per_batch
 from jmp_policy._src.options import Options
 from jmp_policy._src.quantization import is_quantized
 from jmp_policy._src.resolution import Resolver
@@ -33,7 +34,6 @@ from jmp_policy._src.tree_paths import leaf_path
 from jmp_policy.equinox._state import (
     holding,
     is_slot,
-    per_batch,
     public_class,
     slot_of,
     state_value,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from jmp_policy._src.framework.calibrate import calibrate as calibrate_once
+from jmp_policy._src.framework.calibrate import calibrate_call
 from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
 from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
 from jmp_policy.equinox._api import ADAPTER
@@ -77,19 +77,4 @@ def calibrate(
         >>> jp.equinox.apply(q, policies)(x).shape
         (256, 8)
     """
-    settings = {
-        "hessian_damping": hessian_damping,
-        "num_grid_points": num_grid_points,
-        "clip_search": clip_search,
-    }
-    return calibrate_once(
-        ADAPTER,
-        model,
-        policy_or_map,
-        batches,
-        settings,
-        return_report,
-        progress,
-        max_statistics_bytes,
-        kwargs,
-    )
+    return calibrate_call(ADAPTER, locals())

@@ -13,15 +13,11 @@ state as the state's gradient (Flax's convention); :func:`split_gradients` separ
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.custom_batching import custom_vmap
-
-from jmp_policy._src import transforms
 
 # A state-holding subclass's name for its original class and its slot's field.
 _PUBLIC = "_jmp_policy_public_class"
@@ -118,32 +114,6 @@ def state_value(call: Any, scheme: Any) -> Any:
             "policy_or_map)`."
         )
     return slot.value
-
-
-def _batched(x: Any) -> bool:
-    """Whether ``x`` is batched by the ``jax.vmap`` the call runs in (its innermost
-    transform), read from JAX's current trace (:func:`transforms.current_trace`)."""
-    trace = transforms.current_trace()
-    return type(trace).__name__ == "BatchTrace" and getattr(x, "_trace", None) is trace
-
-
-def per_batch(run: Callable[[Any], Any], x: Any) -> Any:
-    """``run(x)``, and under a ``jax.vmap`` of ``x`` (Equinox's per-example layers) one
-    call on the whole batch: a float8 layer's amax is the batch's, and its new state one
-    value (a ``vmap`` would sum the per-example new states into its gradient). The layer's
-    weight and state must not be batched by that ``vmap`` (a stack runs under ``scan``)."""
-    if not _batched(x):
-        return run(x)
-
-    @custom_vmap
-    def call(x: Any) -> Any:
-        return run(x)
-
-    @call.def_vmap
-    def rule(axis_size: int, in_batched: Any, x: Any) -> Any:
-        return run(x), in_batched[0]  # the batch axis leads; Linear's matmul reads the last
-
-    return call(x)
 
 
 def split_gradients(grads: Any) -> tuple[Any, Any]:

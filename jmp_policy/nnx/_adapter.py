@@ -3,7 +3,7 @@
 It answers what the core's entry points ask of an NNX model: its modules (root first, then
 in ``nnx.iter_modules``' order, as NNX's resolver records them), its ``nnx.Param`` values,
 and a run of a policy-running copy (``nnx.split``, cast, ``nnx.merge``, each module
-re-classed to run through the hook). Its routable layers (``nnx.Linear``,
+re-classed to run through the hook: :func:`dress`). Its routable layers (``nnx.Linear``,
 ``nnx.LinearGeneral``, ``nnx.Einsum`` with NNX's own matmul) get the core's matmul in
 their matmul's attribute for a call, and hold a stateful scheme's state in the attribute
 the scheme's ``state_kind`` names (:mod:`jmp_policy.nnx._quantization`).
@@ -25,27 +25,38 @@ import jax
 from flax import nnx
 
 from jmp_policy._src import user_warnings
-from jmp_policy._src.framework.protocol import Layer
+from jmp_policy._src.framework import run_kernels
+from jmp_policy._src.framework.policy_class import (
+    call_path,
+    method_of,
+    original_class,
+    policy_subclass,
+)
+from jmp_policy._src.framework.protocol import InstallsMatmuls, Layer
 from jmp_policy._src.framework.routing import routed_matmuls
 from jmp_policy._src.options import Options
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
 from jmp_policy._src.tree_paths import leaf_path
 from jmp_policy.nnx._copy import cast_copy, warn_plain_arrays, write_back
-from jmp_policy.nnx._hook import call_path, dress, original_class
 from jmp_policy.nnx._kv_cache import kv_caches
-from jmp_policy.nnx._modules import MATMUL_CLASSES, check_model, own_dtype, path_of
+from jmp_policy.nnx._modules import (
+    MATMUL_CLASSES,
+    check_model,
+    filled_dtype,
+    is_nnx_object,
+    own_dtype,
+    path_of,
+)
 from jmp_policy.nnx._quantization import (
     install,
     kind_of,
-    quantized_run,
     replacement,
     routable,
     stacked,
     state_type,
 )
 from jmp_policy.nnx._quantization import kernel as routed_kernel
-from jmp_policy.nnx._quantization import kernel_ahead as dequantized_ahead
 from jmp_policy.nnx._quantization import layer_state as state_of
 from jmp_policy.nnx._stack_axes import ambiguous_stack, stack_axes
 
@@ -66,7 +77,43 @@ def applying(warned: set[str]) -> Iterator[None]:
         _APPLYING.reset(token)
 
 
-class NnxAdapter:
+def dress(
+    copy: nnx.Module,
+    resolver: Resolver,
+    methods: tuple[str, ...],
+    extensions: tuple[Any, ...],
+    routed: Any = None,
+) -> None:
+    """Each module of the copy computes in its policy's dtype (where its ``dtype`` is not
+    the user's) and runs its methods through the hook (a policy subclass) with
+    ``extensions``, less ``routed`` (the core's routed matmuls) where the module's matmul
+    is not routable."""
+    for parts, module in list(nnx.iter_modules(copy)):
+        path = path_of(parts)
+        resolution = resolver.module(path)
+        if resolution.set_dtype is not None:
+            object.__setattr__(module, "dtype", resolution.set_dtype)
+        elif filled_dtype(module):  # not the user's: computes in the policy's dtype
+            object.__setattr__(module, "dtype", resolution.policy.compute_dtype)
+        wrapped = tuple(name for name in methods if method_of(type(module), name))
+        if wrapped:
+            # The routed matmuls only on the layers they can reach: each Python frame a
+            # module call adds costs trace time in every op it runs.
+            own = tuple(e for e in extensions if e is not routed or routable(module))
+            pytree = {"pytree": getattr(type(module), "_pytree__is_pytree", True)}
+            subclass = policy_subclass(
+                type(module),
+                path,
+                resolution,
+                own,
+                wrapped,
+                opaque=is_nnx_object,
+                class_kwargs=pytree,
+            )
+            object.__setattr__(module, "__class__", subclass)
+
+
+class NnxAdapter(InstallsMatmuls):
     """The adapter protocol (:class:`jmp_policy._src.framework.protocol.Adapter`) for NNX,
     with the routing operations (:class:`~jmp_policy._src.framework.protocol.Routing`);
     ``methods`` are the methods of every module that run through the hook."""
@@ -102,20 +149,10 @@ class NnxAdapter:
         return install(call, matmul)
 
     def kernel_ahead(self, call: Any) -> Any:
-        return dequantized_ahead(call.path)
+        return run_kernels.kernels().ahead.get(call.path)
 
     def layer_state(self, call: Any, scheme: Any) -> Any:
         return state_of(call, scheme)
-
-    def call_with_matmul(
-        self,
-        module: Any,
-        matmul: Callable[..., Any],
-        kernel: Any,
-        args: tuple[Any, ...],
-        kwargs: Any,
-    ) -> Any:
-        raise NotImplementedError("NNX layers take their matmul by install_matmul")
 
     def run(
         self,
@@ -129,7 +166,7 @@ class NnxAdapter:
         dress(copy, resolver, self.methods, extensions, routed_matmuls(self))
         warned = _APPLYING.get()
         if warned is None:
-            with quantized_run(casts.whole, casts.ahead, casts.sliced):
+            with run_kernels.running(casts.whole, casts.ahead, casts.sliced):
                 return call(copy)
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
@@ -139,7 +176,7 @@ class NnxAdapter:
             warned.add("plain")
             warn_plain_arrays(type(model).__name__, casts.plain)
         with (
-            quantized_run(casts.whole, casts.ahead, casts.sliced),
+            run_kernels.running(casts.whole, casts.ahead, casts.sliced),
             kv_caches(options.kv_cache, copy, casts.stored),
         ):
             out = call(copy)
@@ -160,11 +197,14 @@ class NnxAdapter:
                     continue
                 stacked_axes[re.escape(f"{path}/" if path else "") + "[^/]+"] = (lead, at)
 
+        state = nnx.state(copy, nnx.Param)
+
         def rebuild(quantized: Any) -> Any:
-            nnx.update(copy, quantized)
+            nnx.replace_by_pure_dict(state, quantized)
+            nnx.update(copy, state)
             return copy
 
-        return nnx.state(copy, nnx.Param), stacked_axes, rebuild
+        return nnx.to_pure_dict(state), stacked_axes, rebuild
 
     def search_kernels(self, model: Any) -> tuple[dict[str, Any], dict[str, int]]:
         # Every nnx.Param kernel of rank >= 2 (nnx.Conv's too), and where a stack's
@@ -196,9 +236,6 @@ class NnxAdapter:
     def split(self, model: Any) -> tuple[Any, Callable[[Any], Any]]:
         graphdef, state = nnx.split(model)
         return state, lambda s: nnx.merge(graphdef, s)
-
-    def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
-        raise NotImplementedError("NNX's quantize puts back its weights (`weights`)")
 
 
 _ADAPTERS: dict[tuple[str, ...], NnxAdapter] = {}

@@ -83,12 +83,18 @@ def apply(
 
 
 def apply_with(
-    model: nnx.Module, policies: Any, opts: Any, method: str | Callable[..., Any]
+    model: nnx.Module,
+    policies: Any,
+    opts: Any,
+    method: str | Callable[..., Any],
+    taps: tuple[Any, ...] = (),
 ) -> Callable[..., Any]:
-    """:func:`apply` with checked arguments and built options (``diagnose`` adds its taps)."""
+    """:func:`apply` with checked arguments and built options, ``taps`` outermost (the
+    extensions ``diagnose`` and ``search_map`` add)."""
     adapter = adapter_for(methods_for(model, method))
     invoke = None if method == "__call__" else functools.partial(_invoke, method)
-    run = entry_points.apply(adapter, model, policies, opts, opts.extensions, invoke)
+    extensions = (*taps, *opts.extensions)
+    run = entry_points.apply(adapter, model, policies, opts, extensions, invoke)
     warned: set[str] = set()  # what this wrapper has warned about
 
     def apply_run(*args: Any, **kwargs: Any) -> Any:

@@ -7,11 +7,11 @@ import warnings
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jmp_policy._src import casting, quantization
+from jmp_policy._src import casting
+from jmp_policy._src.framework import run_kernels
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import Resolver
@@ -42,17 +42,7 @@ def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]
     # A stacked layer (nnx.vmap'd, run under nnx.scan or nnx.vmap) sees a slice of its
     # kernel: its QuantizedArray is passed as its data arrays, which the loop slices
     # (jmp_policy._src.quantization.stack_layers), not whole.
-    lead = {path_of(parts): len(stacked(module)) for parts, module in nnx.iter_modules(model)}
-    whole_paths = {
-        path_of(parts)
-        for parts, module in nnx.iter_modules(model)
-        if routable(module) and not stacked(module)
-    }
-    sliced_paths = {
-        path_of(parts)
-        for parts, module in nnx.iter_modules(model)
-        if routable(module) and stacked(module)
-    }
+    modules = {path_of(parts): module for parts, module in nnx.iter_modules(model)}
 
     def cast_variable(key_path: Any, variable: Any) -> Any:
         path = leaf_path(key_path)
@@ -70,28 +60,18 @@ def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]
         if isinstance(variable, nnx.Param):
             policy = resolver.variable(path)[0]
             module_path, _, name = path.rpartition("/")
-            if (
-                quantization.is_quantized(value)
-                and name == "kernel"
-                and module_path in whole_paths
-                and (policy.scheme is None or policy.scheme.reads_stored_kernels)
-            ):
+            module = modules.get(module_path)
+            how = run_kernels.route(value, policy, routable(module), len(stacked(module)))
+            if name == "kernel" and how == "whole":
                 # The layer's matmul reads the QuantizedArray itself (see
                 # jmp_policy._src.quantization.matmuls); NNX's promote_dtype gets its integers.
                 casts.whole[module_path] = value
-                ints = value.values
-                return variable.replace(ints.astype(jnp.int8) if ints.dtype == jnp.int4 else ints)
-            if (
-                stack_layers.servable(value)
-                and name == "kernel"
-                and module_path in sliced_paths
-                and lead[module_path] == value.stacked
-                and (policy.scheme is None or policy.scheme.reads_stored_kernels)
-            ):
+                return variable.replace(run_kernels.promotable(value.values))
+            if name == "kernel" and how == "sliced":
                 # Each layer's matmul reads its slice (jmp_policy.nnx._quantization).
                 casts.sliced[module_path] = value
                 return variable.replace(value.values)
-            if quantization.is_quantized(value) and name == "kernel":
+            if name == "kernel" and how == "ahead":
                 casts.ahead[module_path] = value
             return variable.replace(policy.cast_to_compute(value))
         if isinstance(value, (jax.Array, np.ndarray)):

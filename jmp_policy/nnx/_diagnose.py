@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -76,11 +75,13 @@ def diagnose(
         ('body', 'float16')
     """
     policies, opts = prepare(model, policy_or_map, options)
-
-    def apply(model: nnx.Module, taps: tuple[Any, ...]) -> Callable[..., Any]:
-        tapped = dataclasses.replace(opts, extensions=(*taps, *opts.extensions))
-        return apply_with(model, policies, tapped, method)
-
     return diagnose_once(
-        ADAPTER, model, policies, opts, every, paths, opaque=is_nnx_object, apply=apply
+        ADAPTER,
+        model,
+        policies,
+        opts,
+        every,
+        paths,
+        opaque=is_nnx_object,
+        apply=lambda model, taps: apply_with(model, policies, opts, method, taps),
     )

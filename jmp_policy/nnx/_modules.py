@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 from flax import nnx
 
 from jmp_policy._src import dtypes as dt
+from jmp_policy._src.framework.policy_class import method_of
 from jmp_policy._src.identifiers import get as _get_policy
 from jmp_policy._src.options import Island, Options, floating_policy_or_map, make_options
 
@@ -69,20 +70,6 @@ def filled_dtype(module: Any) -> bool:
 
 def path_of(parts: tuple[Any, ...]) -> str:
     return "/".join(str(p) for p in parts)
-
-
-def method_of(cls: type, name: str) -> Callable[..., Any] | None:
-    """The callable ``cls`` defines (or inherits) as method ``name``, else None.
-
-    A plain function, or a callable such as the wrapper ``@nnx.jit``/``@nnx.remat``
-    leave on a method. Looked up in the class's own MRO: ``getattr(cls, "__call__")``
-    would find the metaclass's ``__call__`` for modules that define none (``nnx.List``).
-    """
-    for klass in cls.__mro__:
-        if name in vars(klass):
-            attr = vars(klass)[name]
-            return attr if callable(attr) else None
-    return None
 
 
 def check_model(model: Any) -> None:

@@ -7,7 +7,7 @@ set neither ``dot_general`` nor ``dot_general_cls``, and an ``nnx.Einsum`` whose
 the duration of the call, on the policy-running copy of the model (it is restored after).
 A layer whose user set their own matmul is left alone. A ``QuantizedArray`` kernel reaches
 its layer whole, as a stack's slice read in the loop, or dequantized ahead of its stack
-(:func:`quantized_run`).
+(the run's kernels: :mod:`jmp_policy._src.framework.run_kernels`).
 
 **The state slot.** A layer under a stateful scheme reads its state from the attribute
 named by the scheme's ``state_kind`` (float8: ``float8``, a :class:`Float8State` that
@@ -20,38 +20,17 @@ called twice in one run is a ``ValueError``.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jmp_policy._src import interception
+from jmp_policy._src.framework import run_kernels
 from jmp_policy._src.quantization import matmuls, quantized_matmul, stack_layers
 
 ATTR = "float8"  # the attribute of a float8 layer that holds its Float8State
-
-# id(module) -> module, for the float8 layers called so far in the model run in progress.
-_CALLED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
-    "jmp_policy_nnx_float8_called", default=None
-)
-# module path -> the QuantizedArray kernel it receives whole, in the model run in progress.
-_WHOLE: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
-    "jmp_policy_nnx_whole_kernels", default=None
-)
-# module path -> the QuantizedArray kernel dequantized ahead of it (a stack's that cannot
-# be read a slice at a time).
-_AHEAD: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
-    "jmp_policy_nnx_kernels_ahead", default=None
-)
-
-
-# module path -> the stacked QuantizedArray kernel its layer reads a slice of in the loop.
-_SLICED: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
-    "jmp_policy_nnx_sliced_kernels", default=None
-)
 
 
 class Float8State(nnx.Variable):
@@ -137,29 +116,6 @@ def routable(module: Any) -> bool:
     return replacement(module) is not None
 
 
-@contextlib.contextmanager
-def quantized_run(
-    whole: Mapping[str, Any] | None = None,
-    ahead: Mapping[str, Any] | None = None,
-    sliced: Mapping[str, Any] | None = None,
-) -> Iterator[None]:
-    """One model run: each float8 layer may be called once inside; ``whole`` maps module
-    paths to the ``QuantizedArray`` kernels they receive whole, ``ahead`` to those
-    dequantized ahead of them (a stacked layer's, run as written in the compute dtype),
-    ``sliced`` to the stacked ones whose layers read a slice each in the loop."""
-    token = _CALLED.set({})
-    whole_token = _WHOLE.set(whole or {})
-    ahead_token = _AHEAD.set(ahead or {})
-    sliced_token = _SLICED.set(sliced or {})
-    try:
-        yield
-    finally:
-        _SLICED.reset(sliced_token)
-        _AHEAD.reset(ahead_token)
-        _WHOLE.reset(whole_token)
-        _CALLED.reset(token)
-
-
 def _where(call: Any) -> str:
     return f"{type(call.module).__name__} at {call.path or 'the root'!r}"
 
@@ -178,18 +134,15 @@ def layer_state(call: Any, scheme: Any) -> dict[str, jax.Array]:
             "`nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, "
             "jmp_policy.nnx.Float8State)))`, then `jmp_policy.nnx.split_gradients`."
         )
-    called = _CALLED.get()
-    if called is not None:
-        if id(module) in called:
-            raise ValueError(
-                f"{_where(call)} runs under the float8 policy {policy.name!r} and is called "
-                "a second time in one run (a shared module). jmp_policy's NNX route keeps one "
-                "float8 state per layer, and the new states of two calls would be summed "
-                "into a corrupted one: one state per call is not supported in NNX (it is in "
-                "Linen). Use a separate layer per call, or give this module a float32 or "
-                "bfloat16 policy in the map."
-            )
-        called[id(module)] = module  # kept alive, so its id is not reused in this run
+    if not run_kernels.first_call(module):
+        raise ValueError(
+            f"{_where(call)} runs under the float8 policy {policy.name!r} and is called "
+            "a second time in one run (a shared module). jmp_policy's NNX route keeps one "
+            "float8 state per layer, and the new states of two calls would be summed "
+            "into a corrupted one: one state per call is not supported in NNX (it is in "
+            "Linen). Use a separate layer per call, or give this module a float32 or "
+            "bfloat16 policy in the map."
+        )
     state = variable.get_value()
     if _shapes(state) != _shapes(jax.eval_shape(scheme.init_state)):
         history = _shapes(state.get("input_amax_history") if isinstance(state, dict) else None)
@@ -211,18 +164,13 @@ def kernel(module: Any, path: str | None) -> Any:
     """A routable layer's kernel as its matmul receives it: the ``QuantizedArray`` it
     reads whole, its own slice of a stacked one, else its (cast) kernel's value."""
     if path is not None:
-        whole = (_WHOLE.get() or {}).get(path)
+        whole = run_kernels.kernels().whole.get(path)
         if whole is not None:
             return whole
-        stack = (_SLICED.get() or {}).get(path)
+        stack = run_kernels.kernels().sliced.get(path)
         if stack is not None:
             return _layer_kernel(module, stack)
     return module.kernel.get_value()
-
-
-def kernel_ahead(path: str) -> Any:
-    """The ``QuantizedArray`` kernel dequantized ahead of the layer at ``path``."""
-    return (_AHEAD.get() or {}).get(path)
 
 
 @contextlib.contextmanager
@@ -232,7 +180,7 @@ def install(call: Any, matmul: Callable[..., Any]) -> Iterator[None]:
     module = call.module
     name = replacement(module)
     assert name is not None  # the core routes routable layers only
-    if (_SLICED.get() or {}).get(call.path) is None:
+    if run_kernels.kernels().sliced.get(call.path) is None:
         with interception.attribute_set(module, name, matmul):
             yield
         return
@@ -259,10 +207,7 @@ def _int4_as_int8(promote: Callable[..., Any]) -> Callable[..., Any]:
     dead code."""
 
     def promote_dtype(arrays: Any, *args: Any, **kwargs: Any) -> Any:
-        arrays = tuple(
-            a.astype(jnp.int8) if getattr(a, "dtype", None) == jnp.int4 else a for a in arrays
-        )
-        return promote(arrays, *args, **kwargs)
+        return promote(tuple(map(run_kernels.promotable, arrays)), *args, **kwargs)
 
     return promote_dtype
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -79,8 +78,7 @@ def search_map(
 
     def apply(runner: nnx.Module, policy_map: Any, taps: tuple[Any, ...]) -> Any:
         policies, opts = prepare(runner, policy_map, dict(options))
-        tapped = dataclasses.replace(opts, extensions=(*taps, *opts.extensions))
-        return apply_with(runner, policies, tapped, "__call__")
+        return apply_with(runner, policies, opts, "__call__", taps)
 
     return search_once(
         ADAPTER,

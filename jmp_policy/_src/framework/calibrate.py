@@ -6,12 +6,17 @@ statistics (:mod:`jmp_policy._src.calibration_gather`: a stack's per layer, in i
 then :func:`jmp_policy._src.quantization.calibration.quantize_calibrated` solves each
 kernel, int8/int4 kernels rounded to nearest, and the adapter puts them in a new model.
 Kernels are handed to the solver as ``[in, out]`` under the name ``kernel`` (the layout
-and name the solvers read), whatever the framework calls them.
+and name the solvers read), whatever the framework calls them. An adapter with the
+optional ``weights`` operation (:class:`~jmp_policy._src.framework.protocol.Routing`)
+hands its own weight tree instead (NNX: every ``nnx.Param``), as ``quantize`` takes it;
+a calibrated kernel of a layer whose matmul the core does not route is rounded to
+nearest, with a warning naming it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -20,14 +25,16 @@ from jmp_policy._src import calibration_gather, global_state
 from jmp_policy._src.batch_checks import check_bool, check_no_nan
 from jmp_policy._src.framework.entry_points import canonical
 from jmp_policy._src.framework.protocol import Adapter
+from jmp_policy._src.framework.routing import call_routed, matmul_kind
 from jmp_policy._src.identifiers import get as get_policy
 from jmp_policy._src.options import Options, as_policy_or_map
 from jmp_policy._src.policy_map import DTypePolicyMap
-from jmp_policy._src.quantization import calibration, calibration_checks, is_quantized
+from jmp_policy._src.quantization import calibration, calibration_checks, is_quantized, matmuls
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.tree_paths import leaf_path, parent_path
 
 KERNEL = "kernel"  # the name the calibration solvers read a kernel under
+SETTINGS = ("hessian_damping", "num_grid_points", "clip_search")  # the solvers' settings
 
 
 def _kernels(adapter: Adapter, model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -49,6 +56,34 @@ def _kernels(adapter: Adapter, model: Any) -> tuple[dict[str, Any], dict[str, An
     return tree, stacked
 
 
+def _weights(adapter: Adapter, model: Any) -> tuple[Any, dict[str, Any], Callable[[Any], Any]]:
+    """``(tree, stacked, rebuild)``: the weights calibrate covers, the stacked axes of each
+    stacked one (``"path/kernel" -> (n, axis)``), and ``rebuild(new tree)``, the new model:
+    the adapter's ``weights`` (its stacked axes keyed by pattern), else the routable
+    layers' kernels (:func:`_kernels`), put back by ``with_kernels``."""
+    weights = getattr(adapter, "weights", None)
+    if weights is not None:
+        tree, axes, rebuild = weights(model)
+        stacked = {}
+        for key_path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]:
+            path = leaf_path(key_path)
+            found = [at for pattern, at in axes.items() if re.fullmatch(pattern, path)]
+            if found:
+                stacked[path] = found[0]
+        return tree, stacked, rebuild
+    tree, stacked = _kernels(adapter, model)
+
+    def with_kernels(new: Any) -> Any:
+        kernels = {
+            parent_path(leaf_path(kp)) or "": q
+            for kp, q in jax.tree_util.tree_flatten_with_path(new, is_leaf=is_quantized)[0]
+            if is_quantized(q)
+        }
+        return adapter.with_kernels(model, kernels)
+
+    return tree, stacked, with_kernels
+
+
 def _gather(
     adapter: Adapter,
     model: Any,
@@ -66,18 +101,19 @@ def _gather(
     options = Options()
 
     def make_run(some: Mapping[str, tuple[int, ...]]) -> Any:
-        def capture(call: Any, next_fn: Any, args: Any, kw: Any) -> Any:
+        def capturing(call: Any, next_fn: Any, args: Any, kw: Any) -> Any:
             kernel = None if call.path not in some else adapter.kernel_of(call.module)
             if kernel is None:
                 return next_fn(*args, **kw)
-            matmul = calibration_gather.capturing_dot_general(call.path, some[call.path])
-            return adapter.call_with_matmul(call.module, matmul, kernel, args, kw)
+            capture = calibration_gather.capturing_dot_general(call.path, some[call.path])
+            matmul = matmuls.of_kind(matmul_kind(adapter, call.module), capture)
+            return call_routed(adapter, call, matmul, kernel, next_fn, args, kw)
 
         def run(arrays: Any, stats: Any, args: tuple[Any, ...]) -> Any:
             live = rebuild(arrays)
             resolver = Resolver(get_policy("float32"), options)
             with calibration_gather.gathering(stats, lead, unseen) as gathered:
-                adapter.run(live, resolver, options, (capture,), lambda m: m(*args, **kwargs))
+                adapter.run(live, resolver, options, (capturing,), lambda m: m(*args, **kwargs))
             return gathered
 
         return run
@@ -111,27 +147,41 @@ def calibrate(
         policies = global_state.dtype_policy()
     if not isinstance(policies, DTypePolicyMap):
         policies = DTypePolicyMap(policies)
-    tree, stacked = _kernels(adapter, model)
+    tree, stacked, rebuild = _weights(adapter, model)
     policy_tree = policies.policy_tree(tree)
     calibration_checks.warn_unmatched(policies, tree, policy_tree)
+    layers = {layer.path: layer for layer in adapter.layers(model)}
     targets: dict[str, tuple[int, ...]] = {}
-    found = jax.tree_util.tree_flatten_with_path(tree)[0]
+    unseen: dict[str, str] = {}
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]
     policy_leaves = jax.tree.leaves(policy_tree, is_leaf=lambda p: not isinstance(p, dict))
     for (key_path, kernel), policy in zip(found, policy_leaves, strict=True):
         path = leaf_path(key_path)
-        if calibration.is_calibrated(policy):
-            n = stacked.get(path, (0, 0))[0]
-            targets[parent_path(path) or ""] = tuple(kernel.shape)[n:]  # one layer's
+        module = calibration.kernel_module(path)
+        if module is None or not calibration.is_calibrated(policy):
+            continue
+        layer = layers.get(module)
+        if layer is not None and layer.kernel_name is not None:  # a matmul the core routes
+            n, at = stacked.get(path, (0, 0))
+            shape = tuple(kernel.shape)
+            targets[module] = shape[:at] + shape[at + n :]  # one layer's
+        else:
+            name = "NoneType" if layer is None else layer.cls.__name__
+            unseen[module] = f"its layer is a {name}, whose matmul calibrate does not see"
     lead = {p: stacked.get(f"{p}/{KERNEL}" if p else KERNEL, (0, 0))[0] for p in targets}
-    unseen: dict[str, str] = {}
     stats = _gather(adapter, model, targets, lead, unseen, calls, kwargs, max_bytes)
     new, report = calibration.quantize_calibrated(
         tree, policy_tree, stats, stacked, dict(settings), unseen, progress
     )
-    kernels = {
-        parent_path(leaf_path(kp)) or "": q
-        for kp, q in jax.tree_util.tree_flatten_with_path(new, is_leaf=is_quantized)[0]
-        if is_quantized(q)
-    }
-    calibrated = adapter.with_kernels(model, kernels)
+    calibrated = rebuild(new)
     return (calibrated, report) if return_report else calibrated
+
+
+def calibrate_call(adapter: Adapter, arguments: Mapping[str, Any]) -> Any:
+    """:func:`calibrate` with a framework's public ``calibrate``'s arguments by name (its
+    ``locals()``: ``model``, ``policy_or_map``, ``batches``, ``hessian_damping``,
+    ``num_grid_points``, ``clip_search``, ``return_report``, ``progress``,
+    ``max_statistics_bytes`` and ``kwargs``, the call's keywords)."""
+    given = dict(arguments)
+    settings = {name: given.pop(name) for name in SETTINGS}
+    return calibrate(adapter, settings=settings, **given)

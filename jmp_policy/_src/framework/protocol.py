@@ -154,3 +154,15 @@ class RoutesOwnMatmuls:
 
     def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
         raise NotImplementedError(f"{type(self).__name__} places quantized kernels itself")
+
+
+class InstallsMatmuls:
+    """A base for adapters whose layers take the core's matmul in an attribute
+    (``install_matmul``) and whose ``quantize`` puts back its own ``weights`` (NNX's): the
+    core asks them neither ``call_with_matmul`` nor ``with_kernels``."""
+
+    def call_with_matmul(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}'s layers take `install_matmul`")
+
+    def with_kernels(self, *args: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}'s quantize puts back `weights`")

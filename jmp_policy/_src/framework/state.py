@@ -6,17 +6,21 @@ A scheme says what its state is (``state_kind``, ``init_state()``); an adapter w
 state slot (:class:`~jmp_policy._src.framework.protocol.Routing`: ``with_states`` to put
 it in a model, ``layer_state`` to hand it to the layer's matmul at a call) says where the
 model holds it. The core's routed matmuls read it through ``layer_state``
-(:mod:`jmp_policy._src.framework.routing`).
+(:mod:`jmp_policy._src.framework.routing`); :func:`per_batch` runs a stateful layer once
+on the batch under a per-example ``jax.vmap``, so its amax is the batch's.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 
+from jmp_policy._src import transforms
 from jmp_policy._src.framework.entry_points import resolver_for
 from jmp_policy._src.framework.protocol import Adapter
 from jmp_policy._src.options import Options, floating_policy_or_map
@@ -60,3 +64,31 @@ def init_states(
 
 def _stack(lead: tuple[int, ...], x: Any) -> Any:
     return jnp.broadcast_to(x, lead + x.shape)
+
+
+def _batched(x: Any) -> bool:
+    """Whether ``x`` is batched by the ``jax.vmap`` the call runs in (its innermost
+    transform), read from JAX's current trace (:func:`transforms.current_trace`)."""
+    trace = transforms.current_trace()
+    return type(trace).__name__ == "BatchTrace" and getattr(x, "_trace", None) is trace
+
+
+def per_batch(run: Callable[[Any], Any], x: Any) -> Any:
+    """``run(x)``, and under a ``jax.vmap`` of ``x`` (per-example layers: Equinox's) one
+    call on the whole batch: a float8 layer's amax is the batch's, and its new state one
+    value (a ``vmap`` would sum the per-example new states into its gradient). The layer's
+    kernel and state must not be batched by that ``vmap`` (a stack runs under ``scan``).
+    An adapter whose layers run under a per-example ``vmap`` calls its stateful layers
+    through it."""
+    if not _batched(x):
+        return run(x)
+
+    @custom_vmap
+    def call(x: Any) -> Any:
+        return run(x)
+
+    @call.def_vmap
+    def rule(axis_size: int, in_batched: Any, x: Any) -> Any:
+        return run(x), in_batched[0]  # the batch axis leads; Linear's matmul reads the last
+
+    return call(x)

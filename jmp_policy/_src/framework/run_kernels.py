@@ -1,0 +1,89 @@
+"""The quantized kernels of the model run in progress, by layer path, for an adapter whose
+policy-running copy hands them to its layers beside their own attributes (NNX's): a
+kernel its layer's matmul reads whole, one dequantized ahead of its layer (a stack's that
+the layer cannot read a slice of), and a stacked one whose layers each read their own
+slice in the stack's loop. A run also records the layers called so far, for an adapter
+that keeps one state per layer and refuses a second call of a stateful one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+
+from jmp_policy._src.quantization import is_quantized, stack_layers
+
+
+class RunKernels(NamedTuple):
+    """Layer path -> ``QuantizedArray`` kernel: read whole, dequantized ahead, sliced."""
+
+    whole: Mapping[str, Any]
+    ahead: Mapping[str, Any]
+    sliced: Mapping[str, Any]
+
+
+_NONE = RunKernels({}, {}, {})
+# The run in progress: its kernels, and id(layer) -> layer for the layers called so far.
+_RUN: contextvars.ContextVar[tuple[RunKernels, dict[int, Any]] | None] = contextvars.ContextVar(
+    "jmp_policy_run_kernels", default=None
+)
+
+
+@contextlib.contextmanager
+def running(
+    whole: Mapping[str, Any] | None = None,
+    ahead: Mapping[str, Any] | None = None,
+    sliced: Mapping[str, Any] | None = None,
+) -> Iterator[None]:
+    """One model run, whose layers receive these kernels (layer path -> kernel)."""
+    token = _RUN.set((RunKernels(whole or {}, ahead or {}, sliced or {}), {}))
+    try:
+        yield
+    finally:
+        _RUN.reset(token)
+
+
+def kernels() -> RunKernels:
+    """The kernels of the run in progress (none outside a run)."""
+    run = _RUN.get()
+    return _NONE if run is None else run[0]
+
+
+def first_call(layer: Any) -> bool:
+    """Whether this is ``layer``'s first call in the run in progress (recorded: the layer
+    kept alive, so its id is not reused in the run); always true outside a run."""
+    run = _RUN.get()
+    if run is None:
+        return True
+    called = run[1]
+    if id(layer) in called:
+        return False
+    called[id(layer)] = layer
+    return True
+
+
+def route(kernel: Any, policy: Any, routed: bool, lead: int) -> str | None:
+    """How a layer's stored ``kernel`` reaches its matmul in the run: ``"whole"`` (a
+    ``QuantizedArray`` a routed layer's matmul reads whole), ``"sliced"`` (a stacked one,
+    ``lead`` stacked axes, whose layers each read their slice in the stack's loop),
+    ``"ahead"`` (any other ``QuantizedArray``: dequantized ahead of its layer), or ``None``
+    (a float kernel, cast to the compute dtype). A scheme that does not read stored
+    kernels gets them ahead."""
+    if not is_quantized(kernel):
+        return None
+    reads = policy.scheme is None or policy.scheme.reads_stored_kernels
+    if routed and reads and not lead:
+        return "whole"
+    if routed and reads and lead and stack_layers.servable(kernel) and kernel.stacked == lead:
+        return "sliced"
+    return "ahead"
+
+
+def promotable(values: Any) -> Any:
+    """Integer kernel values as a framework's dtype promotion takes them: int4 as int8
+    (int4 has no implicit promotion in JAX; the routed matmul reads the stored values)."""
+    return values.astype(jnp.int8) if getattr(values, "dtype", None) == jnp.int4 else values
