@@ -19,16 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src.dtypes import bounded_repr
-from jmp_policy._src.quantization.clipping import (
-    CLIP_GRID,
-    CLIP_MAX_SHRINK,
-    WEIGHT_NORM,
-    broadcast_scale,
-    clip_ratios,
-)
+from jmp_policy._src.quantization import clipping
+from jmp_policy._src.quantization.clipping import broadcast_scale
 
 QMIN, QMAX = -8.0, 7.0
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 #: The end of a mode whose groups carry a zero point (``"int4/128/asym"``).
 ASYM = "/asym"
@@ -86,26 +80,19 @@ def column_grid(
 ) -> tuple[jax.Array, jax.Array]:
     """The ``[n]`` scale and zero point of one group of ``rows``: its range, or with
     ``clip`` the best of the clipped ranges ``r · [low, high]`` (``r = 1, 0.99, ...`` as
-    :func:`~jmp_policy._src.quantization.clipping.clip_ratios`; ``r = 1`` unless strictly
-    beaten) by ``dᵀ gram d`` when ``gram`` is given, else ``Σ |d|^2.4``."""
+    :func:`~jmp_policy._src.quantization.clipping.best_ratio` searches them on any grid)
+    by ``dᵀ gram d`` when ``gram`` is given, else ``Σ |d|^2.4``."""
     low, high = column_range(rows, rest)
     if not clip:
         return grid(low, high)
-    ratios = clip_ratios(CLIP_GRID, CLIP_MAX_SHRINK)
 
-    def error(r: jax.Array) -> jax.Array:
+    def dequantized(r: jax.Array) -> jax.Array:
         scale, zero = grid(low * r, high * r)
         s, z = broadcast_scale(scale, rest), broadcast_scale(zero, rest)
-        d = rows - real(round_values(rows, s, z), s, z)
-        if gram is None:
-            e = jnp.sum(jnp.abs(d) ** WEIGHT_NORM, axis=0)
-        else:
-            e = jnp.sum(d * jnp.matmul(gram, d, precision=_HIGHEST), axis=0)
-        return e.reshape(-1, rest[-1]).sum(axis=0)
+        return real(round_values(rows, s, z), s, z)
 
-    errors = jax.lax.map(error, ratios)  # [ratios, n]
-    best = jnp.argmin(jnp.where(jnp.isnan(errors), jnp.inf, errors), axis=0)
-    return grid(low * ratios[best], high * ratios[best])
+    ratio = clipping.best_ratio(rows, rest, dequantized, gram)
+    return grid(low * ratio, high * ratio)
 
 
 def quantize_groups(
