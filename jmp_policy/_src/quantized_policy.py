@@ -23,11 +23,13 @@ class QuantizedDTypePolicy(DTypePolicy):
 
     Compute, variable and output dtypes come from the source policy. ``int4/<block>``
     quantizes in blocks of ``<block>`` rows, ``int4`` (or ``int4/-1``, Keras's legacy
-    ``int4/None``) per channel. ``str`` writes the mode before jmp's short form of the
+    ``int4/None``) per channel; ``int8/asym`` and ``int4/<block>/asym`` store a zero point
+    per group. ``str`` writes the mode before jmp's short form of the
     dtypes, which :func:`get` reads back.
 
     Args:
-        mode: ``"int8"``, ``"int4"`` or ``"int4/<block>"``.
+        mode: ``"int8"``, ``"int4"`` or ``"int4/<block>"`` (``"/asym"`` after either: with
+            zero points).
         source_name: the float policy the dtypes come from; ``None`` takes the global one.
 
     Raises:

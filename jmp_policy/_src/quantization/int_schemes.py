@@ -27,16 +27,42 @@ from jmp_policy._src.schemes import Scheme
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Int8Scheme(Scheme):
-    """int8 weights and int8 compute (``"int8_from_<source>"``).
+    """int8 weights and int8 compute (``"int8_from_<source>"``); ``symmetric=False``
+    (``"int8/asym"``): a zero point per output channel and all 256 codes
+    (:mod:`~jmp_policy._src.quantization.zero_point`), served weight-only.
 
     Examples:
         >>> from jmp_policy._src.quantization.int_schemes import Int8Scheme
         >>> Int8Scheme.parse("int8"), Int8Scheme().stores_weights
-        (Int8Scheme(), True)
+        (Int8Scheme(symmetric=True), True)
+        >>> Int8Scheme.parse("int8/asym").mode_text()
+        'int8/asym'
     """
 
     mode: ClassVar[str] = "int8"
-    grammar: ClassVar[tuple[str, ...]] = ("'int8'",)
+    grammar: ClassVar[tuple[str, ...]] = ("'int8'", "'int8/asym'")
+
+    #: ``False`` stores a zero point per output channel (``"/asym"`` in names).
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        check_symmetric(self.symmetric, 8, allow_asymmetric=True)
+
+    @classmethod
+    def parse(cls, text: str) -> Int8Scheme | None:
+        if text == "int8":
+            return cls()
+        if text == "int8" + ASYM:
+            return cls(symmetric=False)
+        if text.startswith("int8/"):
+            raise ValueError(
+                "Invalid quantization mode. int8 takes no block size: 'int8' (a scale per "
+                f"channel) or 'int8/asym' (with a zero point). Received: mode={bounded_repr(text)}"
+            )
+        return None
+
+    def mode_text(self, given: str | None = None) -> str:
+        return "int8" if self.symmetric else "int8" + ASYM
 
     def check_source(self, compute: Any, text: str, source_name: str) -> None:
         if compute == np.float16:
@@ -47,6 +73,8 @@ class Int8Scheme(Scheme):
             )
 
     def quantize(self, x: Any, stacked: int) -> Any:
+        if not self.symmetric:
+            return zero_point.quantize_asymmetric(x, None, stacked, mode="int8")
         return quantization.quantize(x, "int8", None, stacked)
 
     def describe(self, kernel: Any) -> str:
