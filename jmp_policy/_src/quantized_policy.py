@@ -254,12 +254,14 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
                 "`symmetric` contradicts `mode`, whose groups have zero points. "
                 f"Received: symmetric={symmetric!r}, mode={mode!r}"
             )
-        scheme = Int4Scheme(block_size=block, symmetric=bool(symmetric))
+        full = given.full_range  # with symmetric=False: Int4Scheme says both cannot be
+        scheme = Int4Scheme(block_size=block, symmetric=bool(symmetric), full_range=full)
         self._init_quantized(scheme.mode_text(), scheme, source_name)
 
     def _rebuild_from(self, source: DTypePolicy) -> Int4DTypePolicy:
         scheme = self._scheme
-        return Int4DTypePolicy("int4", source.name, scheme.block_size, scheme.symmetric)
+        mode = scheme.mode_text() if scheme.full_range else "int4"
+        return Int4DTypePolicy(mode, source.name, scheme.block_size, scheme.symmetric)
 
     @property
     def symmetric(self) -> bool:
