@@ -23,11 +23,13 @@ class QuantizedDTypePolicy(DTypePolicy):
 
     Compute, variable and output dtypes come from the source policy. ``int4/<block>``
     quantizes in blocks of ``<block>`` rows, ``int4`` (or ``int4/-1``, Keras's legacy
-    ``int4/None``) per channel. ``str`` writes the mode before jmp's short form of the
+    ``int4/None``) per channel; ``int8/asym`` and ``int4/<block>/asym`` store a zero point
+    per group. ``str`` writes the mode before jmp's short form of the
     dtypes, which :func:`get` reads back.
 
     Args:
-        mode: ``"int8"``, ``"int4"`` or ``"int4/<block>"``.
+        mode: ``"int8"``, ``"int4"`` or ``"int4/<block>"`` (``"/asym"`` after either: with
+            zero points).
         source_name: the float policy the dtypes come from; ``None`` takes the global one.
 
     Raises:
@@ -252,12 +254,14 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
                 "`symmetric` contradicts `mode`, whose groups have zero points. "
                 f"Received: symmetric={symmetric!r}, mode={mode!r}"
             )
-        scheme = Int4Scheme(block_size=block, symmetric=bool(symmetric))
+        full = given.full_range  # with symmetric=False: Int4Scheme says both cannot be
+        scheme = Int4Scheme(block_size=block, symmetric=bool(symmetric), full_range=full)
         self._init_quantized(scheme.mode_text(), scheme, source_name)
 
     def _rebuild_from(self, source: DTypePolicy) -> Int4DTypePolicy:
         scheme = self._scheme
-        return Int4DTypePolicy("int4", source.name, scheme.block_size, scheme.symmetric)
+        mode = scheme.mode_text() if scheme.full_range else "int4"
+        return Int4DTypePolicy(mode, source.name, scheme.block_size, scheme.symmetric)
 
     @property
     def symmetric(self) -> bool:

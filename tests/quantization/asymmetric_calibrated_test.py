@@ -9,7 +9,7 @@ import pytest
 
 import jmp_policy as jp
 from jmp_policy._src.quantization import asymmetric_grid, awq, gptq
-from jmp_policy._src.quantization.zero_point import ZeroPointArray, quantize_asymmetric
+from jmp_policy._src.quantization.zero_point import quantize_asymmetric
 
 
 def _problem(rows=256, n=48):
@@ -28,8 +28,12 @@ def test_gptq_and_awq_on_the_asymmetric_grid_beat_its_round_to_nearest_and_symme
     rtn = quantize_asymmetric(w, 128)
     g = gptq.gptq_quantize(w, h, group_size=128, clip_search=clip, symmetric=False)
     a = awq.awq_quantize(w, m, h, group_size=128, clip_search=clip, symmetric=False)
-    assert isinstance(g, ZeroPointArray) and g.zero_point.shape == (2, 48)
-    assert isinstance(a, awq.InputScaledZeroPointArray) and a.input_scale.shape == (256,)
+    assert type(g) is jp.QuantizedArray and g.zero_point.shape == (2, 48)
+    assert (
+        type(a) is awq.InputScaledArray
+        and a.zero_point is not None
+        and a.input_scale.shape == (256,)
+    )
     assert _error(g, w, x) < _error(rtn, w, x) and _error(a, w, x) <= _error(rtn, w, x)
     g_sym = gptq.gptq_quantize(w, h, group_size=128, clip_search=clip)
     assert _error(g, w, x) < _error(g_sym, w, x)
@@ -130,8 +134,9 @@ def test_linen_calibrate_serves_asymmetric_gptq_awq_and_rtn(use_jit):
     policy_map = jp.DTypePolicyMap("float32", policies)
     q = jp.linen.calibrate(model, policy_map, variables, [x[:128], x[128:]])
     up, mid, head = (q["params"][n]["kernel"] for n in ("up", "mid", "head"))
-    assert isinstance(up, awq.InputScaledZeroPointArray)
-    assert type(mid) is ZeroPointArray and type(head) is ZeroPointArray
+    assert type(up) is awq.InputScaledArray and up.zero_point is not None
+    assert type(mid) is jp.QuantizedArray and type(head) is jp.QuantizedArray
+    assert mid.zero_point is not None and head.zero_point is not None
     serve = jp.linen.apply(model, policy_map)
     run = jax.jit(serve) if use_jit else serve
     y = run(q, x[:4])

@@ -121,3 +121,19 @@ def test_search_scale_does_not_mutate_its_input():
     before = w.copy()
     jax.block_until_ready(clipping.search_scale(w, (4,), 7.0))
     np.testing.assert_array_equal(w, before)
+
+
+@pytest.mark.parametrize("use_jit", [False, True])
+def test_best_ratio_takes_any_grid_and_skips_nan_errors(use_jit):
+    rows = jnp.asarray(_weights(16, 3, 7))
+    ratios = clipping.clip_ratios()
+    # A "grid" that rounds to multiples of 0.05 · r: the best ratio by brute force.
+    real = lambda r: jnp.round(rows / (0.05 * r)) * (0.05 * r)  # noqa: E731
+    run = jax.jit(lambda: clipping.best_ratio(rows, (3,), real)) if use_jit else None
+    got = run() if use_jit else clipping.best_ratio(rows, (3,), real)
+    errs = np.stack([np.sum(np.abs(np.asarray(rows - real(r))) ** 2.4, axis=0) for r in ratios])
+    np.testing.assert_array_equal(got, np.asarray(ratios)[np.argmin(errs, axis=0)])
+    # An error that is NaN at r = 1 never wins: the best finite one does.
+    nan_first = lambda r: jnp.where(r == 1.0, jnp.nan, real(r))  # noqa: E731
+    got = clipping.best_ratio(rows, (3,), nan_first)
+    assert np.all(np.asarray(got) < 1.0)

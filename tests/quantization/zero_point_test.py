@@ -7,7 +7,7 @@ import pytest
 
 import jmp_policy as jp
 from jmp_policy._src.quantization.kernel_matmul import quantized_kernel_dot_general
-from jmp_policy._src.quantization.zero_point import ZeroPointArray, quantize_asymmetric
+from jmp_policy._src.quantization.zero_point import quantize_asymmetric
 
 DIMS = (((1,), (0,)), ((), ()))
 
@@ -19,7 +19,12 @@ def _kernel(shape=(256, 48), shift=0.3, seed=0):
 def test_values_use_all_16_codes_and_dequantize_within_half_a_step():
     w = _kernel()
     q = quantize_asymmetric(w, 128)
-    assert isinstance(q, ZeroPointArray) and q.mode == "int4" and q.block_size == 128
+    assert (
+        type(q) is jp.QuantizedArray
+        and q.zero_point is not None
+        and q.mode == "int4"
+        and q.block_size == 128
+    )
     assert q.values.dtype == jnp.int4 and q.scale.dtype == jnp.float32
     assert q.zero_point.dtype == jnp.int8 and q.zero_point.shape == q.scale.shape == (2, 48)
     v = np.asarray(q.values).astype(int)
@@ -135,18 +140,18 @@ def test_symmetric_true_contradicting_an_asym_mode_is_a_value_error():
         jp.get("int4/128/sym_from_float32")
 
 
-def test_checks_of_a_users_zero_point_array():
+def test_checks_of_a_users_zero_point_field():
     q = quantize_asymmetric(_kernel((8, 4)), -1)
     fields = dict(
         values=q.values, scale=q.scale, mode="int4", block_size=-1, shape=(8, 4),
         original_dtype=jnp.float32,
     )  # fmt: skip
     with pytest.raises(ValueError, match="zero_point"):
-        ZeroPointArray(**fields, zero_point=jnp.zeros((2, 4), jnp.int8))
+        jp.QuantizedArray(**fields, zero_point=jnp.zeros((2, 4), jnp.int8))
     with pytest.raises(TypeError, match="zero_point"):
-        ZeroPointArray(**fields, zero_point=jnp.zeros((1, 4), jnp.float32))
-    ok = ZeroPointArray(**fields, zero_point=q.zero_point)
-    assert ok == q and "ZeroPointArray(int4/-1" in repr(ok)
+        jp.QuantizedArray(**fields, zero_point=jnp.zeros((1, 4), jnp.float32))
+    ok = jp.QuantizedArray(**fields, zero_point=q.zero_point)
+    assert ok == q and "QuantizedArray(int4/-1" in repr(ok) and "zero_point=int8" in repr(ok)
 
 
 def test_tree_jit_and_checkpoint_rebuild():
@@ -157,4 +162,4 @@ def test_tree_jit_and_checkpoint_rebuild():
     assert back == q
     fields = {"values": q.values, "scale": q.scale, "zero_point": q.zero_point}
     rebuilt = jp.rebuild_quantized({"k": fields}, jp.quantized_metadata({"k": q}))["k"]
-    assert isinstance(rebuilt, ZeroPointArray) and rebuilt == q
+    assert type(rebuilt) is jp.QuantizedArray and rebuilt.zero_point is not None and rebuilt == q

@@ -1,8 +1,9 @@
-"""The asymmetric int4 grid: a scale and a zero point per group, all 16 codes ``-8..7``.
+"""The asymmetric grid: a scale and a zero point per group, all ``2^bits`` codes (int4's
+``-8..7``, int8's ``-128..127``).
 
-A group's range ``[min(w, 0), max(w, 0)]`` (times a clip ratio ``r <= 1``) is cut into 15
-steps: ``scale = (high - low) / 15``, ``zero = round(-low / scale) - 8``, values
-``clip(round(w / scale) + zero, -8, 7)``, real ``(values - zero) * scale``. Round-to-nearest
+A group's range ``[min(w, 0), max(w, 0)]`` (times a clip ratio ``r <= 1``) is cut into
+``2^bits - 1`` steps (int4: ``scale = (high - low) / 15``, ``zero = round(-low / scale) -
+8``, values ``clip(round(w / scale) + zero, -8, 7)``), real ``(values - zero) * scale``. Round-to-nearest
 (:mod:`~jmp_policy._src.quantization.zero_point`), GPTQ and AWQ use it for
 ``symmetric=False``; the clip search here is GPTQ's reference ``mse=True`` grid for
 asymmetric groups (both ends shrunk by ``r``) and AWQ's ``auto_clip`` (by the group's share
@@ -19,52 +20,55 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src.dtypes import bounded_repr
-from jmp_policy._src.quantization.clipping import (
-    CLIP_GRID,
-    CLIP_MAX_SHRINK,
-    WEIGHT_NORM,
-    broadcast_scale,
-    clip_ratios,
-)
+from jmp_policy._src.quantization import clipping
+from jmp_policy._src.quantization.clipping import broadcast_scale
 
-QMIN, QMAX = -8.0, 7.0
-_HIGHEST = jax.lax.Precision.HIGHEST
+QMIN, QMAX = -8.0, 7.0  # int4's codes
+
+
+def codes(bits: int = 4) -> tuple[float, float]:
+    """The lowest and highest code of ``bits``-bit signed values (``(-8.0, 7.0)`` for 4)."""
+    return float(-(2 ** (bits - 1))), float(2 ** (bits - 1) - 1)
+
 
 #: The end of a mode whose groups carry a zero point (``"int4/128/asym"``).
 ASYM = "/asym"
 
 
-def check_symmetric(symmetric: Any, weight_bits: int = 4) -> bool:
-    """``symmetric``, checked: a ``bool`` (Keras's config key); ``False`` only for 4 bits."""
+def check_symmetric(symmetric: Any, weight_bits: int = 4, allow_asymmetric: bool = False) -> bool:
+    """``symmetric``, checked: a ``bool`` (Keras's config key); ``False`` only for 4 bits
+    (or ``allow_asymmetric``: round-to-nearest int8)."""
     if not isinstance(symmetric, (bool, np.bool_)):
         raise TypeError(
-            "`symmetric` must be True (abs-max, codes -7..7) or False (a zero point per "
-            f"group, all 16 codes). Received: symmetric={bounded_repr(symmetric)} "
+            "`symmetric` must be True (abs-max, codes -7..7 for int4) or False (a zero point "
+            f"per group, all the codes). Received: symmetric={bounded_repr(symmetric)} "
             f"(of type {type(symmetric).__name__})"
         )
-    if not symmetric and weight_bits != 4:
+    if not symmetric and weight_bits != 4 and not allow_asymmetric:
         raise ValueError(
-            "A zero point per group (`symmetric=False`) is int4's only: 8-bit weights are "
-            f"symmetric here. Received: weight_bits={weight_bits!r}, symmetric=False"
+            "A zero point per group (`symmetric=False`) is int4's only for GPTQ and AWQ: "
+            "their 8-bit weights are symmetric here (round-to-nearest 'int8/asym' has zero "
+            f"points). Received: weight_bits={weight_bits!r}, symmetric=False"
         )
     return bool(symmetric)
 
 
-def grid(low: jax.Array, high: jax.Array) -> tuple[jax.Array, jax.Array]:
+def grid(low: jax.Array, high: jax.Array, bits: int = 4) -> tuple[jax.Array, jax.Array]:
     """The scale and zero point (float32 integers) of groups spanning ``[low, high]`` (each
     widened to include 0: 0 is exact). A scale is 1 where the range is 0, NaN where it is
     not finite (a non-finite kernel stays non-finite)."""
+    qmin, qmax = codes(bits)
     low, high = jnp.minimum(low, 0.0), jnp.maximum(high, 0.0)
-    scale = (high - low) / (QMAX - QMIN)
+    scale = (high - low) / (qmax - qmin)
     scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
     scale = jnp.where(jnp.isfinite(low) & jnp.isfinite(high), scale, jnp.nan)
-    zero = jnp.clip(jnp.round(-low / scale) + QMIN, QMIN, QMAX)
+    zero = jnp.clip(jnp.round(-low / scale) + qmin, qmin, qmax)
     return scale, jnp.where(jnp.isfinite(zero), zero, 0.0)
 
 
-def round_values(x: jax.Array, scale: jax.Array, zero: jax.Array) -> jax.Array:
-    """``x`` on the grid: ``clip(round(x / scale) + zero, -8, 7)`` (float32 integers)."""
-    return jnp.clip(jnp.round(x / scale) + zero, QMIN, QMAX)
+def round_values(x: jax.Array, scale: jax.Array, zero: jax.Array, bits: int = 4) -> jax.Array:
+    """``x`` on the grid: ``clip(round(x / scale) + zero, qmin, qmax)`` (float32 integers)."""
+    return jnp.clip(jnp.round(x / scale) + zero, *codes(bits))
 
 
 def real(q: jax.Array, scale: jax.Array, zero: jax.Array) -> jax.Array:
@@ -82,34 +86,36 @@ def column_range(rows: jax.Array, rest: tuple[int, ...]) -> tuple[jax.Array, jax
 
 
 def column_grid(
-    rows: jax.Array, rest: tuple[int, ...], clip: bool = False, gram: jax.Array | None = None
+    rows: jax.Array,
+    rest: tuple[int, ...],
+    clip: bool = False,
+    gram: jax.Array | None = None,
+    bits: int = 4,
 ) -> tuple[jax.Array, jax.Array]:
     """The ``[n]`` scale and zero point of one group of ``rows``: its range, or with
     ``clip`` the best of the clipped ranges ``r · [low, high]`` (``r = 1, 0.99, ...`` as
-    :func:`~jmp_policy._src.quantization.clipping.clip_ratios`; ``r = 1`` unless strictly
-    beaten) by ``dᵀ gram d`` when ``gram`` is given, else ``Σ |d|^2.4``."""
+    :func:`~jmp_policy._src.quantization.clipping.best_ratio` searches them on any grid)
+    by ``dᵀ gram d`` when ``gram`` is given, else ``Σ |d|^2.4``."""
     low, high = column_range(rows, rest)
     if not clip:
-        return grid(low, high)
-    ratios = clip_ratios(CLIP_GRID, CLIP_MAX_SHRINK)
+        return grid(low, high, bits)
 
-    def error(r: jax.Array) -> jax.Array:
-        scale, zero = grid(low * r, high * r)
+    def dequantized(r: jax.Array) -> jax.Array:
+        scale, zero = grid(low * r, high * r, bits)
         s, z = broadcast_scale(scale, rest), broadcast_scale(zero, rest)
-        d = rows - real(round_values(rows, s, z), s, z)
-        if gram is None:
-            e = jnp.sum(jnp.abs(d) ** WEIGHT_NORM, axis=0)
-        else:
-            e = jnp.sum(d * jnp.matmul(gram, d, precision=_HIGHEST), axis=0)
-        return e.reshape(-1, rest[-1]).sum(axis=0)
+        return real(round_values(rows, s, z, bits), s, z)
 
-    errors = jax.lax.map(error, ratios)  # [ratios, n]
-    best = jnp.argmin(jnp.where(jnp.isnan(errors), jnp.inf, errors), axis=0)
-    return grid(low * ratios[best], high * ratios[best])
+    ratio = clipping.best_ratio(rows, rest, dequantized, gram)
+    return grid(low * ratio, high * ratio, bits)
 
 
 def quantize_groups(
-    w: jax.Array, rest: tuple[int, ...], size: int, gram: jax.Array | None = None, clip: bool = True
+    w: jax.Array,
+    rest: tuple[int, ...],
+    size: int,
+    gram: jax.Array | None = None,
+    clip: bool = True,
+    bits: int = 4,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``w`` (``[rows, M]``, float32) on the grid of each group of ``size`` rows and index of
     ``rest``'s last axis: values (float32, ``[rows, M]``), scales and zero points
@@ -121,13 +127,13 @@ def quantize_groups(
     padded = groups * size
     wb = jnp.pad(w, ((0, padded - rows), (0, 0))).reshape(groups, size, m)
     if gram is None:
-        scales, zeros = jax.vmap(lambda g: column_grid(g, rest, clip))(wb)
+        scales, zeros = jax.vmap(lambda g: column_grid(g, rest, clip, bits=bits))(wb)
     else:
         gp = jnp.pad(gram, ((0, padded - rows), (0, padded - rows)))
         idx = jnp.arange(groups)
         blocks = gp.reshape(groups, size, groups, size)[idx, :, idx, :]
-        scales, zeros = jax.vmap(lambda g, h: column_grid(g, rest, clip, h))(wb, blocks)
+        scales, zeros = jax.vmap(lambda g, h: column_grid(g, rest, clip, h, bits))(wb, blocks)
     s = jax.vmap(lambda x: broadcast_scale(x, rest))(scales)[:, None, :]
     z = jax.vmap(lambda x: broadcast_scale(x, rest))(zeros)[:, None, :]
-    q = round_values(wb, s, z).reshape(padded, m)[:rows]
+    q = round_values(wb, s, z, bits).reshape(padded, m)[:rows]
     return q, scales, zeros

@@ -42,7 +42,7 @@ from jmp_policy._src.quantization.quantized_array import (
 )
 from jmp_policy._src.quantization.quantized_array_checks import stack_to_front
 from jmp_policy._src.quantization.quantized_tree import make, register
-from jmp_policy._src.quantization.zero_point import ZeroPointArray, quantize_asymmetric
+from jmp_policy._src.quantization.zero_point import quantize_asymmetric
 
 DEFAULT_NUM_GRID_POINTS = 20
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -99,7 +99,7 @@ def _search(
     scaled = _rows_times(w, s)
     if not clip:
         q = rtn(scaled)
-        zero = getattr(q, "zero_point", None)
+        zero = q.zero_point
         zero = jnp.zeros(q.scale.shape, jnp.float32) if zero is None else zero
         return s, q.values.astype(jnp.float32), q.scale, zero.astype(jnp.float32), losses
     # AWQ's auto_clip: each group's clip by its share of the output error of the scaled
@@ -198,18 +198,18 @@ def awq_quantize(
         w32, mean_abs.astype(jnp.float32), gram.astype(jnp.float32)
     )
     dtype = jnp.int4 if weight_bits == 4 else jnp.int8
-    cls = InputScaledArray if sym else InputScaledZeroPointArray
     extra = {} if sym else {"zero_point": zeros.astype(jnp.int8)}
     return make(
-        cls, values.reshape(shape).astype(dtype), scales, mode, block, shape,
+        InputScaledArray, values.reshape(shape).astype(dtype), scales, mode, block, shape,
         np.dtype(kernel.dtype), stacked, input_scale=s.reshape(*lead, *ins), **extra,
     )  # fmt: skip
 
 
-@register(("values", "scale", "input_scale"))
+@register(("values", "scale", "zero_point", "input_scale"), optional=("zero_point",))
 @dataclasses.dataclass(frozen=True, eq=False)
 class InputScaledArray(QuantizedArray):
-    """An AWQ kernel: a :class:`~jmp_policy.QuantizedArray` of ``diag(s) W`` and ``s``,
+    """An AWQ kernel: a :class:`~jmp_policy.QuantizedArray` of ``diag(s) W`` (with its zero
+    points on the asymmetric grid) and ``s``,
     ``input_scale`` (float32, ``[*depth, *in_shape]``: the kernel's leading input axes, one
     for a Dense kernel, two for attention's output projection), which the matmul divides
     the layer's inputs by; :meth:`dequantize` gives ``W`` itself (divided by ``s``), so
@@ -244,33 +244,16 @@ class InputScaledArray(QuantizedArray):
         return (real / s).astype(dtype)
 
     def scaled_kernel(self) -> QuantizedArray:
-        """The stored ``Q(diag(s) W)`` as a plain :class:`~jmp_policy.QuantizedArray`
-        (what the weight-only matmul multiplies the inputs divided by ``s`` with)."""
+        """The stored ``Q(diag(s) W)`` as a plain :class:`~jmp_policy.QuantizedArray`, its
+        zero points kept (what the weight-only matmul multiplies the inputs divided by ``s``
+        with)."""
         return make(
             QuantizedArray, self.values, self.scale, self.mode, self.block_size, self.shape,
             self.original_dtype, self.stacked, stacked_at=self.stacked_at,
+            zero_point=self.zero_point,
         )  # fmt: skip
 
     @property
     def nbytes(self) -> int:
         """Bytes stored: values, scales and the input scale."""
         return super().nbytes + int(self.input_scale.size) * 4
-
-
-@register(("values", "scale", "zero_point", "input_scale"))
-@dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class InputScaledZeroPointArray(InputScaledArray, ZeroPointArray):
-    """An AWQ kernel on the asymmetric grid: ``Q(diag(s) W)`` with a zero point per group
-    (:class:`~jmp_policy._src.quantization.zero_point.ZeroPointArray`) and the input scale
-    ``s`` (:class:`InputScaledArray`); :meth:`dequantize` gives ``W``."""
-
-    def scaled_kernel(self) -> QuantizedArray:
-        """The stored ``Q(diag(s) W)`` with its zero points (a ``ZeroPointArray``)."""
-        return make(
-            ZeroPointArray, self.values, self.scale, self.mode, self.block_size, self.shape,
-            self.original_dtype, self.stacked, stacked_at=self.stacked_at,
-            zero_point=self.zero_point,
-        )  # fmt: skip
-
-    def __repr__(self) -> str:
-        return f"InputScaledZeroPointArray({QuantizedArray.__repr__(self).partition('(')[2]}"

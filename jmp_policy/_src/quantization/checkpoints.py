@@ -3,7 +3,7 @@
 Restored with a target (a tree of arrays or ``jax.ShapeDtypeStruct``s of the saved tree's
 structure), orbax and ``flax.serialization`` give QuantizedArrays back as they were. Without
 one, orbax gives each as a dict of its arrays (``{"values": ..., "scale": ...}``, an AWQ
-kernel with its ``"input_scale"``) and ``flax.serialization.msgpack_restore`` as the state
+kernel with its ``"input_scale"``, an asymmetric one with its ``"zero_point"``) and ``flax.serialization.msgpack_restore`` as the state
 dict it wrote (the same, with its settings). Orbax saves arrays only, so a QuantizedArray's
 settings (mode, int4 block, original dtype) go beside the checkpoint as JSON:
 :func:`quantized_metadata` gives them and :func:`rebuild_quantized` puts the QuantizedArrays
@@ -18,10 +18,9 @@ from typing import Any
 import jax
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.quantization.awq import InputScaledArray, InputScaledZeroPointArray
+from jmp_policy._src.quantization.awq import InputScaledArray
 from jmp_policy._src.quantization.quantized_array import QuantizedArray, is_quantized
 from jmp_policy._src.quantization.quantized_tree import make, settings_of, stack_layout
-from jmp_policy._src.quantization.zero_point import ZeroPointArray
 from jmp_policy._src.tree_paths import leaf_path
 
 _ARRAYS = ("values", "scale", "input_scale", "zero_point")
@@ -151,11 +150,7 @@ def _rebuild_one(path: str, x: Mapping[str, Any], settings: Mapping[str, Any]) -
         layer = (*shape[:at], *shape[at + k :])
         # a checkpoint of a stack made after saving: the stacked axes as the values have them
         shape, k, at = stack_layout(values, layer, at)
-    classes = {
-        (False, False): QuantizedArray, (True, False): InputScaledArray,
-        (False, True): ZeroPointArray, (True, True): InputScaledZeroPointArray,
-    }  # fmt: skip
-    cls = classes["input_scale" in x, "zero_point" in x]
+    cls = InputScaledArray if "input_scale" in x else QuantizedArray
     extra = {k: x[k] for k in ("input_scale", "zero_point") if k in x}
     try:
         return make(

@@ -15,6 +15,8 @@ error on the calibration inputs, ``dᵀ H_g d`` for ``H_g`` the group's block of
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -45,6 +47,38 @@ def broadcast_scale(scale: jax.Array, rest: tuple[int, ...]) -> jax.Array:
     return jnp.broadcast_to(scale, rest).reshape(-1)
 
 
+def best_ratio(
+    rows: jax.Array,
+    rest: tuple[int, ...],
+    real: Callable[[jax.Array], jax.Array],
+    gram: jax.Array | None = None,
+    *,
+    grid: int = CLIP_GRID,
+    max_shrink: float = CLIP_MAX_SHRINK,
+    norm: float = WEIGHT_NORM,
+) -> jax.Array:
+    """The clip search of one group of rows ``[r, M]`` on any grid: the best ratio (``[n]``,
+    one per index of ``rest``'s last axis) of :func:`clip_ratios` by ``dᵀ gram d`` when
+    ``gram`` (``[r, r]``) is given, else ``Σ |d|^norm``, for ``d = rows - real(ratio)`` and
+    ``real(ratio)`` the rows quantized and dequantized on the grid clipped by ``ratio``.
+    The first minimum wins (``r = 1`` unless strictly beaten); a NaN error never does.
+    Both grids search so: the symmetric one (:func:`search_scale`) and the asymmetric one
+    (:mod:`~jmp_policy._src.quantization.asymmetric_grid`)."""
+    ratios = clip_ratios(grid, max_shrink)
+
+    def error(r: jax.Array) -> jax.Array:
+        d = rows - real(r)
+        if gram is None:
+            e = jnp.sum(jnp.abs(d) ** norm, axis=0)
+        else:
+            e = jnp.sum(d * jnp.matmul(gram, d, precision=_HIGHEST), axis=0)
+        return e.reshape(-1, rest[-1]).sum(axis=0)
+
+    errors = jax.lax.map(error, ratios)  # [ratios, n]
+    errors = jnp.where(jnp.isnan(errors), jnp.inf, errors)
+    return ratios[jnp.argmin(errors, axis=0)]
+
+
 def search_scale(
     rows: jax.Array,
     rest: tuple[int, ...],
@@ -55,8 +89,8 @@ def search_scale(
     max_shrink: float = CLIP_MAX_SHRINK,
     norm: float = WEIGHT_NORM,
 ) -> jax.Array:
-    """The best clipped scale (``[n]``) of one group of rows ``[r, M]`` (see the module
-    docstring): by ``dᵀ gram d`` when ``gram`` (``[r, r]``) is given, else ``Σ |d|^norm``.
+    """The best clipped scale (``[n]``) of one group of rows ``[r, M]`` on the symmetric
+    grid (see the module docstring and :func:`best_ratio`).
 
     A scale whose group is all zero is 1 (as :func:`~jmp_policy._src.quantization.
     quantized_array.abs_max_scale` gives); a non-finite group keeps a NaN scale.
@@ -68,22 +102,14 @@ def search_scale(
         True
     """
     amax = abs_max(rows, rest)
-    ratios = clip_ratios(grid, max_shrink)
 
-    def error(r: jax.Array) -> jax.Array:
+    def real(r: jax.Array) -> jax.Array:
         s = broadcast_scale(amax * r / qmax, rest)
         s = jnp.where(s > 0, s, 1.0)
-        d = rows - round_to_grid(rows, s, qmax) * s
-        if gram is None:
-            e = jnp.sum(jnp.abs(d) ** norm, axis=0)
-        else:
-            e = jnp.sum(d * jnp.matmul(gram, d, precision=_HIGHEST), axis=0)
-        return e.reshape(-1, rest[-1]).sum(axis=0)
+        return round_to_grid(rows, s, qmax) * s
 
-    errors = jax.lax.map(error, ratios)  # [ratios, n]
-    errors = jnp.where(jnp.isnan(errors), jnp.inf, errors)
-    best = jnp.argmin(errors, axis=0)  # the first minimum: r = 1 unless strictly beaten
-    scale = amax * ratios[best] / qmax
+    ratio = best_ratio(rows, rest, real, gram, grid=grid, max_shrink=max_shrink, norm=norm)
+    scale = amax * ratio / qmax
     scale = jnp.where(scale > 0, scale, 1.0)
     return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
 

@@ -251,7 +251,7 @@ def gptq_quantize(
 
     Returns:
         A :class:`~jmp_policy.QuantizedArray` in the storage round-to-nearest gives
-        (``int4/<group_size>`` or ``int8``; a ``ZeroPointArray`` when not symmetric). If a Hessian cannot be factorised, that layer
+        (``int4/<group_size>`` or ``int8``; with a ``zero_point`` when not symmetric). If a Hessian cannot be factorised, that layer
         is rounded to nearest (with a warning outside ``jit``). Works under ``jit``.
 
     Raises:
@@ -295,9 +295,9 @@ def gptq_quantize(
     scales = jnp.where(ok_s, scales, rtn.scale)
     _warn_if_unfactorised(ok)
     if not sym:
-        zeros = jnp.where(ok_s, zeros, rtn.zero_point).astype(jnp.int8)  # type: ignore[attr-defined]
+        zeros = jnp.where(ok_s, zeros, rtn.zero_point).astype(jnp.int8)
         return make(
-            zero_point.ZeroPointArray, values, scales, mode, group, shape,
+            QuantizedArray, values, scales, mode, group, shape,
             np.dtype(kernel.dtype), stacked, zero_point=zeros,
         )  # fmt: skip
     return make(

@@ -52,3 +52,15 @@ def dequantize_int4(
     qb = blocked(q, size, blocks)
     scale = scale.reshape(blocks, *([1] * (len(shape) - 1)), shape[-1])
     return (qb * scale).reshape(blocks * size, *shape[1:])[:rows]
+
+
+def zero_offset(
+    zero: jax.Array, scale: jax.Array, block_size: int | None, shape: tuple[int, ...]
+) -> jax.Array:
+    """``zero * scale`` (float32, ``(blocks, n)``) over each block's rows of one (unstacked)
+    kernel of ``shape``: what the zero point takes off ``values * scale``, broadcast as
+    ``(rows, 1, ..., n)``."""
+    rows = shape[0]
+    ones = jnp.ones((rows, 1, 1), jnp.float32)
+    off = dequantize_int4(ones, zero * scale, block_size, (rows, 1, shape[-1]))
+    return off.reshape(rows, *([1] * (len(shape) - 2)), shape[-1])

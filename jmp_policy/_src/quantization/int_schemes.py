@@ -18,25 +18,54 @@ import numpy as np
 
 from jmp_policy._src.dtypes import MAX_INT4_BLOCK, bounded_repr
 from jmp_policy._src.int_arguments import int_from_text
-from jmp_policy._src.quantization import matmuls, quantized_matmul, zero_point
+from jmp_policy._src.quantization import full_range, matmuls, quantized_matmul, zero_point
 from jmp_policy._src.quantization import quantized_array as quantization
 from jmp_policy._src.quantization.asymmetric_grid import ASYM, check_symmetric
 from jmp_policy._src.quantization.quantized_array_checks import is_bad_block
 from jmp_policy._src.schemes import Scheme
 
+#: The end of an int4 mode on qwix's full-range symmetric grid (``"int4/128/full"``).
+FULL = "/full"
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Int8Scheme(Scheme):
-    """int8 weights and int8 compute (``"int8_from_<source>"``).
+    """int8 weights and int8 compute (``"int8_from_<source>"``); ``symmetric=False``
+    (``"int8/asym"``): a zero point per output channel and all 256 codes
+    (:mod:`~jmp_policy._src.quantization.zero_point`), served weight-only.
 
     Examples:
         >>> from jmp_policy._src.quantization.int_schemes import Int8Scheme
         >>> Int8Scheme.parse("int8"), Int8Scheme().stores_weights
-        (Int8Scheme(), True)
+        (Int8Scheme(symmetric=True), True)
+        >>> Int8Scheme.parse("int8/asym").mode_text()
+        'int8/asym'
     """
 
     mode: ClassVar[str] = "int8"
-    grammar: ClassVar[tuple[str, ...]] = ("'int8'",)
+    grammar: ClassVar[tuple[str, ...]] = ("'int8'", "'int8/asym'")
+
+    #: ``False`` stores a zero point per output channel (``"/asym"`` in names).
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        check_symmetric(self.symmetric, 8, allow_asymmetric=True)
+
+    @classmethod
+    def parse(cls, text: str) -> Int8Scheme | None:
+        if text == "int8":
+            return cls()
+        if text == "int8" + ASYM:
+            return cls(symmetric=False)
+        if text.startswith("int8/"):
+            raise ValueError(
+                "Invalid quantization mode. int8 takes no block size: 'int8' (a scale per "
+                f"channel) or 'int8/asym' (with a zero point). Received: mode={bounded_repr(text)}"
+            )
+        return None
+
+    def mode_text(self, given: str | None = None) -> str:
+        return "int8" if self.symmetric else "int8" + ASYM
 
     def check_source(self, compute: Any, text: str, source_name: str) -> None:
         if compute == np.float16:
@@ -47,6 +76,8 @@ class Int8Scheme(Scheme):
             )
 
     def quantize(self, x: Any, stacked: int) -> Any:
+        if not self.symmetric:
+            return zero_point.quantize_asymmetric(x, None, stacked, mode="int8")
         return quantization.quantize(x, "int8", None, stacked)
 
     def describe(self, kernel: Any) -> str:
@@ -68,7 +99,9 @@ class Int8Scheme(Scheme):
 class Int4Scheme(Scheme):
     """int4 weights, per channel (``block_size=-1``, ``"int4"``) or in blocks of rows
     (``"int4/<block>"``); ``symmetric=False`` (``"int4/<block>/asym"``): a zero point per
-    group and all 16 codes (:mod:`~jmp_policy._src.quantization.zero_point`).
+    group and all 16 codes (:mod:`~jmp_policy._src.quantization.zero_point`);
+    ``full_range=True`` (``"int4/<block>/full"``): symmetric, ``scale = amax / 7.5`` and
+    codes ``-8..7`` (qwix's default int4; :mod:`~jmp_policy._src.quantization.full_range`).
 
     Examples:
         >>> from jmp_policy._src.quantization.int_schemes import Int4Scheme
@@ -80,19 +113,36 @@ class Int4Scheme(Scheme):
     """
 
     mode: ClassVar[str] = "int4"
-    grammar: ClassVar[tuple[str, ...]] = ("'int4'", "'int4/<block>'", "'int4/<block>/asym'")
+    grammar: ClassVar[tuple[str, ...]] = (
+        "'int4'", "'int4/<block>'", "'int4/<block>/asym'", "'int4/<block>/full'",
+    )  # fmt: skip
 
     block_size: int = -1  # type: ignore[assignment]
     #: Keras's spelling: ``False`` stores a zero point per group (``"/asym"`` in names).
     symmetric: bool = True
+    #: qwix's symmetric grid: ``amax / 7.5``, codes ``-8..7`` (``"/full"`` in names).
+    full_range: bool = dataclasses.field(default=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.full_range is not False and self.full_range is not True:
+            raise TypeError(
+                f"`full_range` must be a bool. Received: full_range={self.full_range!r}"
+            )
+        if self.full_range and not self.symmetric:
+            raise ValueError(
+                "`full_range` is the symmetric grid's (a zero point already uses all 16 "
+                "codes): 'int4/<block>/full' or 'int4/<block>/asym', not both."
+            )
         if is_bad_block(self.block_size):
             raise ValueError(
                 f"`block_size` must be -1 (per channel) or from 1 to {MAX_INT4_BLOCK}. "
                 f"Received: block_size={self.block_size!r}"
             )
         check_symmetric(self.symmetric)
+
+    def __repr__(self) -> str:
+        full = ", full_range=True" if self.full_range else ""
+        return f"Int4Scheme(block_size={self.block_size}, symmetric={self.symmetric}{full})"
 
     @classmethod
     def parse(cls, text: str) -> Int4Scheme | None:
@@ -102,6 +152,9 @@ class Int4Scheme(Scheme):
         if block_text.endswith(ASYM) and block_text.count("/") == 1:
             scheme = cls.parse(text[: -len(ASYM)])
             return None if scheme is None else cls(block_size=scheme.block_size, symmetric=False)
+        if block_text.endswith(FULL) and block_text.count("/") == 1:
+            scheme = cls.parse(text[: -len(FULL)])
+            return None if scheme is None else cls(block_size=scheme.block_size, full_range=True)
         if not sep or block_text == "None":  # Keras's legacy "int4/None": per channel
             return cls(block_size=-1)
         block = int_from_text(block_text, -1, MAX_INT4_BLOCK)
@@ -116,13 +169,16 @@ class Int4Scheme(Scheme):
 
     def mode_text(self, given: str | None = None) -> str:
         # "int4" stays "int4" (Keras's own spelling); a given block is written canonically.
-        if given is not None and "/" not in given and self.symmetric:
+        if given is not None and "/" not in given and self.symmetric and not self.full_range:
             return "int4"
-        return f"int4/{self.block_size}{'' if self.symmetric else ASYM}"
+        grid = FULL if self.full_range else "" if self.symmetric else ASYM
+        return f"int4/{self.block_size}{grid}"
 
     def quantize(self, x: Any, stacked: int) -> Any:
         if not self.symmetric:
             return zero_point.quantize_asymmetric(x, self.block_size, stacked)
+        if self.full_range:
+            return full_range.quantize_full_range(x, self.block_size, stacked)
         return quantization.quantize(x, "int4", self.block_size, stacked)
 
     def describe(self, kernel: Any) -> str:

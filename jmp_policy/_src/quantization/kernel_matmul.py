@@ -97,7 +97,7 @@ def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> 
 def zero_point_of(q: QuantizedArray) -> jax.Array | None:
     """The zero point of ``q``'s groups (``real = (values - zero_point) * scale``), or
     ``None`` for symmetric storage."""
-    return getattr(q, "zero_point", None)
+    return q.zero_point
 
 
 def _rows(lhs: jax.Array, dims: DimensionNumbers) -> int:

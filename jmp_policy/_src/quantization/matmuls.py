@@ -76,7 +76,7 @@ def storage_label(kernel: Any) -> str:
     ``"int4/128"``): how the built-in formats, and a float policy, word its weights."""
     block = kernel.block_size
     label = str(kernel.mode) if block in (None, -1) else f"int4/{block}"
-    return f"{label} with zero points" if getattr(kernel, "zero_point", None) is not None else label
+    return f"{label} with zero points" if kernel.zero_point is not None else label
 
 
 def _label(scheme: Any, kernel: Any) -> str:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.quantization.int4_layout import blocked, dequantize_int4
+from jmp_policy._src.quantization.int4_layout import blocked, dequantize_int4, zero_offset
 from jmp_policy._src.quantization.quantized_array_checks import (
     check_array,
     int4_block,
@@ -43,12 +43,14 @@ INT8_MAX = INT8.qmax
 INT4_MAX = INT4.qmax
 
 
-@register(("values", "scale"))
+@register(("values", "scale", "zero_point"), optional=("zero_point",))
 @dataclasses.dataclass(frozen=True, eq=False)
 class QuantizedArray:
-    """A quantized weight: integer ``values`` and float32 ``scale``, ``real ≈ values * scale``.
+    """A quantized weight: integer ``values`` and float32 ``scale``, ``real ≈ values * scale``
+    (``(values - zero_point) * scale`` with a zero point).
 
-    A registered pytree: ``values`` and ``scale`` are its children, the rest is static
+    A registered pytree: ``values``, ``scale`` and, where there is one, ``zero_point`` are
+    its children (a symmetric array has no zero-point child), the rest is static
     metadata, so it crosses ``jit``, ``tree_map`` and checkpoints (orbax,
     ``flax.serialization``) whole. Its unflatten accepts any leaves and checks nothing (JAX's
     contract); ``shape`` and ``stacked`` follow the leaves, so ``vmap`` or ``scan`` that stack
@@ -82,6 +84,9 @@ class QuantizedArray:
             leading ones; ``1`` for an ``nn.scan(..., variable_axes={"params": 1})``
             stack, whose loop slices axis 1. The scales carry the stacked axes leading
             whatever ``stacked_at`` is.
+        zero_point: ``None`` (symmetric, the default), or the ``int8`` zero point of each
+            scale (the scale's shape): ``real = (values - zero_point) * scale``
+            (``"int4/<block>/asym"``, ``"int8/asym"``, Keras's ``symmetric=False``).
 
     Examples:
         >>> import jax.numpy as jnp
@@ -114,6 +119,7 @@ class QuantizedArray:
     stacked: int = 0
     # Keyword-only: the positional fields (and AWQ's `input_scale` after them) stay as they were.
     stacked_at: int = dataclasses.field(default=0, kw_only=True)
+    zero_point: Any = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         self._validate(nan_scale=False)
@@ -161,12 +167,16 @@ class QuantizedArray:
 
     @property
     def nbytes(self) -> int:
-        """Bytes stored: the values (int4: half a byte each) and the scales."""
+        """Bytes stored: the values (int4: half a byte each), the scales and the zero points."""
         bits = np.dtype(self.values.dtype).itemsize * 8
         if np.dtype(self.values.dtype) == np.dtype(jnp.int4):
             bits = 4
-        return -(-int(self.values.size) * bits // 8) + int(
-            self.scale.size * self.scale.dtype.itemsize
+        z = self.zero_point
+        zero = 0 if z is None else int(z.size) * np.dtype(z.dtype).itemsize
+        return (
+            -(-int(self.values.size) * bits // 8)
+            + int(self.scale.size * self.scale.dtype.itemsize)
+            + zero
         )
 
     @property
@@ -176,7 +186,8 @@ class QuantizedArray:
         return storage_of(self.mode).is_packed(self.values)
 
     def dequantize(self, dtype: Any = None) -> jax.Array:
-        """The real values (``values * scale``, computed in float32) in ``dtype``.
+        """The real values (``values * scale``, or ``(values - zero_point) * scale``, computed
+        in float32 as ``values * scale - zero_point * scale``) in ``dtype``.
 
         Args:
             dtype: the result's dtype; ``None`` is :attr:`original_dtype`.
@@ -193,18 +204,22 @@ class QuantizedArray:
             real_front = self.front().dequantize(dtype)
             return jnp.moveaxis(real_front, range(k), range(at, at + k))
         scale = jnp.asarray(self.scale, jnp.float32)
+        z = None if self.zero_point is None else jnp.asarray(self.zero_point, jnp.float32)
         lead, layer = self.shape[: self.stacked], self.shape[self.stacked :]
         if not storage_of(self.mode).blocked:
             scale = scale.reshape(*lead, *([1] * (len(layer) - 1)), layer[-1])
             real = jnp.asarray(self.values).astype(jnp.float32) * scale
+            if z is not None:
+                real = real - z.reshape(scale.shape) * scale
         else:
 
-            def one(values: jax.Array, s: jax.Array) -> jax.Array:
-                return dequantize_int4(values, s, self.block_size, layer)
+            def one(values: jax.Array, s: jax.Array, z: Any) -> jax.Array:
+                real = dequantize_int4(values, s, self.block_size, layer)
+                return real if z is None else real - zero_offset(z, s, self.block_size, layer)
 
             for _ in range(self.stacked):  # each stacked layer on its own
                 one = jax.vmap(one)
-            real = one(self.values, scale)
+            real = one(self.values, scale, z)
         return real.astype(dtype)
 
     def __jax_array__(self) -> jax.Array:
@@ -217,6 +232,8 @@ class QuantizedArray:
         block = "" if self.block_size is None else f"/{self.block_size}"
         stacked = f", stacked={self.stacked}" if self.stacked else ""
         stacked += f", stacked_at={self.stacked_at}" if self.stacked_at else ""
+        if self.zero_point is not None:
+            stacked += f", zero_point={getattr(self.zero_point, 'dtype', '?')}"
         return (
             f"QuantizedArray({self.mode}{block}, shape={self.shape}, "
             f"original_dtype={np.dtype(self.original_dtype).name}{stacked})"

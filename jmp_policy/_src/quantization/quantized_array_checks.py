@@ -1,7 +1,7 @@
 """The checks of a :class:`~jmp_policy.QuantizedArray`'s fields, and of the settings that
 :func:`~jmp_policy._src.quantization.quantize` shares with it (``stacked``, int4's block).
 
-The static fields are checked always; ``values`` and ``scale`` only when they are concrete
+The static fields are checked always; ``values``, ``scale`` and ``zero_point`` only when they are concrete
 arrays (under ``jit`` a user's QuantizedArray holds tracers, which are left alone). Tree
 operations and transforms never run these checks: unflatten checks nothing
 (:mod:`jmp_policy._src.quantization.quantized_tree`).
@@ -107,6 +107,7 @@ def validate(q: Any, *, nan_scale: bool = False) -> None:
     _check_original_dtype(q.original_dtype)
     _check_values(q)
     _check_scale(q, nan_scale)
+    _check_zero_point(q)
 
 
 def _check_settings(q: Any) -> None:
@@ -235,4 +236,27 @@ def _check_scale_values(q: Any, nan_scale: bool) -> None:
             "inf). Received: "
             f"scale[{', '.join(map(str, first))}]={float(scale[first])!r} ({int(bad.sum())} "
             f"of {scale.size} scales bad)"
+        )
+
+
+def _check_zero_point(q: Any) -> None:
+    """``None``, or an integer array of the scale's shape (checked when both are concrete)."""
+    z = getattr(q, "zero_point", None)
+    if z is None:
+        return
+    if not _concrete(z):
+        if isinstance(z, _NOT_ARRAYS):
+            raise TypeError(
+                f"`zero_point` must be None or an integer array. Received: zero_point={z!r}"
+            )
+        return
+    if not np.issubdtype(np.dtype(z.dtype), np.integer):
+        raise TypeError(
+            f"`zero_point` must be an integer array. Received: zero_point of dtype {z.dtype}"
+        )
+    s = q.scale
+    if hasattr(s, "shape") and tuple(z.shape) != tuple(s.shape):
+        raise ValueError(
+            f"`zero_point` must have the scale's shape {tuple(s.shape)}. "
+            f"Received: zero_point of shape {tuple(z.shape)}"
         )

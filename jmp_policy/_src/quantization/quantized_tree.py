@@ -3,8 +3,12 @@ library's construction, and ``flax.serialization`` state dicts.
 
 JAX's pytree contract: unflatten accepts any leaves (tracers, ``None``, strings, specs,
 placeholders, stacked arrays), so it builds the instance without ``__init__`` and checks
-nothing. The static metadata is the mode, the int4 block, the shape of one layer (the kernel
-after its stacked axes) and the original dtype: it never repeats a child's shape, so a
+nothing. The children are the array fields (``values``, ``scale``, the optional
+``zero_point``, an AWQ kernel's ``input_scale``); an optional one is a child only where the
+array has it (its presence is static metadata, so a symmetric array has the children it
+always had, and a tree operation that puts ``None`` there keeps it a child). The static
+metadata is the mode, the int4 block, the shape of one layer (the kernel after its stacked
+axes), the original dtype and the children present: it never repeats a child's shape, so a
 QuantizedArray and its ``vmap``/``scan``-stacked form have one tree structure. ``shape`` and
 ``stacked`` follow the leaves: the axes that ``values`` has beyond one layer's are the stacked
 ones (none when ``values`` has no shape: a string, ``None``, a placeholder). Where they lie is
@@ -99,25 +103,37 @@ def replace(q: Q, **changes: Any) -> Q:
     return make(type(q), **{**fields, **changes})
 
 
-def register(data_fields: tuple[str, ...]) -> Any:
-    """Registers a QuantizedArray class as a pytree (``data_fields`` its children) and, once
-    flax is loaded, as a ``flax.serialization`` state."""
+def register(data_fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> Any:
+    """Registers a QuantizedArray class as a pytree (``data_fields`` its children, in this
+    order; an ``optional`` one only where the array has it) and, once flax is loaded, as a
+    ``flax.serialization`` state."""
 
     def decorate(cls: C) -> C:
-        keys = tuple(jax.tree_util.GetAttrKey(name) for name in data_fields)
+        keys = {name: jax.tree_util.GetAttrKey(name) for name in data_fields}
+
+        def fields_of(q: Any) -> tuple[str, ...]:
+            held = getattr(q, _HELD, ())  # optional children unflattened as None
+            return tuple(
+                n
+                for n in data_fields
+                if n not in optional or getattr(q, n) is not None or n in held
+            )
 
         def flatten(q: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-            aux = (q.mode, q.block_size, layer_shape(q), q.original_dtype, q.stacked_at)
-            return tuple(getattr(q, name) for name in data_fields), aux
+            names = fields_of(q)
+            aux = (q.mode, q.block_size, layer_shape(q), q.original_dtype, q.stacked_at, names)
+            return tuple(getattr(q, name) for name in names), aux
 
         def flatten_with_keys(q: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
             children, aux = flatten(q)
-            return tuple(zip(keys, children, strict=True)), aux
+            return tuple(zip((keys[n] for n in aux[-1]), children, strict=True)), aux
 
         def unflatten(aux: tuple[Any, ...], children: Any) -> Any:
-            mode, block_size, layer, original_dtype, at = aux
-            fields = dict(zip(data_fields, children, strict=True))
+            mode, block_size, layer, original_dtype, at, names = aux
+            fields = {n: None for n in optional}
+            fields.update(zip(names, children, strict=True))
             shape, stacked, stacked_at = stack_layout(fields["values"], layer, at)
+            held = tuple(n for n in optional if n in names and fields[n] is None)
             return new(
                 cls,
                 {
@@ -128,6 +144,7 @@ def register(data_fields: tuple[str, ...]) -> Any:
                     "original_dtype": original_dtype,
                     "stacked": stacked,
                     "stacked_at": stacked_at,
+                    **({_HELD: held} if held else {}),
                 },
             )
 
@@ -140,6 +157,11 @@ def register(data_fields: tuple[str, ...]) -> Any:
         return cls
 
     return decorate
+
+
+# An instance's optional children that a tree operation set to ``None`` (a mask, a
+# placeholder): still children, so the tree keeps its structure.
+_HELD = "_held_children"
 
 
 def equal(a: Any, b: Any) -> Any:
@@ -226,6 +248,13 @@ def _from_state_dict(target: Any, state: Any, data_fields: tuple[str, ...]) -> A
         )
     names = [name for name in data_fields if getattr(target, name) is not None]
     missing = [name for name in names if name not in state]
+    unread = [name for name in data_fields if name not in names and name in state]
+    if unread:  # a zero point the target has none of: restoring without it changes values
+        raise ValueError(
+            f"Cannot restore the {kind} {target!r} from a state dict with the fields "
+            f"{unread} that the target does not have: restore into a target of the saved "
+            "format (quantized with the same policy)."
+        )
     if missing:
         raise ValueError(
             f"Cannot restore a {kind} from a state dict without the fields {missing}; it has "

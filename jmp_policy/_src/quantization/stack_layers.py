@@ -3,7 +3,8 @@
 A layer stack (``nn.scan``, ``nnx.scan``, vmapped layers) hands each layer a slice of its
 stacked kernel ``[*depth, in, out]``. A stacked :class:`~jmp_policy.QuantizedArray` is
 handed to the loop as its data arrays, which the loop slices like any stacked parameter:
-the integer values (as the kernel itself), the scales and an AWQ kernel's input scale
+the integer values (as the kernel itself), the scales, the zero points where there are
+some and an AWQ kernel's input scale
 (as leaves beside it, named by :func:`leaf_name`). The body rebuilds its own layer's
 kernel from its slices (:func:`layer_of`) and runs the matmul an unstacked layer runs, so
 the only weight bytes the loop reads are the quantized ones.
@@ -27,7 +28,7 @@ _SEPARATOR = ":jmp_policy_"
 
 def leaf_name(kernel_name: str, field: str) -> str:
     """The name of the leaf beside ``kernel_name`` that holds its ``field`` (``"scale"``,
-    ``"input_scale"``)."""
+    ``"zero_point"``, ``"input_scale"``)."""
     return f"{kernel_name}{_SEPARATOR}{field}"
 
 
@@ -45,6 +46,8 @@ def servable(q: Any) -> bool:
 def _stacked_leaves(q: QuantizedArray) -> dict[str, Any]:
     """The data of ``q`` beside its values, stacked axes leading: ``{field: array}``."""
     leaves = {"scale": q.scale}
+    if q.zero_point is not None:
+        leaves["zero_point"] = q.zero_point
     if isinstance(q, InputScaledArray):
         leaves["input_scale"] = q.input_scale
     return leaves
@@ -93,6 +96,9 @@ def layer_of(q: QuantizedArray, values: Any, leaves: dict[str, Any]) -> Quantize
                 f'{{"params": {q.stacked_at}}}`), as the kernel was quantized.'
             )
     fields = (values, leaves["scale"], q.mode, q.block_size, layer_shape(q), q.original_dtype)
+    zero = leaves.get("zero_point") if q.zero_point is not None else None
     if isinstance(q, InputScaledArray):
-        return make(InputScaledArray, *fields, 0, input_scale=leaves["input_scale"])
-    return make(QuantizedArray, *fields, 0)
+        return make(
+            InputScaledArray, *fields, 0, input_scale=leaves["input_scale"], zero_point=zero
+        )
+    return make(QuantizedArray, *fields, 0, zero_point=zero)

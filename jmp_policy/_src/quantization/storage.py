@@ -31,10 +31,11 @@ class Storage:
         blocked: one scale per block of ``block_size`` rows along the layer's input axis
             and output channel (``block_size`` -1: one block); else one per output channel
             (``block_size`` ``None``).
-        has_zero_point: the real value is ``(values - zero_point) * scale``: the array's
-            class carries the zero point and dequantizes with it (a subclass, as AWQ's
-            carries its input scale); no fast matmul form reads such values (they are
-            dequantized first) and the symmetric ``quantize`` does not write them.
+        has_zero_point: every array of this storage is read with a zero point (an
+            unsigned storage, say); no fast matmul form reads such values (they are
+            dequantized first) and the symmetric ``quantize`` does not write them. The
+            built-in signed storages take a zero point as a choice, per array
+            (``QuantizedArray.zero_point``), and serve it folded into the fast forms.
         legacy_dtypes: older layouts that still load: two values a ``uint8`` byte along
             axis 0 (int4 before ``jnp.int4``).
 
