@@ -11,19 +11,21 @@ and name the solvers read), whatever the framework calls them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
 
 from jmp_policy._src import calibration_gather, global_state
-from jmp_policy._src.batch_checks import check_bool, check_no_nan
+from jmp_policy._src.batch_checks import blaming, check_bool, check_no_nan
 from jmp_policy._src.framework.entry_points import canonical
 from jmp_policy._src.framework.protocol import Adapter
+from jmp_policy._src.framework.routing import call_routed, matmul_kind
 from jmp_policy._src.identifiers import get as get_policy
 from jmp_policy._src.options import Options, as_policy_or_map
 from jmp_policy._src.policy_map import DTypePolicyMap
-from jmp_policy._src.quantization import calibration, calibration_checks, is_quantized
+from jmp_policy._src.quantization import calibration, calibration_checks, is_quantized, matmuls
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.tree_paths import leaf_path, parent_path
 
@@ -49,6 +51,20 @@ def _kernels(adapter: Adapter, model: Any) -> tuple[dict[str, Any], dict[str, An
     return tree, stacked
 
 
+def _weights(adapter: Adapter, model: Any) -> tuple[Any, dict[str, Any], Callable[[Any], Any]]:
+    """``(tree, stacked, rebuild)`` from the adapter's optional ``weights``: its stacked
+    axes by parameter path (``"path/kernel" -> (n, axis)``), not by pattern."""
+    tree, stacked_axes, rebuild = getattr(adapter, "weights")(model)  # noqa: B009
+    stacked = {}
+    for key_path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]:
+        path = leaf_path(key_path)
+        for pattern, stack in (stacked_axes or {}).items():
+            if re.fullmatch(pattern, path):
+                stacked[path] = stack if isinstance(stack, tuple) else (stack, 0)
+                break
+    return tree, stacked, rebuild
+
+
 def _gather(
     adapter: Adapter,
     model: Any,
@@ -69,9 +85,15 @@ def _gather(
         def capture(call: Any, next_fn: Any, args: Any, kw: Any) -> Any:
             kernel = None if call.path not in some else adapter.kernel_of(call.module)
             if kernel is None:
+                if call.path in some and call.module is not None:
+                    unseen[call.path] = (
+                        f"its layer is a {type(call.module).__name__}, whose matmul "
+                        "calibrate does not see"
+                    )
                 return next_fn(*args, **kw)
-            matmul = calibration_gather.capturing_dot_general(call.path, some[call.path])
-            return adapter.call_with_matmul(call.module, matmul, kernel, args, kw)
+            capture = calibration_gather.capturing_dot_general(call.path, some[call.path])
+            matmul = matmuls.of_kind(matmul_kind(adapter, call.module), capture)
+            return call_routed(adapter, call, matmul, kernel, next_fn, args, kw)
 
         def run(arrays: Any, stats: Any, args: tuple[Any, ...]) -> Any:
             live = rebuild(arrays)
@@ -111,23 +133,33 @@ def calibrate(
         policies = global_state.dtype_policy()
     if not isinstance(policies, DTypePolicyMap):
         policies = DTypePolicyMap(policies)
-    tree, stacked = _kernels(adapter, model)
+    if getattr(adapter, "weights", None) is None:
+        tree, stacked = _kernels(adapter, model)
+        rebuild: Callable[[Any], Any] | None = None
+    else:  # the weights the adapter's quantize covers (a run on a batch may find stacks)
+        with blaming("batches[0]", calls[0], "calibrate"):
+            tree, stacked, rebuild = _weights(adapter, model)
     policy_tree = policies.policy_tree(tree)
     calibration_checks.warn_unmatched(policies, tree, policy_tree)
     targets: dict[str, tuple[int, ...]] = {}
-    found = jax.tree_util.tree_flatten_with_path(tree)[0]
+    found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]
     policy_leaves = jax.tree.leaves(policy_tree, is_leaf=lambda p: not isinstance(p, dict))
     for (key_path, kernel), policy in zip(found, policy_leaves, strict=True):
         path = leaf_path(key_path)
-        if calibration.is_calibrated(policy):
-            n = stacked.get(path, (0, 0))[0]
-            targets[parent_path(path) or ""] = tuple(kernel.shape)[n:]  # one layer's
+        module = calibration.kernel_module(path)  # a kernel's (the solvers read no other)
+        if module is not None and calibration.is_calibrated(policy):
+            n, at = stacked.get(path, (0, 0))
+            shape = tuple(kernel.shape)
+            targets[module] = shape[:at] + shape[at + n :]  # one layer's
     lead = {p: stacked.get(f"{p}/{KERNEL}" if p else KERNEL, (0, 0))[0] for p in targets}
     unseen: dict[str, str] = {}
     stats = _gather(adapter, model, targets, lead, unseen, calls, kwargs, max_bytes)
     new, report = calibration.quantize_calibrated(
         tree, policy_tree, stats, stacked, dict(settings), unseen, progress
     )
+    if rebuild is not None:
+        calibrated = rebuild(new)
+        return (calibrated, report) if return_report else calibrated
     kernels = {
         parent_path(leaf_path(kp)) or "": q
         for kp, q in jax.tree_util.tree_flatten_with_path(new, is_leaf=is_quantized)[0]
