@@ -41,14 +41,14 @@ from __future__ import annotations
 
 from jmp_policy._src import state_pytree as _state_pytree
 from jmp_policy.linen._apply import apply as apply
-from jmp_policy.linen._calibrate import calibrate as calibrate
 from jmp_policy.linen._diagnose import diagnose as diagnose
 from jmp_policy.linen._explain import explain as explain
 from jmp_policy.linen._init import init as init
 from jmp_policy.linen._modules import NORM_FLOAT32 as NORM_FLOAT32
 from jmp_policy.linen._quantization import split_gradients as split_gradients
+from jmp_policy.linen._quantize import calibrate as calibrate
 from jmp_policy.linen._quantize import quantize as quantize
-from jmp_policy.linen._search import search_map as search_map
+from jmp_policy.linen._quantize import search_map as search_map
 
 __all__ = [
     "NORM_FLOAT32",

@@ -6,14 +6,17 @@ keywords). Its modules are the ones the wrapper has met (Linen modules exist onl
 they run): :meth:`LinenAdapter.learn` meets them by a shape-only run. A run goes through
 the interceptor of :mod:`jmp_policy.linen._trace` (parameters cast as they are read, the
 model traced again when a module met late changes a cast), and ``"params"`` handed back
-under ``mutable=`` come back in their stored dtypes. Linen's layers route their own
-matmuls (:mod:`jmp_policy.linen._quantization`: float8's per-call state, kernels of
-``nn.scan`` stacks read a slice per layer), so no module is handed to the core's routing.
+under ``mutable=`` come back in their stored dtypes. The core routes Linen's matmuls
+(:mod:`jmp_policy._src.framework.routing`): a ``Dense``/``DenseGeneral`` gets its matmul in
+its ``dot_general`` attribute for the call, an ``nn.Einsum`` its ``jnp.einsum``; a stack's
+layer reads its slice of a stacked ``QuantizedArray``; float8's per-call state is the
+variable ``float8_<i>`` of ``"_overwrite_with_gradient"`` (:mod:`jmp_policy.linen._quantization`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -22,14 +25,16 @@ import jax
 
 from jmp_policy._src import casting, quantization
 from jmp_policy._src.framework.entry_points import routed_matmuls
-from jmp_policy._src.framework.protocol import Layer, RoutesOwnMatmuls
+from jmp_policy._src.framework.protocol import Layer
 from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import ModuleInfo, Resolver
 from jmp_policy.linen._kv_cache import kv_caches
 from jmp_policy.linen._modules import check_module
+from jmp_policy.linen._quantization import installed, kernel, kernel_ahead, layer_state
 from jmp_policy.linen._reads import PARAM_READS
+from jmp_policy.linen._stacks import stacks
 from jmp_policy.linen._trace import flat_params, method_for, run_traced
 
 
@@ -39,7 +44,8 @@ class Bound(NamedTuple):
     ``apply_kwargs``: ``module.apply``'s keywords (``rngs``, ``mutable``,
     ``capture_intermediates``). ``known``: the modules met so far (kept by the wrapper
     across its calls). ``report``: told each run's resolver (the wrapper's warnings), also
-    when the run fails.
+    when the run fails. ``sample``: ``() -> (args, kwargs)`` of a call, whose shape-only
+    run tells the stacked axes of ``nn.scan``/``nn.vmap`` layers (``weights``).
     """
 
     module: nn.Module
@@ -48,10 +54,12 @@ class Bound(NamedTuple):
     method: Any = None
     apply_kwargs: Mapping[str, Any] = {}
     report: Callable[[Resolver], None] | None = None
+    sample: Callable[[], tuple[tuple[Any, ...], Mapping[str, Any]]] | None = None
 
 
-class LinenAdapter(RoutesOwnMatmuls):
-    """The adapter protocol (:class:`jmp_policy._src.framework.protocol.Adapter`) for Linen."""
+class LinenAdapter:
+    """The adapter protocol (:class:`jmp_policy._src.framework.protocol.Adapter`) for Linen,
+    with the routing operations (:class:`~jmp_policy._src.framework.protocol.Routing`)."""
 
     model_name = "nn.Module"
 
@@ -82,10 +90,11 @@ class LinenAdapter(RoutesOwnMatmuls):
         extensions: tuple[Any, ...],
         call: Callable[[Any], Any],
     ) -> Any:
-        routed = routed_matmuls(self)  # a pass-through here: the core routes no Linen layer
+        # The hook reads them from the options: the core's, the user's, the routed
+        # matmuls innermost (in every run, init's and learning runs too).
+        routed = routed_matmuls(self)
         extra = tuple(e for e in extensions if e is not routed)
-        if extra:  # the hook reads them from the options, the user's after the core's
-            options = dataclasses.replace(options, extensions=(*extra, *options.extensions))
+        options = dataclasses.replace(options, extensions=(*extra, *options.extensions, routed))
         module, method = model.module, model.method
 
         def traced(cast_variables: Any, run_resolver: Resolver) -> Any:
@@ -123,6 +132,62 @@ class LinenAdapter(RoutesOwnMatmuls):
                 state["params"], cast_variables["params"], variables["params"], learnt
             )
         return out, state
+
+    def kernel_of(self, module: Any) -> Any:
+        return kernel(module)
+
+    def matmul_kind(self, module: Any) -> str:
+        return "einsum" if isinstance(module, nn.Einsum) else "dot_general"
+
+    def install_matmul(self, call: Any, matmul: Callable[..., Any]) -> Any:
+        return installed(call, matmul)
+
+    def kernel_ahead(self, call: Any) -> Any:
+        return kernel_ahead(call.path)
+
+    def layer_state(self, call: Any, scheme: Any) -> Any:
+        return layer_state(call, scheme)
+
+    def call_with_matmul(self, module: Any, *rest: Any) -> Any:
+        raise NotImplementedError("Linen layers take their matmul by install_matmul")
+
+    def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
+        raise NotImplementedError("Linen's quantize puts back its weights (`weights`)")
+
+    def stacks(self, model: Bound) -> dict[str, tuple[int, int]]:
+        """Parameter path -> ``(n, axis)`` of each stacked parameter (``model.sample``'s
+        shape-only run; none without a sample)."""
+        if model.sample is None:
+            return {}
+        args, kwargs = model.sample()
+        return stacks(model.module, model.variables, args, kwargs, model.method)
+
+    def weights(self, model: Bound) -> tuple[Any, Any, Callable[[Any], Any]]:
+        # The whole "params" collection, each stacked parameter's axes where its stack
+        # keeps them; put back beside the other collections.
+        stacked_axes = {re.escape(path): stack for path, stack in self.stacks(model).items()}
+
+        def rebuild(params: Any) -> Bound:
+            return model._replace(variables={**model.variables, "params": params})
+
+        return model.variables["params"], stacked_axes, rebuild
+
+    def search_kernels(self, model: Bound) -> tuple[dict[str, Any], Callable[[], Any]]:
+        # Every floating "kernel" of rank >= 2; where a stack's layers start, once the
+        # sample (the first batch) is checked.
+        kernels = {}
+        for key_path, leaf in jax.tree_util.tree_flatten_with_path(self.params(model))[0]:
+            layer, _, name = leaf_path(key_path).rpartition("/")
+            if name == "kernel" and getattr(leaf, "ndim", 0) >= 2:
+                kernels[layer] = leaf
+
+        def stacked_at() -> dict[str, int]:
+            found = self.stacks(model).items()
+            return {
+                path[: -len("/kernel")]: at for path, (_, at) in found if path.endswith("/kernel")
+            }
+
+        return kernels, stacked_at
 
     def split(self, model: Bound) -> tuple[Any, Callable[[Any], Any]]:
         return dict(model.variables), lambda v: model._replace(variables=v)

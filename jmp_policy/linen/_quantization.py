@@ -30,6 +30,7 @@ import flax.linen as nn
 
 from jmp_policy._src import interception, state_collections, transforms
 from jmp_policy._src.quantization import matmuls, stack_layers
+from jmp_policy.linen._modules import path_of
 from jmp_policy.linen._reads import unfixed_reads
 
 COLLECTION = state_collections.OVERWRITE_WITH_GRADIENT
@@ -70,18 +71,16 @@ def routable(module: Any) -> bool:
     return isinstance(module, nn.Einsum)
 
 
-def run_with(
-    module: Any,
-    matmul: Callable[..., Any],
-    next_fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    if isinstance(module, nn.Einsum):
-        with _einsum_as(matmul):
-            return next_fn(*args, **kwargs)
-    with interception.attribute_set(module, "dot_general", matmul):
-        return next_fn(*args, **kwargs)
+def installed(call: Any, matmul: Callable[..., Any]) -> Any:
+    """A context manager during which the routable layer of ``call`` runs ``matmul`` (a
+    ``jnp.einsum`` for an ``nn.Einsum``, else a ``dot_general``) as its matmul (a stacked
+    layer's reading its own slice, recorded as such)."""
+    run = _KERNEL_RUN.get()
+    if run is not None and call.path in run.sliced:
+        matmul = matmuls.in_stack(matmul, call.path)
+    if isinstance(call.module, nn.Einsum):
+        return _einsum_as(matmul)
+    return interception.attribute_set(call.module, "dot_general", matmul)
 
 
 # -- quantized kernels reaching their layers ----------------------------------------------
@@ -146,6 +145,63 @@ def _layer_kernel(module: Any, stored: Any) -> Any:
     return stack_layers.layer_of(stored, values, leaves)
 
 
+#: What :func:`kernel` answers for a routable layer reading its own float kernel.
+FLOAT_KERNEL = "the layer's own float kernel"
+
+
+def kernel(module: Any) -> Any:
+    """A routable layer's kernel as its matmul receives it: the ``QuantizedArray`` it reads
+    whole, its own slice of a stacked one, else :data:`FLOAT_KERNEL`; ``None`` for a
+    module whose matmul is not routed. A learning run records the kernel shape it sees."""
+    if not routable(module):
+        return None
+    run = _KERNEL_RUN.get()
+    if run is None:
+        return FLOAT_KERNEL
+    path = path_of(module)
+    _learn_route(module, path, run)
+    if (whole := run.kernels.get(path)) is not None:
+        return whole
+    if path in run.sliced:
+        return _layer_kernel(module, run.sliced[path])
+    return FLOAT_KERNEL
+
+
+def kernel_ahead(path: str) -> Any:
+    """The ``QuantizedArray`` kernel dequantized ahead of the layer at ``path``."""
+    run = _KERNEL_RUN.get()
+    return None if run is None else run.ahead.get(path)
+
+
+# id(module) -> (module, its calls so far) in the run in progress. Flax gives each call a
+# fresh scope, but the same instance; a lifted transform (nn.scan) traces clones, so a body
+# is one call.
+_CALLS: contextvars.ContextVar[dict[int, tuple[Any, int]] | None] = contextvars.ContextVar(
+    "jmp_policy_linen_calls", default=None
+)
+
+
+@contextlib.contextmanager
+def counting(calls: dict[int, tuple[Any, int]]) -> Iterator[None]:
+    """Module calls in the block count their float8 states in ``calls`` (one per run)."""
+    token = _CALLS.set(calls)
+    try:
+        yield
+    finally:
+        _CALLS.reset(token)
+
+
+def layer_state(call: Any, scheme: Any) -> Any:
+    """The float8 state of this call of the layer (its ``index``-th in the run)."""
+    calls = _CALLS.get()
+    if calls is None:
+        calls = {}
+    module = call.module
+    index = calls.get(id(module), (module, 0))[1]
+    calls[id(module)] = (module, index + 1)
+    return float8_state(module, call.resolution.policy, index)
+
+
 def float8_state(module: nn.Module, policy: Any, index: int) -> Any:
     """The state of ``module``'s ``index``-th call in this run, created when mutable."""
     name = f"float8_{index}"
@@ -168,55 +224,6 @@ def float8_state(module: nn.Module, policy: Any, index: int) -> Any:
             f"{COLLECTION!r} in `variable_axes` (like 'params').{twice}"
         )
     return module.variable(COLLECTION, name, policy.scheme.init_state).value
-
-
-def quantized_matmuls() -> Callable[[Any], Callable[..., Any] | None]:
-    """For one model run (it counts float8 layers' calls): ``for_call(call)`` returns the
-    hook extension that runs the call's layer with its picked matmul, or ``None`` when the
-    layer runs as written (then nothing is added between the hook and the layer: each
-    Python frame a module call adds costs trace time in every op it runs)."""
-    # id(module) -> (module, calls so far). Flax gives each call a fresh scope, but the
-    # same instance; a lifted transform (nn.scan) traces clones, so a body is one call.
-    calls: dict[int, tuple[Any, int]] = {}
-
-    def for_call(call: Any) -> Callable[..., Any] | None:
-        module, policy = call.module, call.resolution.policy
-        if module is None:
-            return None
-        run = _KERNEL_RUN.get()
-        if not routable(module):
-            stacked = None if run is None else run.ahead.get(call.path)
-            matmuls.own_matmul_in_stack(call.path, stacked, policy.scheme)
-            return None
-        if run is not None:
-            _learn_route(module, call.path, run)
-        kernel = None if run is None else run.kernels.get(call.path)
-        from_slice = run is not None and kernel is None and call.path in run.sliced
-        if from_slice and run is not None:
-            kernel = _layer_kernel(module, run.sliced[call.path])
-        ahead = None if run is None or kernel is not None else run.ahead.get(call.path)
-        if matmuls.dequantized_ahead(call.path, ahead, policy.scheme):
-            return None
-        state = None
-        if policy.scheme is not None and policy.scheme.stateful:
-            index = calls.get(id(module), (module, 0))[1]
-            calls[id(module)] = (module, index + 1)
-            state = float8_state(module, policy, index)
-        kind = "einsum" if isinstance(module, nn.Einsum) else "dot_general"
-        matmul = matmuls.pick(policy, kind, call.path, state, kernel)
-        if matmul is None:
-            return None
-        if from_slice:
-            matmul = matmuls.in_stack(matmul, call.path)
-
-        def extension(
-            call: Any, next_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-        ) -> Any:
-            return run_with(module, matmul, next_fn, args, kwargs)
-
-        return extension
-
-    return for_call
 
 
 def split_gradients(grads: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

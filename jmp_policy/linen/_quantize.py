@@ -1,154 +1,25 @@
-"""Quantizing a Linen model's parameters with the stacked axes each layer sees."""
+"""``quantize``, ``calibrate`` and ``search_map`` for Linen: the core's entry points
+(:mod:`jmp_policy._src.framework`) on a :class:`~jmp_policy.linen._adapter.Bound` holding
+the user's variables, whose stacked axes a shape-only run of a call tells."""
 
 from __future__ import annotations
 
-import inspect
-import re
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
-import jax
-from flax.core import lift
-from flax.core.scope import in_filter
-from flax.linen.module import TestScope
 
-from jmp_policy._src import quantization
-from jmp_policy._src.options import quantizing_policy_or_map
-from jmp_policy._src.policy_map import leaf_path
-from jmp_policy.linen._modules import check_module, check_params, path_of
-
-
-def scan_axis(module: nn.Module) -> int | None:
-    """The axis an ``nn.scan`` module slices its ``"params"`` along (its ``variable_axes``
-    as the scan was built with it), or ``None`` (not a scan, or its parameters are not
-    sliced). Read from the lifted ``__call__`` that ``nn.scan`` makes for the class."""
-    for cls in type(module).__mro__:
-        fn = cls.__dict__.get("__call__")
-        if fn is None or getattr(fn, "__code__", None) is None:
-            continue
-        try:
-            lifted = inspect.getclosurevars(fn).nonlocals
-        except (TypeError, ValueError):  # pragma: no cover - not a Python function
-            continue
-        transform, kwargs = lifted.get("transform"), lifted.get("trafo_kwargs")
-        if transform is None or not isinstance(kwargs, Mapping):
-            continue
-        if transform is not lift.scan:
-            return None  # an outer transform (nn.remat of a scan is read from its own)
-        for collections, axis in dict(kwargs.get("variable_axes") or {}).items():
-            axis = getattr(axis, "axis", axis)  # `partitioning.ScanIn(1)`, as big_vision's
-            if in_filter(collections, "params") and isinstance(axis, int):
-                return axis
-        return None
-    return None
-
-
-def _bound(module: nn.Module) -> bool:
-    """A module of the model's tree: bound, not the clone Flax checks ``setup`` on."""
-    return module.scope is not None and not isinstance(module.parent, TestScope)
-
-
-def _seen_shapes(
-    module: nn.Module,
-    variables: Mapping[str, Any],
-    args: Any,
-    kwargs: Any,
-    method: Any,
-    scans: dict[str, int] | None = None,
-) -> dict[str, tuple[int, ...]]:
-    """Parameter path -> the shape of lowest rank a module of the model saw it at, by a
-    shape-only run (inside ``nn.scan`` a layer sees a slice of its stacked kernel); into
-    ``scans``, module path -> the parameters' axis of each ``nn.scan`` it met."""
-    seen: dict[str, tuple[int, ...]] = {}
-    running: list[str] = [""]  # the paths of the module calls in progress
-
-    def intercept(next_fun: Any, a: Any, k: Any, context: Any) -> Any:
-        if scans is not None and (axis := scan_axis(context.module)) is not None:
-            # Flax hands the interceptor a scan module off the model's tree (no path):
-            # its path is its name under the module that calls it.
-            name = getattr(context.module, "name", None)
-            if isinstance(name, str):
-                scans.setdefault("/".join(p for p in (running[-1], name) if p), axis)
-        if context.method_name not in ("setup", None) and _bound(context.module):
-            running.append(path_of(context.module))
-            try:
-                return _seen_call(next_fun, a, k, context)
-            finally:
-                running.pop()
-        return _seen_call(next_fun, a, k, context)
-
-    def _seen_call(next_fun: Any, a: Any, k: Any, context: Any) -> Any:
-        if context.method_name != "setup":
-            mod = context.module
-            try:
-                params = mod.variables.get("params", {})
-            except Exception:  # an unbound module: nothing to see
-                params = {}
-            stem = path_of(mod)
-            for kp, leaf in jax.tree_util.tree_flatten_with_path(
-                params, is_leaf=quantization.is_quantized
-            )[0]:
-                path = "/".join(p for p in (stem, leaf_path(kp)) if p)
-                shape = tuple(getattr(leaf, "shape", ()))
-                if path not in seen or len(shape) < len(seen[path]):
-                    seen[path] = shape
-        return next_fun(*a, **k)
-
-    def run(v: Any) -> Any:
-        v = dict(v)
-        if "params" in v:  # kernels already quantized: run on their float shapes
-            v["params"] = jax.tree.map(
-                lambda x: x.dequantize() if quantization.is_quantized(x) else x,
-                v["params"],
-                is_leaf=quantization.is_quantized,
-            )
-        with nn.intercept_methods(intercept):
-            return module.apply(v, *args, method=method, mutable=True, **kwargs)
-
-    jax.eval_shape(run, variables)
-    return seen
-
-
-def _positions(axes: list[int]) -> list[int]:
-    """Where the stacked axes of nested scans (``axes``: each scan's ``variable_axes``,
-    outermost first) lie in the stored parameter, outermost first."""
-    positions: list[int] = []
-    for axis in reversed(axes):  # innermost first: each outer scan inserts its axis
-        positions = [p + 1 if p >= axis else p for p in positions] + [axis]
-    return positions[::-1]
-
-
-def stacks(
-    module: nn.Module, variables: Mapping[str, Any], args: Any, kwargs: Any, method: Any
-) -> dict[str, tuple[int, int]]:
-    """Parameter path -> ``(n, axis)``: its ``n`` stacked axes, starting at ``axis``. The
-    axes come from the ``variable_axes`` of the ``nn.scan`` stacks around its layer; for
-    other stacks (``nn.vmap``) from shapes, leading axes first. A parameter whose scans
-    put their axes apart (nested scans on different axes) has none: it is quantized whole
-    and runs dequantized ahead of its stack."""
-    scans: dict[str, int] = {}
-    seen = _seen_shapes(module, variables, args, kwargs, method, scans)
-    found = {}
-    for kp, leaf in jax.tree_util.tree_flatten_with_path(
-        variables["params"], is_leaf=quantization.is_quantized
-    )[0]:
-        path = leaf_path(kp)
-        stored, shape = tuple(getattr(leaf, "shape", ())), seen.get(path)
-        if shape is None or (n := len(stored) - len(shape)) <= 0:
-            continue
-        around = [a for s, a in sorted(scans.items()) if path.startswith(f"{s}/" if s else "")]
-        if len(around) == n:  # every stacked axis is a scan's: where the scans put them
-            at = _positions(around)[0]
-            if _positions(around) == list(range(at, at + n)) and (
-                stored[:at] + stored[at + n :] == shape
-            ):
-                found[path] = (n, at)
-            continue
-        fits = [a for a in range(len(shape) + 1) if stored[:a] + stored[a + n :] == shape]
-        if fits:  # leading axes first, as before scans told their axes
-            found[path] = (n, fits[0])
-    return found
+from jmp_policy._src import map_search
+from jmp_policy._src.framework import calibrate as core_calibrate
+from jmp_policy._src.framework import entry_points
+from jmp_policy._src.framework import search as core_search
+from jmp_policy._src.options import Options
+from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
+from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
+from jmp_policy.linen._adapter import ADAPTER, Bound
+from jmp_policy.linen._apply import apply_with
+from jmp_policy.linen._modules import check_module, check_params, prepare
 
 
 def quantize(
@@ -220,11 +91,250 @@ def quantize(
     """
     check_module(module)
     check_params(variables, "quantize")
-    policies = quantizing_policy_or_map(policy_or_map)
-    stacked_axes = {
-        re.escape(path): stack
-        for path, stack in stacks(module, variables, args, kwargs, method).items()
+    model = Bound(module, variables, {}, method, sample=lambda: (args, kwargs))
+    return entry_points.quantize(ADAPTER, model, policy_or_map).variables  # type: ignore[no-any-return]
+
+
+def calibrate(
+    module: nn.Module,
+    policy_or_map: Any,
+    variables: Mapping[str, Any],
+    batches: Iterable[Any],
+    *,
+    method: Any = None,
+    hessian_damping: float = DEFAULT_HESSIAN_DAMPING,
+    num_grid_points: int = DEFAULT_NUM_GRID_POINTS,
+    clip_search: bool = True,
+    return_report: bool = False,
+    progress: Any = False,
+    max_statistics_bytes: int | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``variables`` with kernels under GPTQ/AWQ policies calibrated, int8/int4 rounded.
+
+    Runs the unmodified model (``module.apply(variables, *batch, method=method,
+    **kwargs)``) on each calibration batch, gathering, for each ``Dense``/``DenseGeneral``
+    or ``Einsum`` whose kernel is under a :class:`~jmp_policy.GPTQDTypePolicy` or
+    :class:`~jmp_policy.AWQDTypePolicy`, the Gram matrix ``XᵀX`` (float32) and ``mean |x|``
+    of the inputs of its matmul; then solves each kernel (GPTQ, or AWQ's scale search,
+    each jit-compiled) in the int4/int8 storage the serving matmuls read. Kernels under
+    int8/int4 policies are rounded to nearest, as :func:`quantize` does; the rest stay
+    float. Each layer sees the float model's inputs (not those of already-quantized
+    earlier layers). The layers of an ``nn.scan`` stack are each solved from the inputs
+    they see in their own iteration, those of an ``nn.vmap`` stack (``variable_axes=
+    {"params": 0}``) from the inputs they see in their own lane (the same inputs for all
+    when ``in_axes=None``), and stored stacked as :func:`quantize` stores them
+    (``nn.remat`` layers too). A layer under a GPTQ/AWQ policy whose matmul is not seen
+    (an ``nn.Einsum`` contracting kernel axes other than its leading ones, such as
+    ``"btd,ndh->btnh"``, a custom matmul, a layer inside a transform other than these,
+    such as ``shard_map``) is rounded to nearest with a warning naming it. Batches of different
+    shapes each compile the run once.
+
+    Args:
+        module: a ``flax.linen`` Module instance.
+        policy_or_map: a policy (or name), a :class:`~jmp_policy.DTypePolicyMap` or a dict.
+        variables: the model's float variables (``{"params": ...}``).
+        batches: an iterable of calls' arguments (a tuple per call, or one array).
+        method: the method to run (as ``module.apply``'s).
+        hessian_damping: GPTQ's damping, a fraction of the mean Hessian diagonal.
+        num_grid_points: AWQ's exponent grid ``0, 1/n, ..., 1``.
+        clip_search: choose each int4/int8 group's scale by a clipping search (GPTQ's
+            reference ``mse=True`` grid on the weights; AWQ's ``auto_clip`` by the group's
+            output error on the calibration inputs) instead of abs-max; ``False`` for
+            abs-max scales, as Keras 3.15.
+        return_report: also return the per-layer report (a list of ``LayerReport``: per
+            calibrated kernel, the relative output error of round-to-nearest and of the
+            method on the calibration inputs, and seconds).
+        progress: ``True`` shows a progress bar over the calibrated layers (``tqdm`` when
+            installed, else a line per layer on stderr); a callable is given each
+            ``LayerReport`` as its layer is solved; ``False`` (default) is quiet.
+        max_statistics_bytes: bounds the device memory the gathered statistics take
+            (each layer's ``XᵀX`` and ``mean |x|``, float32): the layers are gathered in
+            groups that fit, one pass over the batches per group, each group's moved to
+            host memory before the next (a layer larger than the bound alone). ``None``
+            (default): every layer in one pass. The result is the same.
+        **kwargs: keyword arguments of each call (``rngs=`` when it needs them).
+
+    Returns:
+        The variables, their ``"params"`` quantized (and the report if asked).
+
+    Raises:
+        TypeError: ``module`` is not a Linen module, ``variables`` not a mapping,
+            ``batches`` not iterable (or a string), or ``return_report`` not a bool.
+        ValueError: no ``"params"``, no batch, a batch holding NaN, or a batch the model
+            fails on (naming ``batches[i]``, the model's error chained).
+
+    Warns:
+        UserWarning: a GPTQ/AWQ key of the map chooses the policy of no layer.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
+        >>> import jmp_policy as jp
+        >>> model = nn.Sequential([nn.Dense(64), nn.relu, nn.Dense(8)])
+        >>> x = jax.random.normal(jax.random.key(0), (256, 32))
+        >>> variables = model.init(jax.random.key(1), x)
+        >>> policies = jp.DTypePolicyMap("float32", {"layers_0": "gptq/4/16_from_float32",
+        ...                                          "layers_2": "int8_from_float32"})
+        >>> q = jp.linen.calibrate(model, policies, variables, [x[:128], x[128:]])
+        >>> q["params"]["layers_0"]["kernel"]
+        QuantizedArray(int4/16, shape=(32, 64), original_dtype=float32)
+        >>> jp.linen.apply(model, policies)(q, x).shape
+        (256, 8)
+    """
+    check_module(module)
+    check_params(variables, "calibrate")
+    model = Bound(module, variables, {}, method, {"mutable": True})
+    first: list[Any] = []  # the first batch, as the core's checks made it
+
+    def sample() -> tuple[tuple[Any, ...], Mapping[str, Any]]:
+        return first[0], kwargs
+
+    settings = {
+        "hessian_damping": hessian_damping,
+        "num_grid_points": num_grid_points,
+        "clip_search": clip_search,
     }
-    result = dict(variables)
-    result["params"] = policies.quantize(variables["params"], stacked_axes=stacked_axes)
-    return result
+    result = core_calibrate.calibrate(
+        ADAPTER,
+        model._replace(sample=sample),
+        policy_or_map,
+        _first_kept(batches, first),
+        settings,
+        return_report,
+        progress,
+        max_statistics_bytes,
+        kwargs,
+    )
+    if return_report:
+        return result[0].variables, result[1]
+    return result.variables
+
+
+def search_map(
+    module: nn.Module,
+    variables: Mapping[str, Any],
+    batches: Sequence[Any],
+    loss_fn: Callable[[Any, Any], Any],
+    *,
+    budget: Mapping[str, float],
+    candidates: Sequence[str] = map_search.DEFAULT_CANDIDATES,
+    base: str = "mixed_bfloat16",
+    inputs: Callable[[Any], tuple[Any, ...]] | None = None,
+    jit: bool = True,
+    progress: Callable[[str], None] | None = None,
+    **options: Any,
+) -> map_search.SearchResult:
+    """Chooses a policy per layer under ``budget``, by each format's measured effect.
+
+    ModelOpt's ``auto_quantize`` for Linen. A few backward passes on ``batches`` cache each
+    layer's output gradient ``g``; one forward pass per candidate, every layer given its
+    baseline input, gives each layer's output error ``dy = Q(y) - y`` under it; a layer's
+    score is ``0.5 * mean over examples (n * g . dy)^2``, an estimate of the loss increase
+    it causes. A multiple-choice knapsack then picks one candidate per layer (``base``, no
+    quantization, always allowed). Layers are the modules holding a ``kernel``
+    (``Dense``, ``DenseGeneral``, ``Conv``, ``Einsum``); embeddings and norms keep
+    ``base``. A layer stack under ``nn.scan`` or ``nn.vmap`` (kernels ``[depth, ...]``)
+    is one module path, so one entry of the map: it is scored and chosen per stack (its
+    score the sum over its layers, each on its own iteration's or lane's inputs, its bytes
+    all of theirs; the table says ``per stack (scanned: N layers)`` or ``(vmapped: N
+    layers)``); a map cannot give the layers of one stack different policies. Layers
+    under ``nn.remat`` (also ``nn.scan`` of ``nn.remat``) are scored as without it;
+    layers inside another transform (``shard_map``) are not scored, keep ``base``, and
+    the table says so. Deterministic. The jit-compiled passes are kept for the module,
+    ``loss_fn``, ``inputs`` and options given (by identity): searching the same model
+    again (new weights, another budget) compiles nothing new for batches of the same shapes.
+
+    Args:
+        module: a ``flax.linen`` Module instance.
+        variables: its float variables (``{"params": ...}``).
+        batches: calibration batches; each is passed to the model (see ``inputs``).
+        loss_fn: ``loss_fn(outputs, batch) -> scalar``, the mean over the batch's
+            examples (the leading axis of each layer's output).
+        budget: one of ``{"effective_bits": b}`` (kernel bits per parameter, scales
+            included), ``{"weight_bytes": n}`` or ``{"loss_increase": x}`` (the sum
+            of the chosen scores; the search then minimizes bytes).
+        candidates: quantized policy names (any format that quantizes a kernel).
+        base: the float policy of unquantized layers, and the map's default.
+        inputs: ``inputs(batch) -> args`` of ``module.apply`` (default ``(batch,)``).
+        jit: compile the passes (``False`` runs them eagerly).
+        progress: ``progress(message)`` called before each pass (``print``, or a tqdm
+            bar's ``set_description``).
+        **options: as for :func:`apply`.
+
+    Returns:
+        A :class:`SearchResult` ``(policy_map, table, weight_bytes, effective_bits,
+        loss_increase, method)``; ``print(result)`` shows the table;
+        ``result.at(budget)`` chooses again under another budget from the same scores.
+
+    Raises:
+        TypeError, ValueError: a candidate name is not a quantized policy name (quoted),
+            ``budget`` is not one of the forms above, or no choice meets it (the message
+            names the cheapest possible); a batch holds NaN, or the model fails on one
+            (naming ``batches[i]``, the model's error chained).
+
+    Examples:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> import flax.linen as nn
+        >>> import jmp_policy as jp
+        >>> class MLP(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         x = nn.relu(nn.Dense(256, name="up")(x))
+        ...         return nn.Dense(4, name="head")(x)
+        >>> model, x = MLP(), jax.random.normal(jax.random.key(0), (16, 128))
+        >>> variables = model.init(jax.random.key(1), x)
+        >>> loss = lambda out, batch: (out.astype(jnp.float32) ** 2).mean()
+        >>> result = jp.linen.search_map(model, variables, [x], loss,
+        ...                              budget={"effective_bits": 8})
+        >>> result.effective_bits <= 8
+        True
+        >>> sorted(row.path for row in result.table)
+        ['head', 'up']
+    """
+    check_module(module)
+    check_params(variables, "search")
+    args_of = inputs or (lambda batch: (batch,))
+    model = Bound(module, variables, {}, sample=lambda: (args_of(batches[0]), {}))
+    # One run per candidate map (kept: its id names it), as `apply` makes it.
+    runs: dict[int, tuple[Any, Callable[..., Any]]] = {}
+
+    def run(bound: Bound, policy_map: Any, taps: tuple[Any, ...]) -> Callable[..., Any]:
+        if id(policy_map) not in runs:
+            policies, opts = prepare(module, policy_map, None, dict(options))
+            opts = dataclasses.replace(opts, extensions=(*taps, *opts.extensions))
+            runs[id(policy_map)] = (policy_map, apply_with(module, policies, opts, None))
+        fn = runs[id(policy_map)][1]
+        return lambda *args: fn(bound.variables, *args)
+
+    return core_search.search_map(
+        ADAPTER,
+        model,
+        batches,
+        loss_fn,
+        budget=budget,
+        candidates=candidates,
+        base=base,
+        inputs=inputs,
+        progress=progress,
+        options=Options(),
+        apply=run,
+        jit=jit,
+        # Linen modules are immutable: the same module, loss and options make the same
+        # passes (their jitted forms kept across calls); options by their text.
+        reuse=(module, loss_fn, inputs, repr(sorted(options.items()))),
+    )
+
+
+def _first_kept(batches: Any, first: list[Any]) -> Any:
+    """``batches`` as a list (the core's checks refuse what is not iterable), its first
+    call's arguments put in ``first``."""
+    if isinstance(batches, (str, bytes)):
+        return batches
+    try:
+        items = list(batches)
+    except TypeError:
+        return batches
+    if items:
+        first.append(items[0] if isinstance(items[0], tuple) else (items[0],))
+    return items

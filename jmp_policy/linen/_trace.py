@@ -22,7 +22,7 @@ from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import ModuleInfo, Resolver
 from jmp_policy.linen._modules import own_dtype, path_of
-from jmp_policy.linen._quantization import KernelRun, kernel_run, quantized_matmuls
+from jmp_policy.linen._quantization import KernelRun, counting, kernel_run
 from jmp_policy.linen._reads import Stale, read_fix, reading
 
 _MAX_RETRACES = 8
@@ -38,9 +38,7 @@ def interceptor(
     Intercepted: every module's ``__call__``, and the root's ``root_method``. ``on_new``
     is told each module path the resolver had not met, once it is recorded.
     """
-    # Quantized layers' matmuls innermost, only where a layer's matmul is replaced; one
-    # per run (it counts float8 calls).
-    matmul_for = quantized_matmuls()
+    calls: dict[int, tuple[Any, int]] = {}  # this run's float8 calls, per module
 
     def intercept(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
@@ -69,14 +67,12 @@ def interceptor(
         if new:
             on_new(path)  # type: ignore[misc]
         call = interception.Call(path, module, resolution)
-        extensions = resolver.options.extensions
-        routed = matmul_for(call)
-        if routed is not None:
-            extensions = (*extensions, routed)
+        extensions = resolver.options.extensions  # the core's routed matmuls innermost
         with (
             contextlib.nullcontext()
             if resolution.set_dtype is None  # module_dtype="override" gives the policy's
-            else interception.attribute_set(module, "dtype", resolution.set_dtype)
+            else interception.attribute_set(module, "dtype", resolution.set_dtype),
+            counting(calls),
         ):
             return interception.run(call, next_fun, args, kwargs, extensions=extensions)
 

@@ -15,6 +15,7 @@ nearest, with a warning naming it.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import jax
 
 from jmp_policy._src import calibration_gather, global_state
-from jmp_policy._src.batch_checks import check_bool, check_no_nan
+from jmp_policy._src.batch_checks import blaming, check_bool, check_no_nan
 from jmp_policy._src.framework.entry_points import canonical
 from jmp_policy._src.framework.protocol import Adapter
 from jmp_policy._src.framework.routing import call_routed, matmul_kind
@@ -59,17 +60,18 @@ def _kernels(adapter: Adapter, model: Any) -> tuple[dict[str, Any], dict[str, An
 def _weights(adapter: Adapter, model: Any) -> tuple[Any, dict[str, Any], Callable[[Any], Any]]:
     """``(tree, stacked, rebuild)``: the weights calibrate covers, the stacked axes of each
     stacked one (``"path/kernel" -> (n, axis)``), and ``rebuild(new tree)``, the new model:
-    the adapter's ``weights`` (its stacked axes keyed by pattern), else the routable
-    layers' kernels (:func:`_kernels`), put back by ``with_kernels``."""
+    the adapter's ``weights`` (its stacked axes keyed by pattern: ``(n, axis)`` or ``n``
+    leading axes), else the routable layers' kernels (:func:`_kernels`), put back by
+    ``with_kernels``."""
     weights = getattr(adapter, "weights", None)
     if weights is not None:
         tree, axes, rebuild = weights(model)
         stacked = {}
         for key_path, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]:
             path = leaf_path(key_path)
-            found = [at for pattern, at in axes.items() if re.fullmatch(pattern, path)]
+            found = [at for pattern, at in (axes or {}).items() if re.fullmatch(pattern, path)]
             if found:
-                stacked[path] = found[0]
+                stacked[path] = found[0] if isinstance(found[0], tuple) else (found[0], 0)
         return tree, stacked, rebuild
     tree, stacked = _kernels(adapter, model)
 
@@ -104,6 +106,11 @@ def _gather(
         def capturing(call: Any, next_fn: Any, args: Any, kw: Any) -> Any:
             kernel = None if call.path not in some else adapter.kernel_of(call.module)
             if kernel is None:
+                if call.path in some and call.module is not None:
+                    unseen[call.path] = (
+                        f"its layer is a {type(call.module).__name__}, whose matmul "
+                        "calibrate does not see"
+                    )
                 return next_fn(*args, **kw)
             capture = calibration_gather.capturing_dot_general(call.path, some[call.path])
             matmul = matmuls.of_kind(matmul_kind(adapter, call.module), capture)
@@ -147,27 +154,24 @@ def calibrate(
         policies = global_state.dtype_policy()
     if not isinstance(policies, DTypePolicyMap):
         policies = DTypePolicyMap(policies)
-    tree, stacked, rebuild = _weights(adapter, model)
+    # The weights the adapter's quantize covers (a run on a batch may find its stacks).
+    blame = blaming("batches[0]", calls[0], "calibrate") if hasattr(adapter, "weights") else None
+    with blame or contextlib.nullcontext():
+        tree, stacked, rebuild = _weights(adapter, model)
     policy_tree = policies.policy_tree(tree)
     calibration_checks.warn_unmatched(policies, tree, policy_tree)
-    layers = {layer.path: layer for layer in adapter.layers(model)}
     targets: dict[str, tuple[int, ...]] = {}
     unseen: dict[str, str] = {}
     found = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_quantized)[0]
     policy_leaves = jax.tree.leaves(policy_tree, is_leaf=lambda p: not isinstance(p, dict))
     for (key_path, kernel), policy in zip(found, policy_leaves, strict=True):
         path = leaf_path(key_path)
-        module = calibration.kernel_module(path)
-        if module is None or not calibration.is_calibrated(policy):
-            continue
-        layer = layers.get(module)
-        if layer is not None and layer.kernel_name is not None:  # a matmul the core routes
+        module = calibration.kernel_module(path)  # a kernel's (the solvers read no other)
+        if module is not None and calibration.is_calibrated(policy):
+            # A layer whose matmul the core does not route is said in `unseen` as it runs.
             n, at = stacked.get(path, (0, 0))
             shape = tuple(kernel.shape)
             targets[module] = shape[:at] + shape[at + n :]  # one layer's
-        else:
-            name = "NoneType" if layer is None else layer.cls.__name__
-            unseen[module] = f"its layer is a {name}, whose matmul calibrate does not see"
     lead = {p: stacked.get(f"{p}/{KERNEL}" if p else KERNEL, (0, 0))[0] for p in targets}
     stats = _gather(adapter, model, targets, lead, unseen, calls, kwargs, max_bytes)
     new, report = calibration.quantize_calibrated(

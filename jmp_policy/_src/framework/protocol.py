@@ -70,7 +70,9 @@ class Adapter(Protocol):
 
     def kernel_of(self, module: Any) -> Any:
         """The kernel of a layer whose matmul the core may route, as ``[in, out]`` (a float
-        array, or a ``QuantizedArray``); ``None`` for any other module."""
+        array, or a ``QuantizedArray``); ``None`` for any other module. An adapter with
+        ``install_matmul`` may answer any other value for a float kernel its layer reads
+        itself (the core reads only whether it is a ``QuantizedArray``)."""
 
     def call_with_matmul(
         self,
@@ -132,28 +134,6 @@ class Routing(Protocol):
         """A new model whose layers at these paths hold these states (``path ->``
         :class:`~jmp_policy._src.framework.state.Slot`, its value stacked as the layer
         is); ``model`` is left as it is."""
-
-
-class RoutesOwnMatmuls:
-    """A base for adapters whose layers route their own matmuls (the Flax glues, while
-    their float8 state and stacked kernels live there): the core routes none of their
-    modules, and their ``quantize`` places kernels itself."""
-
-    def kernel_of(self, module: Any) -> Any:
-        return None
-
-    def call_with_matmul(
-        self,
-        module: Any,
-        matmul: Callable[..., Any],
-        kernel: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        raise NotImplementedError(f"{type(self).__name__}'s layers route their own matmuls")
-
-    def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
-        raise NotImplementedError(f"{type(self).__name__} places quantized kernels itself")
 
 
 class InstallsMatmuls:

@@ -26,6 +26,8 @@ def search_map(
     progress: Callable[[str], None] | None,
     options: Options,
     apply: Callable[[Any, Any, tuple[Any, ...]], Callable[..., Any]] | None = None,
+    jit: bool = False,
+    reuse: tuple[Any, ...] | None = None,
 ) -> map_search.SearchResult:
     """One policy per layer under ``budget`` (a stack is one path, chosen whole); ``model``
     is not modified (the candidates run on quantized copies).
@@ -33,7 +35,9 @@ def search_map(
     The layers are the routable ones, or those the adapter's optional ``search_kernels``
     names (``(kernels, stacked_at)``: layer path -> float kernel, and the axis a stacked
     one's layers start at where it is not 0); ``apply(model, policy_map, extensions)``
-    runs a candidate (default: the core's ``apply``)."""
+    runs a candidate (default: the core's ``apply``). With ``jit``, each pass is compiled,
+    the model's arrays (``adapter.split``) its argument, and ``reuse`` (what the runs are
+    functions of besides them) keeps the compiled passes across searches."""
     adapter.check(model)
     args_of = inputs or (lambda batch: (batch,))
     found = getattr(adapter, "search_kernels", None)
@@ -43,10 +47,20 @@ def search_map(
         stores = map_search.stores_weights(policy_map)
         runner = entry_points.quantize(adapter, model, policy_map) if stores else model
         taps = (map_search.ScoreTaps(),)
-        if apply is None:
-            run = entry_points.apply(adapter, runner, policy_map, options, taps)
-        else:
-            run = apply(runner, policy_map, taps)
+
+        def run_on(live: Any) -> Callable[..., Any]:
+            if apply is None:
+                return entry_points.apply(adapter, live, policy_map, options, taps)
+            return apply(live, policy_map, taps)
+
+        if jit:  # the arrays an argument of the compiled pass, not constants of it
+            arrays, rebuild = adapter.split(runner)
+
+            def compiled_loss(arrays: Any, batch: Any) -> Any:
+                return loss_fn(run_on(rebuild(arrays))(*args_of(batch)), batch)
+
+            return compiled_loss, arrays
+        run = run_on(runner)
 
         def loss(_: Any, batch: Any) -> Any:
             return loss_fn(run(*args_of(batch)), batch)
@@ -60,9 +74,10 @@ def search_map(
         candidates=candidates,
         budget=budget,
         base=base,
-        jit=False,
+        jit=jit,
         progress=progress,
         stacked_at=stacked_at,
+        reuse=reuse,
     )
 
 
