@@ -176,7 +176,9 @@ def main():
         diff = sum(np.sum((o - r) ** 2) for o, r in zip(logits, ref_logits, strict=True))
         err = np.sqrt(diff / sum(np.sum(r**2) for r in ref_logits))
         label = row or reference
-        results[label] = (losses, quantization_bench.layer_errors(inputs, params, stored))
+        peer = PROJECTIONS if peer_bytes is not None else None
+        errors = quantization_bench.layer_errors(inputs, params, stored, peer)
+        results[label] = (losses, errors)
         calib_s = f"{seconds:.0f}" if label.startswith(CALIBRATED) else "-"
         blocks = {k: v for k, v in stored.items() if k.startswith("layers_")}
         block_bytes = quantization_bench.nbytes(blocks)

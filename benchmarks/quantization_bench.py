@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -150,25 +151,28 @@ def layer_inputs(model, params, batches, prefix="blocks_"):
     return {k: np.concatenate(v) for k, v in rows.items()}
 
 
-def _kernels(tree):
+def _kernels(tree, float_paths=None):
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=jp.QuantizedArray.__instancecheck__)
     out = {}
     for kp, leaf in flat[0]:
         path = "/".join(str(getattr(k, "key", k)) for k in kp)
         if path.endswith("/kernel") and isinstance(leaf, jp.QuantizedArray):
             out[path[: -len("/kernel")]] = np.asarray(leaf.dequantize(jnp.float32))
+        elif path.endswith("/kernel") and float_paths and re.fullmatch(float_paths, path[:-7]):
+            out[path[: -len("/kernel")]] = np.asarray(leaf, np.float32)  # a peer's, dequantized
     return out
 
 
-def layer_errors(inputs, params, stored):
-    """Per layer, ``|XW - XŴ| / |XW|`` on held-out ``X``."""
+def layer_errors(inputs, params, stored, float_paths=None):
+    """Per layer, ``|XW - XŴ| / |XW|`` on held-out ``X`` (``float_paths``: a pattern of
+    the layers whose float kernels in ``stored`` are another library's dequantized ones)."""
     float_kernels = {
         "/".join(str(getattr(k, "key", k)) for k in kp)[: -len("/kernel")]: np.asarray(v)
         for kp, v in jax.tree_util.tree_flatten_with_path(params)[0]
         if str(getattr(kp[-1], "key", "")) == "kernel"
     }
     errors = {}
-    for path, w_hat in _kernels(stored).items():
+    for path, w_hat in _kernels(stored, float_paths).items():
         if path in inputs:
             x, w = inputs[path], float_kernels[path]
             y = x @ w.reshape(x.shape[1], -1)
