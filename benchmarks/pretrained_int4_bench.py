@@ -67,7 +67,8 @@ REST = (
 )
 ROWS = (
     "int8", "gptq/8/-1", "smoothquant/8", "int4/128", "gptq/4/128", "awq/4/128",
-    "int4/128/asym", "gptq/4/128/asym", "awq/4/128/asym", "qwix:int4/128", "keras:int4/128",
+    "int4/128/asym", "gptq/4/128/asym", "awq/4/128/asym", "int4/128/full", "qwix:int4/128",
+    "keras:int4/128",
 )  # fmt: skip
 # The peers' int4 on the same kernels, run dequantized (benchmarks/peer_int4.py).
 PEERS = ("qwix:", "keras:")
@@ -191,7 +192,7 @@ def main():
     comparisons = []
     if "int4/128" in results:
         int4 = ("gptq/4/128", "awq/4/128", "int4/128/asym", "gptq/4/128/asym", "awq/4/128/asym")
-        int4 += ("qwix:int4/128", "keras:int4/128")
+        int4 += ("int4/128/full", "qwix:int4/128", "keras:int4/128")
         comparisons.append(("int4/128", tuple(r for r in int4 if r in results)))
     if "int8" in results:
         comparisons.append(
