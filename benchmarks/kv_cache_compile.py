@@ -5,8 +5,9 @@ cached tokens, 8 heads of 128) under ``jp.linen.apply(..., "bfloat16", kv_cache=
 compiled for the CPU, or for an H100 without a GPU (``h100_compile.py``: needs the CUDA PJRT
 plugin on the path). The optimized HLO's top-level instructions are the buffers the step
 materialises; for each cache format this prints how many are floating arrays at least as
-large as one cache (a float copy of a cache would be one), and which fusions read the stored
-cache. Nothing runs and nothing is timed.
+large as one cache (a float copy of a cache would be one), which fusions read the stored
+cache, and the bytes of the step's cache inputs (values and scales: what a step reads of
+the cache, as every reader takes the stored arrays). Nothing runs and nothing is timed.
 
     JAX_PLATFORMS=cpu PYTHONPATH=.cuda-plugin/<jaxlib>:. python benchmarks/kv_cache_compile.py h100
 """
@@ -31,6 +32,7 @@ B, LENGTH, HEADS, HEAD_DIM = 1, 4096, 8, 128
 FEATURES = HEADS * HEAD_DIM
 FORMATS = (None, "int8", "float8_e4m3fn")
 _FLOATS = ("bf16", "f16", "f32", "f64")
+_ITEMSIZE = {"bf16": 2, "f16": 2, "f32": 4, "f64": 8, "s8": 1, "u8": 1, "f8e4m3fn": 1, "s32": 4}
 _ENTRY = re.compile(r"^ENTRY .*?\{\n(.*?)\n\}", re.S | re.M)
 _LINE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[([\d,]*)\]\S* (\S+?)\((.*)$")
 
@@ -77,6 +79,7 @@ def summary(hlo: str) -> dict[str, Any]:
     cache_size = B * LENGTH * HEADS * HEAD_DIM
     types: dict[str, str] = {}
     large_floats, readers = [], []
+    cache_bytes = 0  # the step's inputs holding the cache (values and scales)
     for line in entry.group(1).splitlines():
         m = _LINE.match(line)
         if m is None:
@@ -86,6 +89,8 @@ def summary(hlo: str) -> dict[str, Any]:
         for d in filter(None, dims.split(",")):
             size *= int(d)
         types[name] = dtype
+        if opcode == "parameter" and str(LENGTH) in dims.split(","):
+            cache_bytes += size * _ITEMSIZE[dtype]
         if dtype in _FLOATS and size >= cache_size and opcode != "parameter":
             large_floats.append(f"{name}: {dtype}[{dims}] {opcode}")
         operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
@@ -95,7 +100,11 @@ def summary(hlo: str) -> dict[str, Any]:
             and any(types.get(o) in ("s8", "f8e4m3fn") for o in operands)
         ):
             readers.append(f"{name}: {dtype}[{dims}]")
-    return {"large_float_buffers": large_floats, "stored_cache_readers": readers}
+    return {
+        "large_float_buffers": large_floats,
+        "stored_cache_readers": readers,
+        "cache_bytes_read": cache_bytes,
+    }
 
 
 def main(target: str) -> dict[str, Any]:

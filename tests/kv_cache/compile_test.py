@@ -38,6 +38,17 @@ def _no_float_cache_copy(result, formats=("int8", "float8_e4m3fn")):
         # (XLA's own products of the attention), and none holds a written float cache
         assert not _written(found["large_float_buffers"]), (fmt, found)
         assert len(found["large_float_buffers"]) <= len(bf16) - len(_written(bf16)), (fmt, bf16)
+    # What a step reads of the cache: its inputs, values and scales. bf16: two caches of
+    # 1 x 4096 x 8 x 128 at 2 bytes; int8: 1 byte each and a float32 scale per token and
+    # head (0.5 + 2/128 of bf16's); float8: a scale per token.
+    values = 2 * kc.B * kc.LENGTH * kc.HEADS * kc.HEAD_DIM
+    assert result["None"]["cache_bytes_read"] == 2 * values
+    expected = {
+        "int8": values + 2 * kc.LENGTH * kc.HEADS * 4,
+        "float8_e4m3fn": values + 2 * kc.LENGTH * 4,
+    }
+    for fmt in formats:
+        assert result[fmt]["cache_bytes_read"] == expected[fmt], fmt
 
 
 @pytest.mark.heavy(15)
