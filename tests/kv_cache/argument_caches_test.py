@@ -53,6 +53,15 @@ class LinenModel(nn.Module):
         return x, new
 
 
+def _layers(model, x, cache):
+    """The Gemma library's loop: each layer takes its cache and returns the new one."""
+    new = {}
+    for name in ("layer_0", "layer_1"):
+        new[name], y = getattr(model, name)(x, cache[name])
+        x = x + y
+    return x, new
+
+
 class EqxAttention(eqx.Module):
     q: eqx.nn.Linear
     k: eqx.nn.Linear
@@ -80,11 +89,7 @@ class EqxModel(eqx.Module):
         self.layer_0, self.layer_1 = EqxAttention(k0), EqxAttention(k1)
 
     def __call__(self, x, cache):
-        new = {}
-        for name in ("layer_0", "layer_1"):
-            new[name], y = getattr(self, name)(x, cache[name])
-            x = x + y
-        return x, new
+        return _layers(self, x, cache)
 
 
 class NnxAttention(nnx.Module):
@@ -104,11 +109,7 @@ class NnxModel(nnx.Module):
         self.layer_0, self.layer_1 = NnxAttention(rngs), NnxAttention(rngs)
 
     def __call__(self, x, cache):
-        new = {}
-        for name in ("layer_0", "layer_1"):
-            new[name], y = getattr(self, name)(x, cache[name])
-            x = x + y
-        return x, new
+        return _layers(self, x, cache)
 
 
 TOKENS = jax.random.normal(jax.random.key(1), (B, T, WIDTH))

@@ -22,13 +22,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import numpy as np
 
 from jmp_policy._src import dtypes
 from jmp_policy._src.kv_cache.cache import QuantizedKVCache
-from jmp_policy._src.kv_cache.formats import FORMATS, KVCacheSpec
+from jmp_policy._src.kv_cache.formats import KVCacheSpec
 from jmp_policy._src.kv_cache.hook import CacheRun, Run, active
-from jmp_policy._src.kv_cache.report import CacheRow, format_caches
+from jmp_policy._src.kv_cache.report import cache_rows, format_caches
 from jmp_policy._src.tree_paths import leaf_path
 
 # {variable path: stored cache} of the argument caches handed out inside `recording`.
@@ -135,12 +134,4 @@ def recording(spec: KVCacheSpec | None) -> Iterator[dict[str, QuantizedKVCache]]
 
 def table(recorded: dict[str, QuantizedKVCache]) -> str:
     """``explain``'s rows of the argument caches (empty when there are none)."""
-    rows = []
-    for path, cache in recorded.items():
-        size = 1
-        for n in cache.shape:
-            size *= int(n)
-        float_bytes = size * np.dtype(cache.dtype).itemsize
-        fmt = FORMATS[cache.format]
-        rows.append(CacheRow(path, fmt.name, fmt.layout, cache.shape, cache.nbytes, float_bytes))
-    return format_caches(rows)
+    return format_caches(cache_rows(recorded, None))
