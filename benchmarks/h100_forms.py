@@ -260,8 +260,12 @@ SERVING_FORMATS = (
     ("int4", "int4_from_float32", "s4"),
     ("int4/128", "int4/128_from_float32", "s4"),
 )
-# int4 with a zero point per group: the XLA forms fold it in (the Pallas kernel reads none).
-ZERO_POINT_FORMATS = (("int4/128/asym", "int4/128/asym_from_float32", "s4"),)
+# Zero points (int4 per group, int8 per channel): the XLA forms fold them in (the Pallas
+# kernel reads none).
+ZERO_POINT_FORMATS = (
+    ("int4/128/asym", "int4/128/asym_from_float32", "s4"),
+    ("int8/asym", "int8/asym_from_float32", "s8"),
+)
 
 
 def programs() -> list[Program]:
