@@ -56,6 +56,7 @@ import jmp_policy as jp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gemma3_gguf
+import lm_task
 import peer_int4
 import quantization_bench
 
@@ -199,6 +200,18 @@ def main():
             ("int8", tuple(r for r in ("gptq/8/-1", "smoothquant/8") if r in results))
         )
     quantization_bench.report_gaps(results, reference, comparisons)
+    peer_differences(results)
+
+
+def peer_differences(results):
+    """Prints each of our round-to-nearest int4/128 rows against each peer's row: the mean
+    held-out loss difference (ours minus the peer's; below zero: ours better) and the
+    standard error of that paired difference over the same sequences."""
+    ours = [r for r in ("int4/128", "int4/128/full", "int4/128/asym") if r in results]
+    for peer in (r for r in results if r.startswith(PEERS)):
+        for row in ours:
+            diff, se = lm_task.paired_difference(results[row][0], results[peer][0])
+            print(f"{row} vs {peer}: {diff:+.4f} ± {se:.4f} nats (ours minus theirs, paired)")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from jmp_policy._src.framework.calibrate import calibrate_call
+from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
 from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
 from jmp_policy.equinox._api import ADAPTER
 
 
+@fill
 def calibrate(
     model: Any,
     policy_or_map: Any,
@@ -39,17 +41,9 @@ def calibrate(
 
     Args:
         model: an ``eqx.Module``.
-        policy_or_map: a policy (or name), a :class:`~jmp_policy.DTypePolicyMap` or a dict.
-        batches: an iterable of calls' arguments (a tuple per call, or one array).
-        hessian_damping: GPTQ's damping, a fraction of the mean Hessian diagonal.
-        num_grid_points: AWQ's exponent grid ``0, 1/n, ..., 1``.
-        clip_search: choose each group's scale by a clipping search instead of abs-max.
-        return_report: also return the per-layer report (round-to-nearest's and the
-            method's relative output error on the calibration inputs, seconds).
-        progress: ``True`` for a progress bar, a callable given each layer's report, or
-            ``False``.
-        max_statistics_bytes: bounds the device memory the statistics take (``None``:
-            every layer in one pass).
+        {policy_or_map}
+        {batches}
+        {calibrate_options}
         **kwargs: keyword arguments of each call.
 
     Returns:
@@ -58,6 +52,9 @@ def calibrate(
     Raises:
         TypeError: ``model`` is not an ``eqx.Module``, or an argument has the wrong type.
         ValueError: no batch, a batch holding NaN, or a batch the model fails on.
+
+    Warns:
+        {calibrate_warns}
 
     Examples:
         >>> import jax

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 from flax import nnx
 
 from jmp_policy._src.framework.calibrate import calibrate_call
+from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy._src.quantization.awq import DEFAULT_NUM_GRID_POINTS
 from jmp_policy._src.quantization.gptq import DEFAULT_HESSIAN_DAMPING
 from jmp_policy.nnx._adapter import ADAPTER
@@ -15,6 +16,7 @@ from jmp_policy.nnx._adapter import ADAPTER
 M = TypeVar("M", bound=nnx.Module)
 
 
+@fill
 def calibrate(
     model: M,
     policy_or_map: Any,
@@ -50,25 +52,9 @@ def calibrate(
 
     Args:
         model: an ``nnx.Module``; never modified (the copy is made with ``nnx.clone``).
-        policy_or_map: a policy (or name), a :class:`~jmp_policy.DTypePolicyMap` or a dict.
-        batches: an iterable of calls' arguments (a tuple per call, or one array).
-        hessian_damping: GPTQ's damping, a fraction of the mean Hessian diagonal.
-        num_grid_points: AWQ's exponent grid ``0, 1/n, ..., 1``.
-        clip_search: choose each int4/int8 group's scale by a clipping search (GPTQ's
-            reference ``mse=True`` grid on the weights; AWQ's ``auto_clip`` by the group's
-            output error on the calibration inputs) instead of abs-max; ``False`` for
-            abs-max scales, as Keras 3.15.
-        return_report: also return the per-layer report (a list of ``LayerReport``: per
-            calibrated kernel, the relative output error of round-to-nearest and of the
-            method on the calibration inputs, and seconds).
-        progress: ``True`` shows a progress bar over the calibrated layers (``tqdm`` when
-            installed, else a line per layer on stderr); a callable is given each
-            ``LayerReport`` as its layer is solved; ``False`` (default) is quiet.
-        max_statistics_bytes: bounds the device memory the gathered statistics take
-            (each layer's ``XᵀX`` and ``mean |x|``, float32): the layers are gathered in
-            groups that fit, one pass over the batches per group, each group's moved to
-            host memory before the next (a layer larger than the bound alone). ``None``
-            (default): every layer in one pass. The result is the same.
+        {policy_or_map}
+        {batches}
+        {calibrate_options}
         **kwargs: keyword arguments of each call.
 
     Returns:
@@ -82,7 +68,7 @@ def calibrate(
             ``batches[i]``, the model's error chained).
 
     Warns:
-        UserWarning: a GPTQ/AWQ key of the map chooses the policy of no layer.
+        {calibrate_warns}
 
     Examples:
         >>> import jax, jax.numpy as jnp
