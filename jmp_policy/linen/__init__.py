@@ -2,36 +2,22 @@
 
 A user keeps the model as it is and writes one policy or one
 :class:`~jmp_policy.DTypePolicyMap`; :func:`apply` and :func:`init` wrap ``module.apply``
-and ``module.init`` so that every submodule computes in its own dtype, with float32 master
-weights and float32 gradients; :func:`explain` says which policy each submodule got and
-why.
-
-Every submodule's call is found by a ``flax.linen.intercept_methods`` interceptor and
-handed to the one per-submodule hook that :mod:`jmp_policy.nnx` shares (the rules live in
-``jmp_policy._src``): its parameters and floating inputs cast to its compute dtype,
-:func:`~jmp_policy.current_policy` set, its outputs cast only when its policy's output
-dtype differs from its compute dtype, and the carry of every loop kept in the dtype it
-entered with. A module's own ``dtype=`` wins over the policy unless
-``module_dtype="override"``. The README's "How the Flax wrappers work" says how, and what
-is not covered.
+and ``module.init`` so that every submodule computes in its own dtype, with float32
+master weights and float32 gradients; :func:`explain` says which policy each submodule
+got and why. The rules are the ones :mod:`jmp_policy.nnx` and :mod:`jmp_policy.equinox`
+share; a module's own ``dtype=`` wins over the policy unless ``module_dtype="override"``.
+``NORM_FLOAT32`` is a ready ``type_policies`` mapping that computes Linen's
+normalisation layers in float32.
 
 Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
-    >>> import flax.linen as nn
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> import jmp_policy as jp
-    >>> class Model(nn.Module):
-    ...     @nn.compact
-    ...     def __call__(self, x):
-    ...         x = nn.Dense(8)(x)
-    ...         x = nn.LayerNorm()(x)
-    ...         return nn.Dense(2, name="head")(x)
-    >>> model = Model()
+    >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
     >>> x = jnp.ones((4, 3))
     >>> variables = jp.linen.init(model, "mixed_bfloat16")(jax.random.key(0), x)
-    >>> variables["params"]["Dense_0"]["kernel"].dtype
+    >>> variables["params"]["layers_0"]["kernel"].dtype
     dtype('float32')
-    >>> policy_map = jp.DTypePolicyMap("mixed_bfloat16", {"head": "float32"})
+    >>> policy_map = jp.DTypePolicyMap("mixed_bfloat16", {"layers_2": "float32"})
     >>> fn = jp.linen.apply(model, policy_map, type_policies=jp.linen.NORM_FLOAT32)
     >>> fn(variables, x).dtype   # the float32 head's logits
     dtype('float32')

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from jmp_policy._src.framework import entry_points
+from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy._src.kv_cache import report as kv_report
 from jmp_policy._src.options import OPTION_DEFAULTS, floating_policy_or_map
 from jmp_policy.linen._adapter import ADAPTER, Bound
@@ -17,6 +18,7 @@ from jmp_policy.linen._kv_cache import CACHE_NAMES
 from jmp_policy.linen._modules import check_method, check_module, check_variables, options
 
 
+@fill
 def explain(
     module: nn.Module,
     policy_or_map: Any,
@@ -26,14 +28,9 @@ def explain(
 ) -> str:
     """A table of the policy every submodule runs under, and why.
 
-    Traces ``module.apply(variables, *args, **kwargs)`` shape-only (nothing is computed)
-    and lists, in the order the modules are first called, one row per module path (and one
-    per variable that a key of the map names itself): the module's class, the policy
-    resolved for it, its source (``key '<key>'``, ``type <Class>`` or ``default``), the
-    module's own ``dtype`` attribute when set (it wins over the policy's compute dtype
-    unless ``module_dtype="override"``), the stored and compute dtypes of its parameters
-    and their bytes stored and in compute. ``rngs=``, ``method=`` and ``mutable=`` in
-    ``kwargs`` go to ``module.apply``.
+    Traces ``module.apply(variables, *args, **kwargs)`` shape-only, listing the modules in
+    the order they are first called.
+    {explain_rows}
 
     Args:
         module: a ``flax.linen`` Module instance.
@@ -41,28 +38,22 @@ def explain(
         variables: the model's variables (arrays, or ``jax.ShapeDtypeStruct`` leaves such
             as ``jax.eval_shape(model.init, ...)`` gives).
         *args: the model's positional arguments (arrays or ``jax.ShapeDtypeStruct``).
-        **kwargs: the options of :func:`apply` (``type_policies``, ``module_dtype``,
-            ``autocast_exclude``); ``calibration=``, the report of :func:`calibrate`
-            (``return_report=True``), listed under the table (per calibrated kernel:
-            its method, round-to-nearest's and its output error on the calibration
-            inputs, seconds); then the model's keyword arguments.
+        **kwargs: the options of :func:`apply`; ``rngs=``, ``method=`` and ``mutable=`` for
+            ``module.apply``; the model's keyword arguments; and
+            {explain_calibration}
 
     Returns:
         The table as a string.
 
     Examples:
-        >>> import jax
-        >>> import jax.numpy as jnp
-        >>> import flax.linen as nn
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
         >>> import jmp_policy as jp
         >>> class Model(nn.Module):
         ...     @nn.compact
         ...     def __call__(self, x):
-        ...         x = nn.Dense(4, name="body")(x)
-        ...         x = nn.LayerNorm(name="norm")(x)
+        ...         x = nn.LayerNorm(name="norm")(nn.Dense(4, name="body")(x))
         ...         return nn.Dense(2, dtype=jnp.float32, name="head")(x)
-        >>> model = Model()
-        >>> x = jnp.ones((1, 3))
+        >>> model, x = Model(), jnp.ones((1, 3))
         >>> variables = jax.eval_shape(model.init, jax.random.key(0), x)
         >>> print(jp.linen.explain(model, "mixed_bfloat16", variables, x,
         ...                        type_policies=jp.linen.NORM_FLOAT32))

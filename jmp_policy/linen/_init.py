@@ -10,6 +10,7 @@ import jax
 from flax.core.scope import in_filter
 
 from jmp_policy._src import casting, interception
+from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import Resolver
@@ -21,6 +22,7 @@ from jmp_policy.linen._trace import interceptor, method_for, root_method
 _INIT_MUTABLE = nn.DenyList("intermediates")  # `module.init`'s default
 
 
+@fill
 def init(
     module: nn.Module,
     policy_or_map: Any,
@@ -29,35 +31,29 @@ def init(
 ) -> Callable[..., Any]:
     """Makes ``module.init`` run under a policy or a map; parameters in their variable dtype.
 
-    The returned function has ``module.init``'s signature,
-    ``fn(rngs, *args, method=None, mutable=DenyList("intermediates"),
-    capture_intermediates=False, **kwargs)``, and returns the variables. Submodules run
-    as under :func:`apply`; each leaf of the ``"params"`` collection is then cast to the
-    variable dtype of its path's policy (usually float32, the master weights). Other
-    collections are returned as created: among them, for every call of a ``Dense``,
-    ``DenseGeneral`` or ``Einsum`` under a float8 policy, its float8 state ``float8_<i>``
-    in ``"_overwrite_with_gradient"`` (float32 scales and amax histories; see
-    :func:`split_gradients`).
+    The returned function has ``module.init``'s signature, ``fn(rngs, *args, method=None,
+    mutable=DenyList("intermediates"), capture_intermediates=False, **kwargs)``, and returns
+    the variables. Submodules run as under :func:`apply`; each leaf of ``"params"`` is then
+    cast to the variable dtype of its path's policy (usually float32, the master weights).
+    Other collections are returned as created: among them, for every call of a ``Dense``,
+    ``DenseGeneral`` or ``Einsum`` under a float8 policy, its state ``float8_<i>`` in
+    ``"_overwrite_with_gradient"`` (a state per call: a module called twice has two).
+    {float8_state}
 
     Args:
         module: a ``flax.linen`` Module instance.
         policy_or_map: as in :func:`apply`.
         method: as in :func:`apply`.
-        **options: the options of :func:`apply` (``type_policies``, ``module_dtype``,
-            ``autocast_exclude``).
+        {options}
 
     Returns:
         A function with ``module.init``'s signature.
 
     Raises:
-        TypeError: ``module`` is not a Linen module, or an option has the wrong type.
-        ValueError: ``policy_or_map`` names no policy or a non-floating one, or ``method``
-            names no method.
+        {apply_raises}
 
     Examples:
-        >>> import jax
-        >>> import jax.numpy as jnp
-        >>> import flax.linen as nn
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
         >>> import jmp_policy as jp
         >>> model = nn.Dense(2, param_dtype=jnp.bfloat16)
         >>> fn = jp.linen.init(model, {"": "p=f32,c=bf16,o=f32"})

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 
 from jmp_policy._src import interception, state_collections, transforms
+from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy._src.quantization import matmuls, stack_layers
 from jmp_policy.linen._modules import path_of
 from jmp_policy.linen._reads import unfixed_reads
@@ -226,13 +227,13 @@ def float8_state(module: nn.Module, policy: Any, index: int) -> Any:
     return module.variable(COLLECTION, name, policy.scheme.init_state).value
 
 
+@fill
 def split_gradients(grads: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Splits gradients into what the optimizer updates and the new float8 state.
 
-    The float8 state's "gradient" is its new value (Flax's convention): it must replace
-    the state, never go through an optimizer (which would add it, decay it, or unscale
-    it under loss scaling). ``flax.training.train_state.TrainState.apply_gradients``
-    does this split itself; a plain optax loop uses this function.
+    {float8_gradient}
+    ``flax.training.train_state.TrainState.apply_gradients`` does this
+    split itself; a plain optax loop uses this function.
 
     Args:
         grads: the gradients with respect to the whole variables (``{"params": ...,
@@ -248,13 +249,9 @@ def split_gradients(grads: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
         TypeError: ``grads`` is not a mapping of collections.
 
     Examples:
-        >>> import jax
-        >>> import jax.numpy as jnp
-        >>> import flax.linen as nn
-        >>> import optax
+        >>> import jax, jax.numpy as jnp, flax.linen as nn, optax
         >>> import jmp_policy as jp
-        >>> model = nn.Dense(4)
-        >>> x = jnp.ones((2, 3))
+        >>> model, x = nn.Dense(4), jnp.ones((2, 3))
         >>> variables = jp.linen.init(model, "float8_from_mixed_bfloat16")(
         ...     jax.random.key(0), x)
         >>> sorted(variables)

@@ -23,6 +23,7 @@ from jmp_policy.linen._apply import apply_with
 from jmp_policy.linen._modules import check_module, check_params, prepare
 
 
+@fill
 def quantize(
     module: nn.Module,
     policy_or_map: Any,
@@ -33,27 +34,19 @@ def quantize(
 ) -> dict[str, Any]:
     """``variables`` with the kernels under int8 or int4 policies quantized, per layer.
 
-    What ``policy_or_map.quantize(variables["params"])`` does (every floating parameter
-    of rank >= 2 under an int8 or int4 policy becomes a
-    :class:`~jmp_policy.QuantizedArray`; see :meth:`DTypePolicyMap.quantize
-    <jmp_policy.DTypePolicyMap.quantize>`), with the leading stacked axes of each
-    parameter learnt from the model: a shape-only run of ``module.apply(variables,
-    *args, method=method, **kwargs)`` (``jax.eval_shape``: nothing is computed) records
-    the shape each module sees its parameters at. A kernel stored with more axes than its
-    layer sees (an ``nn.scan`` or ``nn.vmap`` layer stack: stored ``[depth, in, out]``,
-    seen ``[in, out]``; the stacked axis where the scan's ``variable_axes`` puts it,
-    ``[in, depth, out]`` for ``{"params": 1}``) is quantized per layer: each layer its
-    own scales, int4 blocks along its own input axis, its stacked bias left float. Other collections are
-    returned as they are. :func:`jmp_policy.linen.apply` runs the result; a stacked
-    layer reads its own slice of the quantized values and scales inside the stack's loop.
+    {quantize_description}
+    The stacked axes are learnt by a shape-only run of
+    ``module.apply(variables, *args, method=method, **kwargs)``: a kernel stored with more
+    axes than its layer sees (an ``nn.scan`` or ``nn.vmap`` stack: stored ``[depth, in,
+    out]``, or ``[in, depth, out]`` for ``variable_axes={"params": 1}``) is a stack's. Other
+    collections are returned as they are.
 
     Args:
         module: a ``flax.linen`` Module instance.
-        policy_or_map: an int8 or int4 policy (or its name), or a
-            :class:`~jmp_policy.DTypePolicyMap` or ``dict`` holding some.
+        {quantize_policy_or_map}
         variables: the model's variables (``{"params": ...}``) in float.
-        *args: arguments of a call of the model (arrays or ``jax.ShapeDtypeStruct``\\ s:
-            only their shapes are used).
+        *args: arguments of a call of the model (arrays or ``jax.ShapeDtypeStruct``: only
+            their shapes are used).
         method: the method to run (as ``module.apply``'s ``method``).
         **kwargs: keyword arguments of the call (``rngs=`` when it needs them).
 
@@ -62,13 +55,11 @@ def quantize(
 
     Raises:
         TypeError: ``module`` is not a Linen module, or ``variables`` is not a mapping.
-        ValueError: ``policy_or_map`` is invalid or quantizes nothing (a float policy, a
-            map without int8 or int4 policies), or ``variables`` has no ``"params"``.
+        {quantize_error}
+        ValueError: ``variables`` has no ``"params"``.
 
     Examples:
-        >>> import jax
-        >>> import jax.numpy as jnp
-        >>> import flax.linen as nn
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
         >>> import jmp_policy as jp
         >>> class Block(nn.Module):
         ...     @nn.compact
@@ -115,40 +106,27 @@ def calibrate(
     """``variables`` with kernels under GPTQ/AWQ policies calibrated, int8/int4 rounded.
 
     Runs the unmodified model (``module.apply(variables, *batch, method=method,
-    **kwargs)``) on each calibration batch, gathering, for each ``Dense``/``DenseGeneral``
-    or ``Einsum`` whose kernel is under a :class:`~jmp_policy.GPTQDTypePolicy` or
-    :class:`~jmp_policy.AWQDTypePolicy`, the Gram matrix ``XᵀX`` (float32) and ``mean |x|``
-    of the inputs of its matmul; then solves each kernel (GPTQ, or AWQ's scale search,
-    each jit-compiled) in the int4/int8 storage the serving matmuls read. Kernels under
-    int8/int4 policies are rounded to nearest, as :func:`quantize` does; the rest stay
-    float. Each layer sees the float model's inputs (not those of already-quantized
-    earlier layers). The layers of an ``nn.scan`` stack are each solved from the inputs
-    they see in their own iteration, those of an ``nn.vmap`` stack (``variable_axes=
-    {"params": 0}``) from the inputs they see in their own lane (the same inputs for all
-    when ``in_axes=None``), and stored stacked as :func:`quantize` stores them
-    (``nn.remat`` layers too). A layer under a GPTQ/AWQ policy whose matmul is not seen
-    (an ``nn.Einsum`` contracting kernel axes other than its leading ones, such as
-    ``"btd,ndh->btnh"``, a custom matmul, a layer inside a transform other than these,
-    such as ``shard_map``) is rounded to nearest with a warning naming it. Batches of different
-    shapes each compile the run once.
+    **kwargs)``) on each calibration batch.
+    {calibrate_description}
+    Unseen: an
+    ``nn.Einsum`` contracting kernel axes other than its leading ones (``"btd,ndh->btnh"``),
+    a custom matmul, a layer inside a transform other than ``nn.scan``, ``nn.vmap`` and
+    ``nn.remat`` (such as ``shard_map``).
 
     Args:
         module: a ``flax.linen`` Module instance.
         {policy_or_map}
-        variables: the model's float variables (``{"params": ...}``).
+        variables: the model's float variables, a mapping holding ``"params"`` (else a
+            ``TypeError``, a ``ValueError``).
         {batches}
         method: the method to run (as ``module.apply``'s).
         {calibrate_options}
-        **kwargs: keyword arguments of each call (``rngs=`` when it needs them).
 
     Returns:
         The variables, their ``"params"`` quantized (and the report if asked).
 
     Raises:
-        TypeError: ``module`` is not a Linen module, ``variables`` not a mapping,
-            ``batches`` not iterable (or a string), or ``return_report`` not a bool.
-        ValueError: no ``"params"``, no batch, a batch holding NaN, or a batch the model
-            fails on (naming ``batches[i]``, the model's error chained).
+        {calibrate_raises}
 
     Warns:
         {calibrate_warns}
@@ -196,6 +174,7 @@ def calibrate(
     return result.variables
 
 
+@fill
 def search_map(
     module: nn.Module,
     variables: Mapping[str, Any],
@@ -212,63 +191,31 @@ def search_map(
 ) -> map_search.SearchResult:
     """Chooses a policy per layer under ``budget``, by each format's measured effect.
 
-    ModelOpt's ``auto_quantize`` for Linen. A few backward passes on ``batches`` cache each
-    layer's output gradient ``g``; one forward pass per candidate, every layer given its
-    baseline input, gives each layer's output error ``dy = Q(y) - y`` under it; a layer's
-    score is ``0.5 * mean over examples (n * g . dy)^2``, an estimate of the loss increase
-    it causes. A multiple-choice knapsack then picks one candidate per layer (``base``, no
-    quantization, always allowed). Layers are the modules holding a ``kernel``
-    (``Dense``, ``DenseGeneral``, ``Conv``, ``Einsum``); embeddings and norms keep
-    ``base``. A layer stack under ``nn.scan`` or ``nn.vmap`` (kernels ``[depth, ...]``)
-    is one module path, so one entry of the map: it is scored and chosen per stack (its
-    score the sum over its layers, each on its own iteration's or lane's inputs, its bytes
-    all of theirs; the table says ``per stack (scanned: N layers)`` or ``(vmapped: N
-    layers)``); a map cannot give the layers of one stack different policies. Layers
-    under ``nn.remat`` (also ``nn.scan`` of ``nn.remat``) are scored as without it;
-    layers inside another transform (``shard_map``) are not scored, keep ``base``, and
-    the table says so. Deterministic. The jit-compiled passes are kept for the module,
-    ``loss_fn``, ``inputs`` and options given (by identity): searching the same model
-    again (new weights, another budget) compiles nothing new for batches of the same shapes.
+    {search_description}
+    Layers are the modules holding a ``kernel`` (``Dense``,
+    ``DenseGeneral``, ``Conv``, ``Einsum``); those under ``nn.remat`` are scored as without
+    it, those inside another transform (``shard_map``) are not. The jit-compiled passes are
+    kept for the module, ``loss_fn``, ``inputs`` and options given (by identity): searching
+    the same model again (new weights, another budget) compiles nothing new for batches of
+    the same shapes.
 
     Args:
         module: a ``flax.linen`` Module instance.
         variables: its float variables (``{"params": ...}``).
-        batches: calibration batches; each is passed to the model (see ``inputs``).
-        loss_fn: ``loss_fn(outputs, batch) -> scalar``, the mean over the batch's
-            examples (the leading axis of each layer's output).
-        budget: one of ``{"effective_bits": b}`` (kernel bits per parameter, scales
-            included), ``{"weight_bytes": n}`` or ``{"loss_increase": x}`` (the sum
-            of the chosen scores; the search then minimizes bytes).
-        candidates: quantized policy names (any format that quantizes a kernel).
-        base: the float policy of unquantized layers, and the map's default.
-        inputs: ``inputs(batch) -> args`` of ``module.apply`` (default ``(batch,)``).
+        {search_args}
         jit: compile the passes (``False`` runs them eagerly).
-        progress: ``progress(message)`` called before each pass (``print``, or a tqdm
-            bar's ``set_description``).
-        **options: as for :func:`apply`.
 
     Returns:
-        A :class:`SearchResult` ``(policy_map, table, weight_bytes, effective_bits,
-        loss_increase, method)``; ``print(result)`` shows the table;
-        ``result.at(budget)`` chooses again under another budget from the same scores.
+        {search_returns}
 
     Raises:
-        TypeError, ValueError: a candidate name is not a quantized policy name (quoted),
-            ``budget`` is not one of the forms above, or no choice meets it (the message
-            names the cheapest possible); a batch holds NaN, or the model fails on one
-            (naming ``batches[i]``, the model's error chained).
+        {search_raises}
 
     Examples:
-        >>> import jax
-        >>> import jax.numpy as jnp
-        >>> import flax.linen as nn
+        >>> import jax, jax.numpy as jnp, flax.linen as nn
         >>> import jmp_policy as jp
-        >>> class MLP(nn.Module):
-        ...     @nn.compact
-        ...     def __call__(self, x):
-        ...         x = nn.relu(nn.Dense(256, name="up")(x))
-        ...         return nn.Dense(4, name="head")(x)
-        >>> model, x = MLP(), jax.random.normal(jax.random.key(0), (16, 128))
+        >>> model = nn.Sequential([nn.Dense(256), nn.relu, nn.Dense(4)])
+        >>> x = jax.random.normal(jax.random.key(0), (16, 128))
         >>> variables = model.init(jax.random.key(1), x)
         >>> loss = lambda out, batch: (out.astype(jnp.float32) ** 2).mean()
         >>> result = jp.linen.search_map(model, variables, [x], loss,
@@ -276,7 +223,7 @@ def search_map(
         >>> result.effective_bits <= 8
         True
         >>> sorted(row.path for row in result.table)
-        ['head', 'up']
+        ['layers_0', 'layers_2']
     """
     check_module(module)
     check_params(variables, "search")

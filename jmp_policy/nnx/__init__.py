@@ -2,23 +2,12 @@
 
 :func:`apply` makes a function that runs an NNX model with each submodule's inputs and
 parameters in its own compute dtype, without changing the model's stored parameters;
-:func:`explain` says which policy each submodule gets and why. The rules (the output rule,
-loop carries, a module's own ``dtype`` and ``module_dtype``, ``autocast_exclude``,
-``type_policies``) are the ones of :mod:`jmp_policy.linen`: both integrations only find
-the calls and hand them to one hook. ``NORM_FLOAT32`` is a ready ``type_policies``
-mapping that computes NNX's normalisation layers (``LayerNorm``, ``RMSNorm``,
-``BatchNorm``, ``GroupNorm``, ``InstanceNorm``) in float32 and returns their outputs in
-the caller's compute dtype.
-
-float8 training: :func:`init_float8` returns a copy of the model whose float8 layers
-(``Linear``, ``LinearGeneral``, ``Einsum``) hold their delayed-scaling state in a
-:class:`Float8State` variable, which ``nnx.Optimizer(..., wrt=nnx.Param)`` leaves alone;
-:func:`apply` runs their matmuls through float8, and :func:`split_gradients` separates
-the new float8 state from the parameters' gradients.
-
-Quantized weights: :func:`quantize` returns a copy of the model whose int8/int4 kernels
-are :class:`~jmp_policy.QuantizedArray` values, a layer stack (``nnx.vmap``'d layers run
-under ``nnx.scan``) quantized per layer.
+:func:`explain` says which policy each submodule gets and why. The rules are the ones
+:mod:`jmp_policy.linen` and :mod:`jmp_policy.equinox` share. ``NORM_FLOAT32`` is a ready
+``type_policies`` mapping that computes NNX's normalisation layers in float32 and
+returns their outputs in the caller's compute dtype. float8 training:
+:func:`init_float8`, :class:`Float8State`, :func:`split_gradients`; quantized weights:
+:func:`quantize`, :func:`calibrate`, :func:`search_map`.
 
 Examples:
     >>> import jax.numpy as jnp
@@ -26,8 +15,7 @@ Examples:
     >>> import jmp_policy as jp
     >>> sorted(cls.__name__ for cls in jp.nnx.NORM_FLOAT32)
     ['BatchNorm', 'GroupNorm', 'InstanceNorm', 'LayerNorm', 'RMSNorm']
-    >>> norm = nnx.LayerNorm(4, rngs=nnx.Rngs(0))
-    >>> x = jnp.ones((2, 4))
+    >>> norm, x = nnx.LayerNorm(4, rngs=nnx.Rngs(0)), jnp.ones((2, 4))
     >>> jp.nnx.apply(norm, "bfloat16")(x).dtype
     dtype(bfloat16)
     >>> jp.nnx.apply(norm, "bfloat16", type_policies={nnx.LayerNorm: "float32"})(x).dtype

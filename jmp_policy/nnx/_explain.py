@@ -7,12 +7,14 @@ from typing import Any
 from flax import nnx
 
 from jmp_policy._src.framework import entry_points
+from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy._src.kv_cache import report as kv_report
 from jmp_policy._src.kv_cache.hook import CACHE_NAMES
 from jmp_policy.nnx._adapter import ADAPTER
 from jmp_policy.nnx._modules import prepare
 
 
+@fill
 def explain(
     model: nnx.Module,
     policy_or_map: Any,
@@ -21,25 +23,16 @@ def explain(
 ) -> str:
     """A table of the policy every submodule of ``model`` runs under, and why.
 
-    One row per module path (and one per variable that a key of the map names itself),
-    in the order of ``nnx.iter_modules``: the module's class, the policy resolved for it,
-    its source (``key '<key>'``, ``type <Class>`` or ``default``), the module's own
-    ``dtype`` when set, the stored and compute dtypes of its ``nnx.Param`` values and
-    their bytes stored and in compute. Nothing is run (NNX modules exist before they are
-    called); ``jax.eval_shape``-made models (``nnx.eval_shape``) work too. Given the
-    model's positional ``args`` (arrays or ``jax.ShapeDtypeStruct``), the model is also
-    traced shape-only and the table is followed by the matmul each quantized or float8
-    layer runs (its form and shape).
+    Rows in the order of ``nnx.iter_modules``; without ``args`` nothing is run (NNX modules
+    exist before they are called; ``nnx.eval_shape``-made models work too).
+    {explain_rows}
 
     Args:
         model: an ``nnx.Module``.
         policy_or_map: as in :func:`apply`.
         *args: the model's positional arguments, to list the layers' matmuls (optional).
-        **options: the options of :func:`apply` (``type_policies``, ``module_dtype``,
-            ``autocast_exclude``); ``calibration=``, the report of :func:`calibrate`
-            (``return_report=True``), listed under the table (per calibrated kernel:
-            its method, round-to-nearest's and its output error on the calibration
-            inputs, seconds).
+        **options: the options of :func:`apply`, and
+            {explain_calibration}
 
     Returns:
         The table as a string.

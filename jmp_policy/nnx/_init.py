@@ -7,70 +7,58 @@ from typing import Any, TypeVar
 from flax import nnx
 
 from jmp_policy._src.framework import entry_points, state
+from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy.nnx._adapter import ADAPTER
 from jmp_policy.nnx._modules import prepare
 
 M = TypeVar("M", bound=nnx.Module)
 
 
+@fill
 def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
     """A copy of ``model`` whose float8 layers hold their float8 state.
 
     Every ``nnx.Linear`` whose ``dot_general`` is ``jax.lax.dot_general``,
     ``nnx.LinearGeneral`` whose user set neither ``dot_general`` nor ``dot_general_cls``,
-    and ``nnx.Einsum`` whose ``einsum_op`` is ``jnp.einsum``, whose policy (resolved from
-    ``policy_or_map`` and ``options`` exactly as :func:`jmp_policy.nnx.apply` does) is a
-    ``QuantizedFloat8DTypePolicy``, gets the attribute ``float8``: a
-    :class:`~jmp_policy.nnx.Float8State` holding scales of 1 and zero amax histories of
-    the policy's ``amax_history_length`` (float32). A state already there is replaced by
-    a fresh one. Other layers get nothing. A layer created stacked (``nnx.vmap`` of its
-    constructor, to run under ``nnx.scan`` over layers) gets its state stacked the same
-    way (over its kernel's leading axes), so each scanned layer has its own.
-    :func:`jmp_policy.nnx.apply` with the same ``policy_or_map`` then runs those layers'
-    matmuls through float8 with delayed scaling (inputs and kernels in ``float8_e4m3fn``,
-    output gradients in ``float8_e5m2``).
+    and ``nnx.Einsum`` whose ``einsum_op`` is ``jnp.einsum``, whose policy (resolved as
+    :func:`apply` resolves it) is a ``QuantizedFloat8DTypePolicy``, gets the attribute
+    ``float8``, a fresh :class:`Float8State` (replacing one already there); other layers
+    get nothing. A layer created stacked (``nnx.vmap`` of its constructor, run under
+    ``nnx.scan``) gets its state stacked the same way, so each layer has its own.
+    {float8_state}
 
-    **One state per layer.** NNX keeps a float8 layer's state on the layer, so a float8
-    layer may run once per :func:`~jmp_policy.nnx.apply` run: calling a shared layer twice
-    in one run is a ``ValueError`` (``jmp_policy.linen`` keeps a state per call). Run the
-    model once per differentiated function: two runs in one loss would sum their new
-    states.
+    NNX keeps one state per layer: calling a float8 layer twice in one :func:`apply` run is
+    a ``ValueError`` (``jmp_policy.linen`` keeps a state per call). Run the model once per
+    differentiated function: two runs in one loss would sum their new states.
 
     Args:
         model: an ``nnx.Module``; never modified (the copy, made with ``nnx.clone``,
             shares its parameter arrays until either is updated).
-        policy_or_map: the policy or map that :func:`jmp_policy.nnx.apply` will run.
-        **options: the options of :func:`jmp_policy.nnx.apply` (``type_policies``,
-            ``module_dtype``, ``autocast_exclude``): they can change a layer's policy.
+        policy_or_map: the policy or map that :func:`apply` will run.
+        **options: the options of :func:`apply`: they can change a layer's policy.
 
     Returns:
         The copy of ``model`` with its float8 state.
 
     Raises:
-        TypeError: ``model`` is not an ``nnx.Module``, or an option has the wrong type.
-        ValueError: ``policy_or_map`` is not a valid floating policy or map, no layer of
-            the model runs under a float8 policy, or a float8 layer's attribute
-            ``float8`` is something else than a ``Float8State``.
+        {apply_raises}
+        ValueError: no layer of the model runs under a float8 policy, or a float8 layer's
+            attribute ``float8`` is something else than a ``Float8State``.
 
     Examples:
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import jmp_policy as jp
-        >>> class MLP(nnx.Module):
-        ...     def __init__(self, rngs):
-        ...         self.hidden = nnx.Linear(3, 8, rngs=rngs)
-        ...         self.head = nnx.Linear(8, 1, rngs=rngs)
-        ...     def __call__(self, x):
-        ...         return self.head(nnx.relu(self.hidden(x)))
-        >>> model = MLP(nnx.Rngs(0))
+        >>> model = nnx.Sequential(nnx.Linear(3, 8, rngs=nnx.Rngs(0)),
+        ...                        nnx.Linear(8, 1, rngs=nnx.Rngs(1)))
         >>> policy_map = jp.DTypePolicyMap(
         ...     jp.QuantizedFloat8DTypePolicy("float8", "mixed_bfloat16",
         ...                                   amax_history_length=16),
-        ...     {"head": "float32"})
+        ...     {"layers/1": "float32"})
         >>> fp8_model = jp.nnx.init_float8(model, policy_map)
-        >>> fp8_model.hidden.float8.get_value()["kernel_amax_history"].shape
+        >>> fp8_model.layers[0].float8.get_value()["kernel_amax_history"].shape
         (16,)
-        >>> hasattr(fp8_model.head, "float8"), hasattr(model.hidden, "float8")
+        >>> hasattr(fp8_model.layers[1], "float8"), hasattr(model.layers[0], "float8")
         (False, False)
         >>> jp.nnx.apply(fp8_model, policy_map)(jnp.ones((2, 3))).dtype
         dtype('float32')
@@ -87,34 +75,28 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
     return copy
 
 
+@fill
 def quantize(model: M, policy_or_map: Any) -> M:
     """A copy of ``model`` whose kernels under int8 or int4 policies are quantized.
 
-    What ``policy_or_map.quantize(nnx.state(model, nnx.Param))`` does (every floating
-    ``nnx.Param`` of rank >= 2 under an int8 or int4 policy becomes a
-    :class:`~jmp_policy.QuantizedArray`; see :meth:`DTypePolicyMap.quantize
-    <jmp_policy.DTypePolicyMap.quantize>`), with the leading stacked axes of each layer
-    found from the model: a layer created stacked (``nnx.vmap`` of its constructor, run
-    under ``nnx.scan`` or ``nnx.vmap`` over layers; an ``nnx.Linear``,
-    ``nnx.LinearGeneral``, ``nnx.Einsum`` or ``nnx.Conv`` whose kernel has more axes than
-    the layer's own) is quantized per layer: each layer its own scales, int4 blocks along
-    its own input axis, its stacked bias left float. Policies are resolved by path, as
-    ``map.quantize`` does (no ``type_policies``). :func:`jmp_policy.nnx.apply` runs the
-    copy; a stacked layer reads its own slice of the quantized values and scales inside
-    the stack's loop.
+    What ``policy_or_map.quantize(nnx.state(model, nnx.Param))`` does, with the leading
+    stacked axes of each layer found from the model.
+    {quantize_description}
+    A layer is
+    stacked when it is created stacked (``nnx.vmap`` of its constructor): an
+    ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum`` or ``nnx.Conv`` whose kernel has
+    more axes than the layer's own.
 
     Args:
         model: an ``nnx.Module``; never modified (the copy is made with ``nnx.clone``).
-        policy_or_map: an int8 or int4 policy (or its name), or a
-            :class:`~jmp_policy.DTypePolicyMap` or ``dict`` holding some.
+        {quantize_policy_or_map}
 
     Returns:
         The quantized copy of ``model``.
 
     Raises:
         TypeError: ``model`` is not an ``nnx.Module``.
-        ValueError: ``policy_or_map`` is invalid or quantizes nothing (a float policy, a
-            map without int8 or int4 policies).
+        {quantize_error}
 
     Examples:
         >>> import jax.numpy as jnp

@@ -28,24 +28,23 @@ from flax import nnx
 
 from jmp_policy._src import interception
 from jmp_policy._src.framework import run_kernels
+from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy._src.quantization import matmuls, quantized_matmul, stack_layers
 
 ATTR = "float8"  # the attribute of a float8 layer that holds its Float8State
 
 
+@fill
 class Float8State(nnx.Variable):
     """The float8 delayed-scaling state of one NNX layer (a ``dict`` value).
 
-    Its value holds the float32 scales (shape ``()``) and amax histories (shape
-    ``(amax_history_length,)``, the peers' ring: newest at index 0) of the layer's input,
-    kernel and output gradient, under the names ``input_scale``, ``input_amax_history``,
-    ``kernel_scale``, ``kernel_amax_history``, ``output_grad_scale`` and
-    ``output_grad_amax_history``.
     :func:`jmp_policy.nnx.init_float8` creates it, as the attribute ``float8`` of each
-    float8 layer. It is not an ``nnx.Param``: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``
-    leaves it alone, and its gradient (taken with a filter that includes it, such as
-    ``nnx.DiffState(0, nnx.Any(nnx.Param, Float8State))``) is its new value, which
-    :func:`jmp_policy.nnx.split_gradients` hands back for ``nnx.update``.
+    float8 layer.
+    {float8_state}
+    It is not an ``nnx.Param``: ``nnx.Optimizer(model, tx,
+    wrt=nnx.Param)`` leaves it alone, and its gradient (taken with a filter that includes
+    it, such as ``nnx.DiffState(0, nnx.Any(nnx.Param, Float8State))``) is its new value,
+    which :func:`jmp_policy.nnx.split_gradients` hands back for ``nnx.update``.
 
     Examples:
         >>> from flax import nnx
@@ -212,12 +211,11 @@ def _int4_as_int8(promote: Callable[..., Any]) -> Callable[..., Any]:
     return promote_dtype
 
 
+@fill
 def split_gradients(grads: nnx.State) -> tuple[nnx.State, nnx.State]:
     """Splits NNX gradients into what the optimizer updates and the new float8 state.
 
-    A :class:`Float8State`'s "gradient" is its new value (Flax's convention): it must
-    replace the state, never go through an optimizer (which would add it, decay it, or
-    unscale it under loss scaling).
+    {float8_gradient}
 
     Args:
         grads: an ``nnx.State`` of gradients taken with respect to the parameters and the
@@ -235,18 +233,12 @@ def split_gradients(grads: nnx.State) -> tuple[nnx.State, nnx.State]:
         TypeError: ``grads`` is not an ``nnx.State``.
 
     Examples:
-        >>> import jax.numpy as jnp
-        >>> import optax
+        >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
         >>> import jmp_policy as jp
-        >>> policy_map = jp.DTypePolicyMap("float8_from_float32", {"head": "float32"})
-        >>> class MLP(nnx.Module):
-        ...     def __init__(self, rngs):
-        ...         self.hidden = nnx.Linear(3, 8, rngs=rngs)
-        ...         self.head = nnx.Linear(8, 1, rngs=rngs)
-        ...     def __call__(self, x):
-        ...         return self.head(nnx.relu(self.hidden(x)))
-        >>> model = jp.nnx.init_float8(MLP(nnx.Rngs(0)), policy_map)
+        >>> policy_map = jp.DTypePolicyMap("float8_from_float32", {"layers/1": "float32"})
+        >>> model = jp.nnx.init_float8(nnx.Sequential(nnx.Linear(3, 8, rngs=nnx.Rngs(0)),
+        ...     nnx.Linear(8, 1, rngs=nnx.Rngs(1))), policy_map)
         >>> optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
         >>> def loss(model, x, y):
         ...     return jnp.mean((jp.nnx.apply(model, policy_map)(x) - y) ** 2)
@@ -259,9 +251,9 @@ def split_gradients(grads: nnx.State) -> tuple[nnx.State, nnx.State]:
         ...     nnx.update(model, float8_state)
         >>> x, y = jnp.full((4, 3), 0.5), jnp.ones((4, 1))
         >>> train_step(model, optimizer, x, y)
-        >>> model.hidden.float8.get_value()["input_amax_history"][:2]
+        >>> model.layers[0].float8.get_value()["input_amax_history"][:2]
         Array([0.5, 0. ], dtype=float32)
-        >>> float(model.hidden.float8.get_value()["input_scale"])   # 448 / 0.5
+        >>> float(model.layers[0].float8.get_value()["input_scale"])   # 448 / 0.5
         896.0
     """
     if not isinstance(grads, nnx.State):
