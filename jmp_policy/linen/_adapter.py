@@ -1,16 +1,11 @@
 """The Linen adapter of the framework protocol (:mod:`jmp_policy._src.framework`).
 
-A Linen module holds no variables: the core's "model" is a :class:`Bound`, the module with
-the variables of one call and how to call it (``method``, and ``module.apply``'s other
-keywords). Its modules are the ones the wrapper has met (Linen modules exist only while
-they run): :meth:`LinenAdapter.learn` meets them by a shape-only run. A run goes through
-the interceptor of :mod:`jmp_policy.linen._trace` (parameters cast as they are read, the
-model traced again when a module met late changes a cast), and ``"params"`` handed back
-under ``mutable=`` come back in their stored dtypes. The core routes Linen's matmuls
-(:mod:`jmp_policy._src.framework.routing`): a ``Dense``/``DenseGeneral`` gets its matmul in
-its ``dot_general`` attribute for the call, an ``nn.Einsum`` its ``jnp.einsum``; a stack's
-layer reads its slice of a stacked ``QuantizedArray``; float8's per-call state is the
-variable ``float8_<i>`` of ``"_overwrite_with_gradient"`` (:mod:`jmp_policy.linen._quantization`).
+A Linen module holds no variables: the core's "model" is a :class:`Bound`, the module
+with one call's variables and keywords. Its modules are the ones met by a shape-only run
+(:meth:`LinenAdapter.learn`); a run goes through :mod:`jmp_policy.linen._trace`. A
+``Dense``/``DenseGeneral`` gets its routed matmul in ``dot_general`` for the call, an
+``nn.Einsum`` its ``jnp.einsum``; float8's per-call state is the variable ``float8_<i>``
+of ``"_overwrite_with_gradient"`` (:mod:`jmp_policy.linen._quantization`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
-"""Quantized KV caches for Linen: a hook on Flax's ``"cache"`` variable reads and writes,
-active for one model run (:mod:`jmp_policy._src.kv_cache.hook` does the rest).
+"""Quantized KV caches for Linen: a hook on Flax's ``"cache"`` variables for one run.
 
-Flax's ``MultiHeadDotProductAttention(decode=True)`` reads ``cached_key.value``, writes the
-new token with ``lax.dynamic_update_slice`` and stores the result back. Under ``kv_cache=``
-the stored value is a :class:`~jmp_policy.QuantizedKVCache`: a read hands the module the
-cache dequantized; that array's ``dynamic_update_slice`` quantizes the new tokens alone
-into the stored values and scales; storing the result stores the quantized cache.
+Under ``kv_cache=`` the stored ``cached_key``/``cached_value`` is a
+:class:`~jmp_policy.QuantizedKVCache`: a read hands the module the cache dequantized,
+whose ``dynamic_update_slice`` quantizes the new tokens alone
+(:mod:`jmp_policy._src.kv_cache.hook`).
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Quantized compute for Linen: the hook's extension that routes layers' matmuls.
 
-Under an int8 or float8 policy, a ``Dense`` or ``DenseGeneral`` whose user set neither
-``dot_general`` nor ``dot_general_cls`` runs with a replacement ``dot_general`` for the
-duration of the call (Flax reads the attribute at call time; it is restored after):
-the matmul :func:`jmp_policy._src.quantization.matmuls.pick` chooses for the layer's policy and kernel
-(int8 compute, a quantized kernel read whole, or explicit float8 matmuls with delayed
-scaling, reading the call's state, or current scaling: :mod:`jmp_policy._src.quantization.float8_matmul`). An ``nn.Einsum`` has no such attribute and calls
-``jnp.einsum`` itself: while one runs under such a policy, ``jax.numpy.einsum`` is
-replaced by a router that sends the calls of that thread to the replacement (and every
-other thread's calls to the original), restored when the last such call ends.
-
-**float8 state.** Each call of a float8 layer reads its own state, the variable
-``float8_<i>`` (``i``: the how-manieth call of that module in this run, from 0) of the
-collection ``"_overwrite_with_gradient"`` (:data:`COLLECTION`): a dict of the scales
-and amax histories of its input, kernel and output gradient. :func:`jmp_policy.linen.init`
-creates it; a module called twice in one step has two states, so their new values (the
-state's gradients) are never summed. Applying a float8 layer without its state is a
-``ValueError`` naming ``jmp_policy.linen.init``.
+A ``Dense``/``DenseGeneral`` whose user set neither ``dot_general`` nor
+``dot_general_cls`` gets the routed matmul (:func:`jmp_policy._src.quantization.matmuls.pick`)
+in that attribute for the call; an ``nn.Einsum`` calls ``jnp.einsum`` itself, so while one
+runs, ``jax.numpy.einsum`` is replaced by a router that sends that thread's calls to the
+routed matmul (other threads' to the original). **float8 state**: each call of a float8
+layer reads its own ``float8_<i>`` (its ``i``-th call in this run) of
+:data:`COLLECTION`, which :func:`jmp_policy.linen.init` creates; a missing one is a
+``ValueError`` naming ``init``.
 """
 
 from __future__ import annotations
@@ -88,19 +79,11 @@ def installed(call: Any, matmul: Callable[..., Any]) -> Any:
 
 
 class KernelRun(NamedTuple):
-    """What one model run knows of the quantized kernels of its parameters.
-
-    ``kernels``: module path -> the ``QuantizedArray`` kernel it receives whole (passed to
-    Flax as its integer values, which the layer's matmul reads with the scales).
-    ``routes``: when not None, a learning run records into it, for every module path in
-    ``learn``, the shape of the kernel the module sees when its matmul is one jmp_policy
-    routes (the stored kernel's, or a layer's slice of it inside ``nn.scan``), else None.
-    ``sliced``: module path -> a stacked ``QuantizedArray`` kernel its layer reads a slice
-    of inside the stack's loop (passed as its data arrays, which the loop slices:
-    :mod:`jmp_policy._src.quantization.stack_layers`).
-    ``ahead``: module path -> a ``QuantizedArray`` kernel dequantized ahead of the model
-    (a stack's that cannot be read a slice at a time): its layer runs as written, in the
-    compute dtype.
+    """What one model run knows of the quantized kernels of its parameters (module path ->
+    kernel): ``kernels`` passed whole as integer values; ``sliced``, stacked ones a layer
+    reads a slice of in the stack's loop; ``ahead``, dequantized before the model runs.
+    ``routes``, when not None, records for the paths in ``learn`` the kernel shape each
+    routed module sees (None when its matmul is not routed).
     """
 
     kernels: Mapping[str, Any]

@@ -104,15 +104,11 @@ def unfixed_reads() -> Iterator[None]:
 def read_fix(
     chosen: Resolver, resolver: Resolver, stored: dict[str, Any], early: set[str]
 ) -> Callable[[str, Any], Any]:
-    """Casts each parameter as the model reads it, to the compute dtype of its module's
-    policy (known by then: the interceptor records a module before it runs), so each is
-    cast once, in the dtype it is used in, and one never read is never cast.
-
-    A parameter read before its module is met (a parent reading a child's variables) is
-    cast as ``chosen`` (what earlier runs knew) and its path added to ``early``, checked
-    after the run. QuantizedArrays reach Flax already cast (as ``chosen``): one whose
-    module wants another dtype is read cast from its stored value; a stored value that is
-    not the one read (a layer of an ``nn.scan`` stack) stops the run instead."""
+    """Casts each parameter as the model reads it, to its module's compute dtype (the module
+    is recorded before it runs). One read before its module is met (a parent reading a
+    child's) is cast as ``chosen`` and its path added to ``early``, checked after the run; a
+    QuantizedArray read not as stored (an ``nn.scan`` layer's slice) stops the run.
+    """
     # A value read twice in one trace is cast once; the trace is checked, so a cast made
     # inside a JAX transform (`jax.checkpoint` in a module) never leaks out of it.
     done: dict[tuple[str, int], tuple[Any, Any, Any]] = {}

@@ -1,9 +1,6 @@
-"""Tracing a Linen model run under policies: the interceptor, parameters cast as the
-model reads them, the shape-only learn pass, and which quantized kernels reach their
-layers whole.
-
-:func:`run_traced` is the one entry: ``apply``, ``init``, ``explain`` and ``diagnose`` run
-their model through it.
+"""Tracing a Linen model run under policies: the interceptor, parameters cast as read, the
+shape-only learn pass. :func:`run_traced` is the entry every public function runs
+through.
 """
 
 from __future__ import annotations
@@ -244,19 +241,14 @@ def run_traced(
     method: Any,
     on_error: Callable[[Resolver], None] | None = None,
 ) -> tuple[Any, Resolver, Any]:
-    """Runs ``call(cast_variables, resolver)`` under the interceptor, learning the model's modules.
+    """Runs ``call(cast_variables, resolver)`` under the interceptor, learning the modules.
 
-    Floating parameters reach Flax as stored and are cast as they are read, once the
-    interceptor has met their module (its class in ``type_policies``, its own ``dtype``):
-    the model body is traced once, each parameter is cast once, into the dtype its module
-    computes in, and a float32 island's weights are never rounded through bfloat16. A
-    parameter read before its module is met is cast from what ``known`` (the classes and
-    own dtypes of earlier runs) says; when that proves wrong, or a quantized kernel of an
-    ``nn.scan`` stack needs another dtype, the model's shape is learnt
-    (``jax.eval_shape``, nothing added to the caller's trace) and it runs again.
-
-    Returns:
-        ``(result, resolver, cast_variables)`` of the run that counts.
+    Floating parameters are cast as they are read, once their module is met, so each is cast
+    once into its module's compute dtype (a float32 island's weights never pass through
+    bfloat16). One read before its module is met is cast as ``known`` (earlier runs) says;
+    when that proves wrong, or an ``nn.scan`` stack's quantized kernel needs another dtype,
+    the model's shape is learnt (``jax.eval_shape``) and it runs again. Returns ``(result,
+    resolver, cast_variables)`` of the run that counts.
     """
     params = variables.get("params", {})
     stored = {leaf_path(kp): leaf for kp, leaf in flat_params(params)[0]}

@@ -1,16 +1,10 @@
 """The NNX adapter of the framework protocol (:mod:`jmp_policy._src.framework`).
 
-It answers what the core's entry points ask of an NNX model: its modules (root first, then
-in ``nnx.iter_modules``' order, as NNX's resolver records them), its ``nnx.Param`` values,
-and a run of a policy-running copy (``nnx.split``, cast, ``nnx.merge``, each module
-re-classed to run through the hook: :func:`dress`). Its routable layers (``nnx.Linear``,
-``nnx.LinearGeneral``, ``nnx.Einsum`` with NNX's own matmul) get the core's matmul in
-their matmul's attribute for a call, and hold a stateful scheme's state in the attribute
-the scheme's ``state_kind`` names (:mod:`jmp_policy.nnx._quantization`).
-
-Under :func:`applying` (``jp.nnx.apply``) a run also warns of what turns the policy off,
-runs quantized KV caches and writes the copy's non-parameter state back into the model;
-``explain``'s shape-only trace does none of these.
+A run is of a policy-running copy (``nnx.split``, cast, ``nnx.merge``, each module
+re-classed to run through the hook: :func:`dress`); modules in ``nnx.iter_modules``'
+order, root first. Under :func:`applying` (``jp.nnx.apply``) a run also warns, runs
+quantized KV caches and writes the copy's non-parameter state back; ``explain``'s
+shape-only trace does none of these.
 """
 
 from __future__ import annotations

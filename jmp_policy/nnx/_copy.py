@@ -20,11 +20,11 @@ from jmp_policy.nnx._quantization import routable, stacked
 
 
 class Casts(NamedTuple):
-    """What :func:`cast_copy` did: the stored dtypes of the non-parameter state (to write
-    it back in), the QuantizedArray kernels passed whole, the plain floating arrays the
-    policy would have cast, the QuantizedArray kernels dequantized ahead (a stack's that
-    cannot be read a slice at a time), the stacked ones passed as their values with their
-    scales beside them, which a stack's loop slices (module path -> kernel, for each)."""
+    """What :func:`cast_copy` did (module path -> kernel, for the kernels): the stored dtypes
+    of the non-parameter state, to write it back in; the quantized kernels passed whole,
+    dequantized ahead, or stacked (values with their scales beside them, sliced in the
+    loop); the plain floating arrays the policy would have cast.
+    """
 
     stored: dict[str, np.dtype]
     whole: dict[str, Any]

@@ -1,13 +1,6 @@
 """Quantized KV caches for NNX: the ``cached_key``/``cached_value`` variables of the
-policy-running copy that ``jp.nnx.apply`` runs, handed to the model dequantized and taken
-back quantized (:mod:`jmp_policy._src.kv_cache.hook` does the rest).
-
-``nnx.MultiHeadAttention`` (after ``init_cache``) reads ``self.cached_key[...]``, writes the
-new token with ``lax.dynamic_update_slice`` and stores the result with
-``self.cached_key[...] = key``. Before the call each such variable of the copy holds its
-cache dequantized; the write quantizes the new tokens alone into the stored values and
-scales; after the call the variable holds the quantized cache, which ``write_back`` puts in
-the model.
+policy-running copy, handed to the model dequantized and taken back quantized
+(:mod:`jmp_policy._src.kv_cache.hook`); ``write_back`` puts them in the model.
 """
 
 from __future__ import annotations

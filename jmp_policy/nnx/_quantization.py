@@ -1,20 +1,11 @@
-"""Quantized compute for NNX: what the adapter answers the core's matmul routing
-(:mod:`jmp_policy._src.framework.routing`) with.
+"""Quantized compute for NNX: the adapter's answers to the core's matmul routing.
 
-An ``nnx.Linear`` whose ``dot_general`` is JAX's own, an ``nnx.LinearGeneral`` whose user
-set neither ``dot_general`` nor ``dot_general_cls``, and an ``nnx.Einsum`` whose
-``einsum_op`` is ``jnp.einsum`` are routable: the core's matmul goes in that attribute for
-the duration of the call, on the policy-running copy of the model (it is restored after).
-A layer whose user set their own matmul is left alone. A ``QuantizedArray`` kernel reaches
-its layer whole, as a stack's slice read in the loop, or dequantized ahead of its stack
-(the run's kernels: :mod:`jmp_policy._src.framework.run_kernels`).
-
-**The state slot.** A layer under a stateful scheme reads its state from the attribute
-named by the scheme's ``state_kind`` (float8: ``float8``, a :class:`Float8State` that
-:func:`jmp_policy.nnx.init_float8` creates: one dict of the scales and amax histories of
-its input, kernel and output gradient). The state's gradient is its new value
-(:func:`split_gradients`). NNX keeps one state per layer, not per call: a float8 layer
-called twice in one run is a ``ValueError``.
+A routable layer (``nnx.Linear`` with JAX's ``dot_general``, ``nnx.LinearGeneral`` with
+neither ``dot_general`` nor ``dot_general_cls`` set, ``nnx.Einsum`` with ``jnp.einsum``)
+gets the routed matmul in that attribute for the call, on the policy-running copy. A
+stateful scheme's state is the layer's attribute named by its ``state_kind`` (float8:
+``float8``, a :class:`Float8State`), one per layer: a float8 layer called twice in one
+run is a ``ValueError``.
 """
 
 from __future__ import annotations
