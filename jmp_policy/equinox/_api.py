@@ -10,6 +10,7 @@ import equinox as eqx
 
 from jmp_policy._src.framework import entry_points, state
 from jmp_policy._src.framework.diagnose import diagnose as diagnose_once
+from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy._src.identifiers import get as _get_policy
 from jmp_policy._src.options import Island, Options, make_options
 from jmp_policy.equinox._adapter import EquinoxAdapter
@@ -33,36 +34,22 @@ def options_of(option_kwargs: dict[str, Any]) -> Options:
     return make_options(eqx.Module, "eqx.Module", "eqx.nn.LayerNorm", **option_kwargs)
 
 
+@fill
 def apply(model: eqx.Module, policy_or_map: Any, **options: Any) -> Callable[..., Any]:
     """Makes a function with ``model``'s call signature that runs it per submodule.
 
-    Each submodule (the root: path ``""``; a submodule's path is its attribute path as the
-    plain-tree functions write it, ``"mlp/layers/0"``, ``"attn/query_proj"``) runs under
-    :func:`jmp_policy.current_policy` set to its policy, the floating leaves of its
-    arguments and its parameters cast to its compute dtype; its outputs are cast only when
-    its policy's output dtype differs from its compute dtype, and loop carries
-    (``jax.lax.scan`` over a stack of layers) keep their dtype. An ``eqx.nn.Linear`` under
-    an int8 or float8 (current scaling) policy runs its matmul quantized, and a
-    ``QuantizedArray`` weight (:func:`quantize`) reaches its matmul as integers, in a
-    ``jax.lax.scan`` over an ``eqx.filter_vmap``-made stack as each layer's own slice.
-    ``model`` is never modified: each call runs a cast copy, so ``eqx.filter_grad`` gives
-    gradients in the stored dtype. Works under ``eqx.filter_jit``/``jax.jit`` and
-    ``eqx.filter_grad``: call ``apply`` inside the transformed function.
+    A submodule's path is its attribute path as the plain-tree functions write it
+    (``"mlp/layers/0"``, ``"attn/query_proj"``). ``model`` is never modified: each call
+    runs a cast copy. Under ``eqx.filter_jit`` and the other transforms, call ``apply``
+    inside the transformed function.
+    {apply_rules}
 
     Args:
         model: an ``eqx.Module``.
-        policy_or_map: a floating policy, its name, a ``DTypePolicyMap`` or a ``dict``.
-        **options: ``type_policies``, ``autocast_exclude`` (as for
-            :func:`jmp_policy.linen.apply`), ``serving_kernel``, ``kv_cache`` (the caches
-            a model keeps in ``eqx.nn.State``, stored as int8 or float8: see
-            :func:`quantize_caches`).
+        {apply_policy_or_map}
+        {apply_options}
 
-    Returns:
-        A function ``(*args, **kwargs)`` returning ``model(*args, **kwargs)``.
-
-    Raises:
-        TypeError: ``model`` is not an ``eqx.Module``, or an option has the wrong type.
-        ValueError: ``policy_or_map`` is not a valid floating policy or map.
+    {apply_tail}
 
     Examples:
         >>> import jax
@@ -92,28 +79,25 @@ def apply(model: eqx.Module, policy_or_map: Any, **options: Any) -> Callable[...
     return run if opts.kv_cache is None else with_kv_caches(model, opts.kv_cache, run)
 
 
+@fill
 def quantize(model: M, policy_or_map: Any) -> M:
     """A new model whose ``eqx.nn.Linear`` weights under int8 or int4 policies are quantized.
 
-    Each such weight becomes a :class:`~jmp_policy.QuantizedArray` stored as ``[in, out]``
-    (Equinox keeps ``[out, in]``; the library's storage and matmuls read ``[in, out]``),
-    scaled per output channel (int4: per block of inputs). A stack of layers made with
-    ``eqx.filter_vmap`` (weights ``[depth, out, in]``) is quantized per layer: each layer
-    its own scales, and a ``jax.lax.scan`` over the stack hands each layer its own slice.
-    Biases, norms, embeddings and convolutions stay float. Policies are resolved by path
-    as in :func:`apply`. ``model`` is not modified.
+    {quantize_description}
+    A weight is stored as ``[in, out]`` (Equinox keeps ``[out, in]``; the library's storage
+    and matmuls read ``[in, out]``), scaled per output channel (int4: per block of inputs).
+    Biases, norms, embeddings and convolutions stay float. ``model`` is not modified.
 
     Args:
         model: an ``eqx.Module``.
-        policy_or_map: an int8 or int4 policy (or its name), or a ``DTypePolicyMap`` or
-            ``dict`` holding some.
+        {quantize_policy_or_map}
 
     Returns:
         The quantized model (run it with :func:`apply`).
 
     Raises:
         TypeError: ``model`` is not an ``eqx.Module``.
-        ValueError: ``policy_or_map`` is invalid or quantizes nothing.
+        {quantize_error}
 
     Examples:
         >>> import jax
@@ -133,32 +117,30 @@ def quantize(model: M, policy_or_map: Any) -> M:
     return entry_points.quantize(ADAPTER, model, policy_or_map)  # type: ignore[no-any-return]
 
 
+@fill
 def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
     """A new model whose ``eqx.nn.Linear`` layers under float8 delayed scaling hold their state.
 
-    Each such layer (its policy resolved from ``policy_or_map`` and ``options`` as
-    :func:`apply` resolves it) becomes a copy holding, in a field ``float8``, a
-    :class:`~jmp_policy.equinox.Float8State`: scales of 1 and zero amax histories of the
-    policy's ``amax_history_length`` (float32); it stays an ``eqx.nn.Linear`` at the same
-    path. A layer of an ``eqx.filter_vmap``-made stack gets its state stacked the same way,
-    so a ``jax.lax.scan`` over the stack hands each layer its own. :func:`apply` then runs
-    those layers' matmuls in float8 with delayed scaling (inputs and weights
-    ``float8_e4m3fn``, output gradients ``float8_e5m2``), one amax over the batch when the
-    layer is called under ``jax.vmap``. The new state comes back as the state's gradient:
-    :func:`split_gradients` separates it. Call each float8 layer once per differentiated
-    function (two calls would sum their new states). ``model`` is not modified.
+    Each such layer (its policy resolved as :func:`apply` resolves it) becomes a copy
+    holding, in a field ``float8``, a fresh :class:`~jmp_policy.equinox.Float8State`; it
+    stays an ``eqx.nn.Linear`` at the same path. A layer of an ``eqx.filter_vmap``-made stack
+    gets its state stacked the same way, so a ``jax.lax.scan`` over the stack hands each
+    layer its own; one amax is taken over the batch when the layer is called under
+    ``jax.vmap``. Call each float8 layer once per differentiated function (two calls would
+    sum their new states). ``model`` is not modified.
+    {float8_state}
 
     Args:
         model: an ``eqx.Module``.
         policy_or_map: the policy or map that :func:`apply` will run.
-        **options: the options of :func:`apply` (``type_policies``, ...).
+        {options}
 
     Returns:
         The new model.
 
     Raises:
-        TypeError: ``model`` is not an ``eqx.Module``, or an option has the wrong type.
-        ValueError: ``policy_or_map`` is invalid, or no layer runs under a float8 policy.
+        {apply_raises}
+        ValueError: no layer runs under a float8 policy.
 
     Examples:
         >>> import jax
@@ -187,22 +169,20 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
     return new  # type: ignore[no-any-return]
 
 
+@fill
 def explain(model: eqx.Module, policy_or_map: Any, *args: Any, **options: Any) -> str:
     """A table of the policy every submodule of ``model`` runs under, and why.
 
-    One row per module path (and one per variable a key of the map names itself): the
-    module's class, its policy, the source (``key '<key>'``, ``type <Class>`` or
-    ``default``), the stored and compute dtypes of its parameters and their bytes. Given
-    the model's positional ``args`` (arrays or ``jax.ShapeDtypeStruct``; other arguments
-    held as given), the model is also traced shape-only and the table is followed by the
-    matmul each quantized or float8 layer runs, and by the KV caches of an
-    ``eqx.nn.State`` among them (format and bytes, as ``kv_cache`` stores them).
+    Arguments other than arrays or ``jax.ShapeDtypeStruct`` are held as given; the KV caches
+    listed are those of an ``eqx.nn.State`` among the arguments.
+    {explain_rows}
 
     Args:
         model: an ``eqx.Module``.
         policy_or_map: as in :func:`apply`.
         *args: the model's positional arguments, to list the layers' matmuls (optional).
-        **options: the options of :func:`apply`.
+        **options: the options of :func:`apply`, and
+            {explain_calibration}
 
     Returns:
         The table as a string.
@@ -227,6 +207,7 @@ def explain(model: eqx.Module, policy_or_map: Any, *args: Any, **options: Any) -
     return table + cache_table(model, args, opts.kv_cache)
 
 
+@fill
 def diagnose(
     model: eqx.Module,
     policy_or_map: Any,
@@ -237,33 +218,17 @@ def diagnose(
 ) -> Callable[..., Any]:
     """Makes a function that runs ``model`` as :func:`apply` does and also returns a report.
 
-    The Equinox counterpart of :func:`jmp_policy.linen.diagnose`: the returned function
-    takes the model's arguments plus keywords ``probe`` and ``step`` and returns
-    ``(outputs, report)``; the report holds, per submodule path, the statistics of the
-    floating leaves of its inputs and outputs and, through the gradient with respect to
-    ``probe``, of the cotangents reaching its outputs
-    (``report.with_gradients(probe_gradient)``); :func:`jmp_policy.format_report` names
-    the first submodule where a non-finite value appeared. Works under
-    ``eqx.filter_jit``/``jax.jit`` and ``eqx.filter_grad``, with no host synchronisation.
-    Submodules called inside a transform of their own (a ``jax.vmap`` of a layer, a
-    ``jax.lax.scan`` over a stack) are listed as ``skipped``: diagnose a model written per
-    example (Equinox's idiom) on one example to tap every layer.
+    The returned function takes the model's arguments. Submodules called inside a transform
+    of their own (a ``jax.vmap`` of a layer, a ``jax.lax.scan`` over a stack) are
+    ``skipped``: diagnose a model written per example (Equinox's idiom) on one example to
+    tap every layer.
+    {diagnose_description}
 
     Args:
         model: an ``eqx.Module``.
-        policy_or_map: as for :func:`apply`.
-        every: compute the statistics when ``step % every == 0`` (requires ``step=``
-            when > 1).
-        paths: ``None`` (every submodule), or a path or regular expression, or a list of
-            them: the submodules to tap.
-        **options: as for :func:`apply`.
+        {diagnose_args}
 
-    Returns:
-        A function ``fn(*args, probe=None, step=None, **kwargs)`` returning ``(outputs,
-        report)``; ``fn.probe(*args, **kwargs)`` returns a zero-valued probe for that call.
-
-    Raises:
-        TypeError, ValueError: as :func:`apply`; ``every`` or ``paths`` is not valid.
+    {diagnose_tail}
 
     Examples:
         >>> import jax

@@ -29,32 +29,18 @@ def calibrate(
     """A new model with weights under GPTQ/AWQ policies calibrated, int8/int4 rounded.
 
     Runs the model in float32 on each calibration batch (``model(*batch, **kwargs)``,
-    jit-compiled, one compilation per batch shape), gathering for each ``eqx.nn.Linear``
-    under a :class:`~jmp_policy.GPTQDTypePolicy` or :class:`~jmp_policy.AWQDTypePolicy`
-    the Gram matrix ``XᵀX`` and ``mean |x|`` of its inputs (over every row a
-    ``jax.vmap`` of the layer sees; a ``jax.lax.scan`` over an ``eqx.filter_vmap``-made
-    stack gathers each layer's own), then solves each weight (GPTQ, or AWQ's scale
-    search) into the ``[in, out]`` ``QuantizedArray`` storage :func:`quantize` makes.
-    Weights under int8/int4 policies are rounded to nearest; the rest stay float; ``model``
-    is not modified. The arguments mean what they mean for
-    :func:`jmp_policy.nnx.calibrate`.
+    jit-compiled); a layer's statistics are over every row a ``jax.vmap`` of it sees, and
+    the weights are stored in the ``[in, out]`` ``QuantizedArray`` storage :func:`quantize`
+    makes. ``model`` is not modified.
+    {calibrate_description}
 
     Args:
         model: an ``eqx.Module``.
         {policy_or_map}
         {batches}
         {calibrate_options}
-        **kwargs: keyword arguments of each call.
 
-    Returns:
-        The calibrated model (and the report if asked).
-
-    Raises:
-        TypeError: ``model`` is not an ``eqx.Module``, or an argument has the wrong type.
-        ValueError: no batch, a batch holding NaN, or a batch the model fails on.
-
-    Warns:
-        {calibrate_warns}
+    {calibrate_tail}
 
     Examples:
         >>> import jax

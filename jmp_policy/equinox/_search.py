@@ -7,9 +7,11 @@ from typing import Any
 
 from jmp_policy._src import map_search
 from jmp_policy._src.framework.search import search_map as search_once
+from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy.equinox._api import ADAPTER, options_of
 
 
+@fill
 def search_map(
     model: Any,
     batches: Sequence[Any],
@@ -22,33 +24,18 @@ def search_map(
     progress: Callable[[str], None] | None = None,
     **options: Any,
 ) -> map_search.SearchResult:
-    """Chooses a policy per layer under ``budget``: :func:`jmp_policy.linen.search_map`
-    for Equinox.
+    """Chooses a policy per layer under ``budget``, by each format's measured effect.
 
-    The layers are the model's ``eqx.nn.Linear`` weights; ``model`` is not modified (the
-    candidates run on quantized copies). The passes run eagerly (call it outside
-    ``jit``). A stack made with ``eqx.filter_vmap`` and run with ``jax.lax.scan`` is one
-    path of the map, scored and chosen whole. The returned map's paths are the ones
-    :func:`apply`, :func:`quantize` and ``cast_apply`` read.
+    The layers are the model's ``eqx.nn.Linear`` weights; the candidates run on quantized
+    copies. The passes run eagerly (call it outside ``jit``). The returned map's paths are
+    the ones :func:`apply`, :func:`quantize` and ``cast_apply`` read.
+    {search_description}
 
     Args:
         model: an ``eqx.Module`` with float weights.
-        batches: calibration batches; each is passed to the model (see ``inputs``).
-        loss_fn: ``loss_fn(outputs, batch) -> scalar``.
-        budget: ``{"weight_bytes": n}``, ``{"effective_bits": b}`` or
-            ``{"loss_increase": e}``, as for :func:`jmp_policy.linen.search_map`.
-        candidates: quantized policy names.
-        base: the float policy of unquantized layers, and the map's default.
-        inputs: ``inputs(batch) -> args`` of the model's call (default ``(batch,)``).
-        progress: ``progress(message)`` called before each pass.
-        **options: as for :func:`apply`.
+        {search_args}
 
-    Returns:
-        A ``SearchResult`` ``(policy_map, table, weight_bytes, effective_bits,
-        loss_increase, method)``.
-
-    Raises:
-        TypeError, ValueError: as :func:`jmp_policy.linen.search_map`.
+    {search_tail}
 
     Examples:
         >>> import jax

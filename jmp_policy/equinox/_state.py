@@ -19,16 +19,20 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from jmp_policy._src.framework.shared_docs import fill
+
 # A state-holding subclass's name for its original class and its slot's field.
 _PUBLIC = "_jmp_policy_public_class"
 _SLOT = "_jmp_policy_slot"
 _HOLDERS: dict[tuple[type, str], type] = {}
 
 
+@fill
 class Float8State(eqx.Module):
-    """A layer's float8 state (``value``: scales and amax histories, float32), held by an
+    """A layer's float8 state (``value``: a dict of float32 arrays), held by an
     ``eqx.nn.Linear`` that :func:`jmp_policy.equinox.init_float8` gave it.
 
+    {float8_state}
     Its "gradient" under ``eqx.filter_grad``/``jax.grad`` is its new value: take it out
     with :func:`jmp_policy.equinox.split_gradients`, never through an optimizer.
 
@@ -116,12 +120,11 @@ def state_value(call: Any, scheme: Any) -> Any:
     return slot.value
 
 
+@fill
 def split_gradients(grads: Any) -> tuple[Any, Any]:
     """Splits Equinox gradients into what the optimizer updates and the new float8 state.
 
-    A :class:`Float8State`'s "gradient" is its new value (Flax's convention): it must
-    replace the state, never go through an optimizer (which would add it, decay it, or
-    unscale it under loss scaling).
+    {float8_gradient}
 
     Args:
         grads: gradients of a model (or of its ``eqx.partition``-ed arrays) holding

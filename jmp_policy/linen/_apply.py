@@ -38,11 +38,7 @@ def apply(
             ``__call__``. The returned function's ``method=`` overrides it.
         {apply_options}
 
-    Returns:
-        A function with ``module.apply``'s signature.
-
-    Raises:
-        {apply_raises}
+    {apply_tail}
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn

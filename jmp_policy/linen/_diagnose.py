@@ -34,15 +34,9 @@ def diagnose(
 
     Args:
         module: a ``flax.linen`` Module instance.
-        policy_or_map: as for :func:`apply`.
-        method: as for :func:`apply`.
         {diagnose_args}
 
-    Returns:
-        {diagnose_returns}
-
-    Raises:
-        {diagnose_raises}
+    {diagnose_tail}
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn

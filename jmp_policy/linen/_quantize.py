@@ -122,14 +122,7 @@ def calibrate(
         method: the method to run (as ``module.apply``'s).
         {calibrate_options}
 
-    Returns:
-        The variables, their ``"params"`` quantized (and the report if asked).
-
-    Raises:
-        {calibrate_raises}
-
-    Warns:
-        {calibrate_warns}
+    {calibrate_tail}
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -205,11 +198,7 @@ def search_map(
         {search_args}
         jit: compile the passes (``False`` runs them eagerly).
 
-    Returns:
-        {search_returns}
-
-    Raises:
-        {search_raises}
+    {search_tail}
 
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn

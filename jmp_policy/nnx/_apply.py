@@ -40,11 +40,7 @@ def apply(
             ``fn(model, *args, **kwargs)`` that runs under the root policy.
         {apply_options}
 
-    Returns:
-        A function ``(*args, **kwargs)`` returning the method's outputs.
-
-    Raises:
-        {apply_raises}
+    {apply_tail}
 
     Examples:
         >>> import jax, jax.numpy as jnp

@@ -47,14 +47,7 @@ def calibrate(
         {batches}
         {calibrate_options}
 
-    Returns:
-        The calibrated copy (and the report if asked).
-
-    Raises:
-        {calibrate_raises}
-
-    Warns:
-        {calibrate_warns}
+    {calibrate_tail}
 
     Examples:
         >>> import jax

@@ -33,15 +33,9 @@ def diagnose(
 
     Args:
         model: an ``nnx.Module``; never modified except for its non-``Param`` state.
-        policy_or_map: as for :func:`apply`.
-        method: as for :func:`apply`.
         {diagnose_args}
 
-    Returns:
-        {diagnose_returns}
-
-    Raises:
-        {diagnose_raises}
+    {diagnose_tail}
 
     Examples:
         >>> import jax.numpy as jnp

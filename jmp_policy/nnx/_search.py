@@ -42,11 +42,7 @@ def search_map(
         model: an ``nnx.Module`` with float parameters.
         {search_args}
 
-    Returns:
-        {search_returns}
-
-    Raises:
-        {search_raises}
+    {search_tail}
 
     Examples:
         >>> import jax, jax.numpy as jnp
