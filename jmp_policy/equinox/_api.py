@@ -39,9 +39,9 @@ def apply(model: eqx.Module, policy_or_map: Any, **options: Any) -> Callable[...
     """Makes a function with ``model``'s call signature that runs it per submodule.
 
     A submodule's path is its attribute path as the plain-tree functions write it
-    (``"mlp/layers/0"``, ``"attn/query_proj"``). ``model`` is never modified: each call
-    runs a cast copy. Under ``eqx.filter_jit`` and the other transforms, call ``apply``
-    inside the transformed function.
+    (``"mlp/layers/0"``, ``"attn/query_proj"``). ``model`` is never modified: each call runs
+    a cast copy. Under ``eqx.filter_jit`` and the other transforms, call ``apply`` inside
+    the transformed function.
     {apply_rules}
 
     Args:
@@ -123,9 +123,9 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
 
     Each such layer (its policy resolved as :func:`apply` resolves it) becomes a copy
     holding, in a field ``float8``, a fresh :class:`~jmp_policy.equinox.Float8State`; it
-    stays an ``eqx.nn.Linear`` at the same path. A layer of an ``eqx.filter_vmap``-made stack
-    gets its state stacked the same way, so a ``jax.lax.scan`` over the stack hands each
-    layer its own; one amax is taken over the batch when the layer is called under
+    stays an ``eqx.nn.Linear`` at the same path. A layer of an ``eqx.filter_vmap``-made
+    stack gets its state stacked the same way, so a ``jax.lax.scan`` over the stack hands
+    each layer its own; one amax is taken over the batch when the layer is called under
     ``jax.vmap``. Call each float8 layer once per differentiated function (two calls would
     sum their new states). ``model`` is not modified.
     {float8_state}

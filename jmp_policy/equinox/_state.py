@@ -33,8 +33,8 @@ class Float8State(eqx.Module):
     ``eqx.nn.Linear`` that :func:`jmp_policy.equinox.init_float8` gave it.
 
     {float8_state}
-    Its "gradient" under ``eqx.filter_grad``/``jax.grad`` is its new value: take it out
-    with :func:`jmp_policy.equinox.split_gradients`, never through an optimizer.
+    Its "gradient" under ``eqx.filter_grad``/``jax.grad`` is its new value: take it out with
+    :func:`jmp_policy.equinox.split_gradients`, never through an optimizer.
 
     Examples:
         >>> import jax

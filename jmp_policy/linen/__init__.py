@@ -2,12 +2,11 @@
 
 A user keeps the model as it is and writes one policy or one
 :class:`~jmp_policy.DTypePolicyMap`; :func:`apply` and :func:`init` wrap ``module.apply``
-and ``module.init`` so that every submodule computes in its own dtype, with float32
-master weights and float32 gradients; :func:`explain` says which policy each submodule
-got and why. The rules are the ones :mod:`jmp_policy.nnx` and :mod:`jmp_policy.equinox`
-share; a module's own ``dtype=`` wins over the policy unless ``module_dtype="override"``.
-``NORM_FLOAT32`` is a ready ``type_policies`` mapping that computes Linen's
-normalisation layers in float32.
+and ``module.init`` so that every submodule computes in its own dtype, with float32 master
+weights and float32 gradients; :func:`explain` says which policy each submodule got and why.
+The rules are the ones :mod:`jmp_policy.nnx` and :mod:`jmp_policy.equinox` share; a module's
+own ``dtype=`` wins over the policy unless ``module_dtype="override"``. ``NORM_FLOAT32`` is
+a ready ``type_policies`` mapping that computes Linen's normalisation layers in float32.
 
 Examples:
     >>> import jax, jax.numpy as jnp, flax.linen as nn

@@ -48,21 +48,17 @@ def explain(
     Examples:
         >>> import jax, jax.numpy as jnp, flax.linen as nn
         >>> import jmp_policy as jp
-        >>> class Model(nn.Module):
-        ...     @nn.compact
-        ...     def __call__(self, x):
-        ...         x = nn.LayerNorm(name="norm")(nn.Dense(4, name="body")(x))
-        ...         return nn.Dense(2, dtype=jnp.float32, name="head")(x)
-        >>> model, x = Model(), jnp.ones((1, 3))
+        >>> model = nn.Sequential([nn.Dense(4), nn.LayerNorm(), nn.Dense(2, dtype=jnp.float32)])
+        >>> x = jnp.ones((1, 3))
         >>> variables = jax.eval_shape(model.init, jax.random.key(0), x)
         >>> print(jp.linen.explain(model, "mixed_bfloat16", variables, x,
         ...                        type_policies=jp.linen.NORM_FLOAT32))
-        path    class      policy          source          own  dtype     bytes  c.bytes
-        <root>  Model      mixed_bfloat16  default
-        body    Dense      mixed_bfloat16  default              f32→bf16     64       32
-        norm    LayerNorm  float32         type LayerNorm       f32          32       32
-        head    Dense      mixed_bfloat16  default         f32  f32          40       40
-        total                                                               136      104
+        path      class       policy          source          own  dtype     bytes  c.bytes
+        <root>    Sequential  mixed_bfloat16  default
+        layers_0  Dense       mixed_bfloat16  default              f32→bf16     64       32
+        layers_1  LayerNorm   float32         type LayerNorm       f32          32       32
+        layers_2  Dense       mixed_bfloat16  default         f32  f32          40       40
+        total                                                                  136      104
         bytes: as stored; c.bytes: as the compute reads them (K = 1024, M = 1024 K)
     """
     check_module(module)

@@ -1,8 +1,8 @@
 """Quantized KV caches for Linen: a hook on Flax's ``"cache"`` variables for one run.
 
 Under ``kv_cache=`` the stored ``cached_key``/``cached_value`` is a
-:class:`~jmp_policy.QuantizedKVCache`: a read hands the module the cache dequantized,
-whose ``dynamic_update_slice`` quantizes the new tokens alone
+:class:`~jmp_policy.QuantizedKVCache`: a read hands the module the cache dequantized, whose
+``dynamic_update_slice`` quantizes the new tokens alone
 (:mod:`jmp_policy._src.kv_cache.hook`).
 """
 

@@ -1,13 +1,12 @@
 """Quantized compute for Linen: the hook's extension that routes layers' matmuls.
 
-A ``Dense``/``DenseGeneral`` whose user set neither ``dot_general`` nor
-``dot_general_cls`` gets the routed matmul (:func:`jmp_policy._src.quantization.matmuls.pick`)
-in that attribute for the call; an ``nn.Einsum`` calls ``jnp.einsum`` itself, so while one
-runs, ``jax.numpy.einsum`` is replaced by a router that sends that thread's calls to the
-routed matmul (other threads' to the original). **float8 state**: each call of a float8
-layer reads its own ``float8_<i>`` (its ``i``-th call in this run) of
-:data:`COLLECTION`, which :func:`jmp_policy.linen.init` creates; a missing one is a
-``ValueError`` naming ``init``.
+A ``Dense``/``DenseGeneral`` whose user set neither ``dot_general`` nor ``dot_general_cls``
+gets the routed matmul (:func:`jmp_policy._src.quantization.matmuls.pick`) in that attribute
+for the call; an ``nn.Einsum`` calls ``jnp.einsum`` itself, so while one runs,
+``jax.numpy.einsum`` is replaced by a router that sends that thread's calls to the routed
+matmul (other threads' to the original). **float8 state**: each call of a float8 layer reads
+its own ``float8_<i>`` (its ``i``-th call in this run) of :data:`COLLECTION`, which
+:func:`jmp_policy.linen.init` creates; a missing one is a ``ValueError`` naming ``init``.
 """
 
 from __future__ import annotations
@@ -215,8 +214,8 @@ def split_gradients(grads: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
     """Splits gradients into what the optimizer updates and the new float8 state.
 
     {float8_gradient}
-    ``flax.training.train_state.TrainState.apply_gradients`` does this
-    split itself; a plain optax loop uses this function.
+    ``flax.training.train_state.TrainState.apply_gradients`` does this split itself; a plain
+    optax loop uses this function.
 
     Args:
         grads: the gradients with respect to the whole variables (``{"params": ...,

@@ -35,11 +35,11 @@ def quantize(
     """``variables`` with the kernels under int8 or int4 policies quantized, per layer.
 
     {quantize_description}
-    The stacked axes are learnt by a shape-only run of
-    ``module.apply(variables, *args, method=method, **kwargs)``: a kernel stored with more
-    axes than its layer sees (an ``nn.scan`` or ``nn.vmap`` stack: stored ``[depth, in,
-    out]``, or ``[in, depth, out]`` for ``variable_axes={"params": 1}``) is a stack's. Other
-    collections are returned as they are.
+    The stacked axes are learnt by a shape-only run of ``module.apply(variables, *args,
+    method=method, **kwargs)``: a kernel stored with more axes than its layer sees (an
+    ``nn.scan`` or ``nn.vmap`` stack: stored ``[depth, in, out]``, or ``[in, depth, out]``
+    for ``variable_axes={"params": 1}``) is a stack's. Other collections are returned as
+    they are.
 
     Args:
         module: a ``flax.linen`` Module instance.
@@ -105,13 +105,12 @@ def calibrate(
 ) -> Any:
     """``variables`` with kernels under GPTQ/AWQ policies calibrated, int8/int4 rounded.
 
-    Runs the unmodified model (``module.apply(variables, *batch, method=method,
-    **kwargs)``) on each calibration batch.
+    Runs the unmodified model (``module.apply(variables, *batch, method=method, **kwargs)``)
+    on each calibration batch.
     {calibrate_description}
-    Unseen: an
-    ``nn.Einsum`` contracting kernel axes other than its leading ones (``"btd,ndh->btnh"``),
-    a custom matmul, a layer inside a transform other than ``nn.scan``, ``nn.vmap`` and
-    ``nn.remat`` (such as ``shard_map``).
+    Unseen: an ``nn.Einsum`` contracting kernel axes other than its leading ones
+    (``"btd,ndh->btnh"``), a custom matmul, a layer inside a transform other than
+    ``nn.scan``, ``nn.vmap`` and ``nn.remat`` (such as ``shard_map``).
 
     Args:
         module: a ``flax.linen`` Module instance.
@@ -185,12 +184,11 @@ def search_map(
     """Chooses a policy per layer under ``budget``, by each format's measured effect.
 
     {search_description}
-    Layers are the modules holding a ``kernel`` (``Dense``,
-    ``DenseGeneral``, ``Conv``, ``Einsum``); those under ``nn.remat`` are scored as without
-    it, those inside another transform (``shard_map``) are not. The jit-compiled passes are
-    kept for the module, ``loss_fn``, ``inputs`` and options given (by identity): searching
-    the same model again (new weights, another budget) compiles nothing new for batches of
-    the same shapes.
+    Layers are the modules holding a ``kernel`` (``Dense``, ``DenseGeneral``, ``Conv``,
+    ``Einsum``); those under ``nn.remat`` are scored as without it, those inside another
+    transform (``shard_map``) are not. The jit-compiled passes are kept for the module,
+    ``loss_fn``, ``inputs`` and options given (by identity): searching the same model again
+    (new weights, another budget) compiles nothing new for batches of the same shapes.
 
     Args:
         module: a ``flax.linen`` Module instance.

@@ -4,10 +4,10 @@
 parameters in its own compute dtype, without changing the model's stored parameters;
 :func:`explain` says which policy each submodule gets and why. The rules are the ones
 :mod:`jmp_policy.linen` and :mod:`jmp_policy.equinox` share. ``NORM_FLOAT32`` is a ready
-``type_policies`` mapping that computes NNX's normalisation layers in float32 and
-returns their outputs in the caller's compute dtype. float8 training:
-:func:`init_float8`, :class:`Float8State`, :func:`split_gradients`; quantized weights:
-:func:`quantize`, :func:`calibrate`, :func:`search_map`.
+``type_policies`` mapping that computes NNX's normalisation layers in float32 and returns
+their outputs in the caller's compute dtype. float8 training: :func:`init_float8`,
+:class:`Float8State`, :func:`split_gradients`; quantized weights: :func:`quantize`,
+:func:`calibrate`, :func:`search_map`.
 
 Examples:
     >>> import jax.numpy as jnp

@@ -25,12 +25,12 @@ def apply(
     """Makes a function that runs an NNX ``model`` per submodule under a policy or a map.
 
     The returned function takes ``method``'s arguments. A module's path is its
-    ``'/'``-joined attribute path (``"layers/0"``); a parameter's policy is resolved from its
-    own path (``"embed/embedding"``), otherwise its module's. Each call runs a copy of the
-    model (``nnx.split``, cast, ``nnx.merge``): ``model`` keeps its stored parameters, and
-    the copy's non-``Param`` state (batch statistics, caches, RNG counts) is written back in
-    its stored dtype. Float8 state: :func:`init_float8`. Under ``nnx.jit`` and the other transforms,
-    call ``apply`` inside the transformed function.
+    ``'/'``-joined attribute path (``"layers/0"``); a parameter's policy is resolved from
+    its own path (``"embed/embedding"``), otherwise its module's. Each call runs a copy of
+    the model (``nnx.split``, cast, ``nnx.merge``): ``model`` keeps its stored parameters,
+    and the copy's non-``Param`` state (batch statistics, caches, RNG counts) is written
+    back in its stored dtype. Float8 state: :func:`init_float8`. Under ``nnx.jit`` and the
+    other transforms, call ``apply`` inside the transformed function.
     {apply_rules}
 
     Args:

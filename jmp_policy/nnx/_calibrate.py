@@ -35,11 +35,10 @@ def calibrate(
     Runs a copy of the unmodified model (``model(*batch, **kwargs)``, jit-compiled) on each
     calibration batch.
     {calibrate_description}
-    Unseen: an ``nnx.Einsum`` contracting kernel
-    axes other than its leading ones (``"btd,ndh->btnh"``) or with its own ``einsum_op``, a
-    custom ``dot_general``, a layer inside a transform other than ``nnx.scan``,
-    ``nnx.vmap`` and ``nnx.remat``, or an ``nnx.vmap`` function made before calibrate ran
-    (at import).
+    Unseen: an ``nnx.Einsum`` contracting kernel axes other than its leading ones
+    (``"btd,ndh->btnh"``) or with its own ``einsum_op``, a custom ``dot_general``, a layer
+    inside a transform other than ``nnx.scan``, ``nnx.vmap`` and ``nnx.remat``, or an
+    ``nnx.vmap`` function made before calibrate ran (at import).
 
     Args:
         model: an ``nnx.Module``; never modified (the copy is made with ``nnx.clone``).

@@ -28,8 +28,7 @@ def diagnose(
 
     The returned function takes ``method``'s arguments.
     {diagnose_description}
-    NNX objects
-    passed as arguments are not data, and not measured.
+    NNX objects passed as arguments are not data, and not measured.
 
     Args:
         model: an ``nnx.Module``; never modified except for its non-``Param`` state.
@@ -41,18 +40,14 @@ def diagnose(
         >>> import jax.numpy as jnp
         >>> from flax import nnx
         >>> import jmp_policy as jp
-        >>> class Model(nnx.Module):
-        ...     def __init__(self, rngs):
-        ...         self.body = nnx.Linear(3, 4, rngs=rngs)
-        ...         self.head = nnx.Linear(4, 2, rngs=rngs)
-        ...     def __call__(self, x):
-        ...         return self.head(self.body(x) * 1e5)   # overflows float16
-        >>> model = Model(nnx.Rngs(0))
+        >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+        ...                        lambda x: x * 1e5,   # overflows float16
+        ...                        nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
         >>> out, report = jp.nnx.diagnose(model, "float16")(jnp.ones((1, 3)))
         >>> print(jp.format_report(report).splitlines()[0])
-        first non-finite: head (forward input)
+        first non-finite: layers/2 (forward input)
         >>> report.paths[1].path, report.paths[1].dtype
-        ('body', 'float16')
+        ('layers/0', 'float16')
     """
     policies, opts = prepare(model, policy_or_map, options)
     return diagnose_once(

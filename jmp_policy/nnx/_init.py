@@ -18,18 +18,13 @@ M = TypeVar("M", bound=nnx.Module)
 def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
     """A copy of ``model`` whose float8 layers hold their float8 state.
 
-    Every ``nnx.Linear`` whose ``dot_general`` is ``jax.lax.dot_general``,
-    ``nnx.LinearGeneral`` whose user set neither ``dot_general`` nor ``dot_general_cls``,
-    and ``nnx.Einsum`` whose ``einsum_op`` is ``jnp.einsum``, whose policy (resolved as
-    :func:`apply` resolves it) is a ``QuantizedFloat8DTypePolicy``, gets the attribute
-    ``float8``, a fresh :class:`Float8State` (replacing one already there); other layers
-    get nothing. A layer created stacked (``nnx.vmap`` of its constructor, run under
-    ``nnx.scan``) gets its state stacked the same way, so each layer has its own.
+    Every ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` with NNX's own matmul
+    (no ``dot_general``, ``dot_general_cls`` or ``einsum_op`` of the user's) whose policy
+    (resolved as :func:`apply` resolves it) is float8 gets the attribute ``float8``, a fresh
+    :class:`Float8State`; a layer created stacked (``nnx.vmap``) gets one per layer. NNX
+    keeps one state per layer: a float8 layer called twice in one :func:`apply` run is a
+    ``ValueError``; two runs in one differentiated function would sum their new states.
     {float8_state}
-
-    NNX keeps one state per layer: calling a float8 layer twice in one :func:`apply` run is
-    a ``ValueError`` (``jmp_policy.linen`` keeps a state per call). Run the model once per
-    differentiated function: two runs in one loss would sum their new states.
 
     Args:
         model: an ``nnx.Module``; never modified (the copy, made with ``nnx.clone``,
@@ -41,9 +36,9 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
         The copy of ``model`` with its float8 state.
 
     Raises:
-        {apply_raises}
-        ValueError: no layer of the model runs under a float8 policy, or a float8 layer's
-            attribute ``float8`` is something else than a ``Float8State``.
+        TypeError, ValueError: as :func:`apply` (``model``, ``policy_or_map``, an option).
+        ValueError: no layer runs under a float8 policy, or a layer's ``float8`` is not a
+            ``Float8State``.
 
     Examples:
         >>> import jax.numpy as jnp
@@ -82,8 +77,7 @@ def quantize(model: M, policy_or_map: Any) -> M:
     What ``policy_or_map.quantize(nnx.state(model, nnx.Param))`` does, with the leading
     stacked axes of each layer found from the model.
     {quantize_description}
-    A layer is
-    stacked when it is created stacked (``nnx.vmap`` of its constructor): an
+    A layer is stacked when it is created stacked (``nnx.vmap`` of its constructor): an
     ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum`` or ``nnx.Conv`` whose kernel has
     more axes than the layer's own.
 

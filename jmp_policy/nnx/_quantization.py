@@ -4,8 +4,8 @@ A routable layer (``nnx.Linear`` with JAX's ``dot_general``, ``nnx.LinearGeneral
 neither ``dot_general`` nor ``dot_general_cls`` set, ``nnx.Einsum`` with ``jnp.einsum``)
 gets the routed matmul in that attribute for the call, on the policy-running copy. A
 stateful scheme's state is the layer's attribute named by its ``state_kind`` (float8:
-``float8``, a :class:`Float8State`), one per layer: a float8 layer called twice in one
-run is a ``ValueError``.
+``float8``, a :class:`Float8State`), one per layer: a float8 layer called twice in one run
+is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ class Float8State(nnx.Variable):
     :func:`jmp_policy.nnx.init_float8` creates it, as the attribute ``float8`` of each
     float8 layer.
     {float8_state}
-    It is not an ``nnx.Param``: ``nnx.Optimizer(model, tx,
-    wrt=nnx.Param)`` leaves it alone, and its gradient (taken with a filter that includes
-    it, such as ``nnx.DiffState(0, nnx.Any(nnx.Param, Float8State))``) is its new value,
-    which :func:`jmp_policy.nnx.split_gradients` hands back for ``nnx.update``.
+    It is not an ``nnx.Param``: ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` leaves it alone,
+    and its gradient (taken with a filter that includes it, such as ``nnx.DiffState(0,
+    nnx.Any(nnx.Param, Float8State))``) is its new value, which
+    :func:`jmp_policy.nnx.split_gradients` hands back for ``nnx.update``.
 
     Examples:
         >>> from flax import nnx
@@ -76,8 +76,8 @@ def replacement(module: Any) -> str | None:
 
 def stacked(module: Any) -> tuple[int, ...]:
     """The leading axes of a layer created stacked (``nnx.vmap`` of its constructor, for
-    ``nnx.scan`` over layers): its kernel's axes before the layer's own. ``()`` for a
-    module that is not an ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum`` or
+    ``nnx.scan`` over layers): its kernel's axes before the layer's own. ``()`` for a module
+    that is not an ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum`` or
     ``nnx.Conv`` (whose own axes are unknown)."""
     if isinstance(module, nnx.Linear):
         own = 2

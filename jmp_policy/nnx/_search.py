@@ -32,11 +32,11 @@ def search_map(
     """Chooses a policy per layer under ``budget``, by each format's measured effect.
 
     {search_description}
-    The layers are the ``nnx.Param`` kernels of rank >= 2
-    (``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``); the candidates
-    run on quantized copies. The passes run eagerly (call it outside ``nnx.jit``). A
-    function that ``nnx.remat`` or ``nnx.vmap`` wraps while the model runs is seen into;
-    one wrapped before (at import) is not.
+    The layers are the ``nnx.Param`` kernels of rank >= 2 (``nnx.Linear``,
+    ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``); the candidates run on quantized
+    copies. The passes run eagerly (call it outside ``nnx.jit``). A function that
+    ``nnx.remat`` or ``nnx.vmap`` wraps while the model runs is seen into; one wrapped
+    before (at import) is not.
 
     Args:
         model: an ``nnx.Module`` with float parameters.
