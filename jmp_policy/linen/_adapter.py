@@ -24,15 +24,16 @@ import flax.linen as nn
 import jax
 
 from jmp_policy._src import casting, quantization
+from jmp_policy._src.framework import run_kernels
 from jmp_policy._src.framework.entry_points import routed_matmuls
-from jmp_policy._src.framework.protocol import Layer
+from jmp_policy._src.framework.protocol import InstallsMatmuls, Layer
 from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import ModuleInfo, Resolver
 from jmp_policy.linen._kv_cache import kv_caches
 from jmp_policy.linen._modules import check_module
-from jmp_policy.linen._quantization import installed, kernel, kernel_ahead, layer_state
+from jmp_policy.linen._quantization import installed, kernel, layer_state
 from jmp_policy.linen._reads import PARAM_READS
 from jmp_policy.linen._stacks import stacks
 from jmp_policy.linen._trace import flat_params, method_for, run_traced
@@ -57,7 +58,7 @@ class Bound(NamedTuple):
     sample: Callable[[], tuple[tuple[Any, ...], Mapping[str, Any]]] | None = None
 
 
-class LinenAdapter:
+class LinenAdapter(InstallsMatmuls):
     """The adapter protocol (:class:`jmp_policy._src.framework.protocol.Adapter`) for Linen,
     with the routing operations (:class:`~jmp_policy._src.framework.protocol.Routing`)."""
 
@@ -143,16 +144,10 @@ class LinenAdapter:
         return installed(call, matmul)
 
     def kernel_ahead(self, call: Any) -> Any:
-        return kernel_ahead(call.path)
+        return run_kernels.kernels().ahead.get(call.path)
 
     def layer_state(self, call: Any, scheme: Any) -> Any:
         return layer_state(call, scheme)
-
-    def call_with_matmul(self, module: Any, *rest: Any) -> Any:
-        raise NotImplementedError("Linen layers take their matmul by install_matmul")
-
-    def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
-        raise NotImplementedError("Linen's quantize puts back its weights (`weights`)")
 
     def stacks(self, model: Bound) -> dict[str, tuple[int, int]]:
         """Parameter path -> ``(n, axis)`` of each stacked parameter (``model.sample``'s

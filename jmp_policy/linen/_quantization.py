@@ -24,44 +24,18 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 
-from jmp_policy._src import interception, state_collections, transforms
+from jmp_policy._src import interception, state_collections
+from jmp_policy._src.framework import run_kernels
+from jmp_policy._src.framework.einsum_route import einsum_as
 from jmp_policy._src.quantization import matmuls, stack_layers
 from jmp_policy.linen._modules import path_of
 from jmp_policy.linen._reads import unfixed_reads
 
 COLLECTION = state_collections.OVERWRITE_WITH_GRADIENT
-
-# This thread's `jnp.einsum` calls go to `_EINSUM_AS.get()` while `_EINSUM.inside()`.
-_EINSUM_AS: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
-    "jmp_policy_linen_einsum", default=None
-)
-
-
-def _einsum(original: Callable[..., Any]) -> Callable[..., Any]:
-    def einsum(*args: Any, **kwargs: Any) -> Any:
-        replacement = _EINSUM_AS.get() if _EINSUM.inside() else None
-        if replacement is None:
-            return original(*args, **kwargs)
-        return replacement(*args, **kwargs)
-
-    return einsum
-
-
-_EINSUM = transforms.ThreadPatch("einsum", {"einsum": _einsum})
-
-
-@contextlib.contextmanager
-def _einsum_as(replacement: Callable[..., Any]) -> Iterator[None]:
-    token = _EINSUM_AS.set(replacement)
-    try:
-        with _EINSUM.active():
-            yield
-    finally:
-        _EINSUM_AS.reset(token)
 
 
 def routable(module: Any) -> bool:
@@ -75,62 +49,31 @@ def installed(call: Any, matmul: Callable[..., Any]) -> Any:
     """A context manager during which the routable layer of ``call`` runs ``matmul`` (a
     ``jnp.einsum`` for an ``nn.Einsum``, else a ``dot_general``) as its matmul (a stacked
     layer's reading its own slice, recorded as such)."""
-    run = _KERNEL_RUN.get()
-    if run is not None and call.path in run.sliced:
+    if call.path in run_kernels.kernels().sliced:
         matmul = matmuls.in_stack(matmul, call.path)
     if isinstance(call.module, nn.Einsum):
-        return _einsum_as(matmul)
+        return einsum_as(matmul)
     return interception.attribute_set(call.module, "dot_general", matmul)
 
 
-# -- quantized kernels reaching their layers ----------------------------------------------
-
-
-class KernelRun(NamedTuple):
-    """What one model run knows of the quantized kernels of its parameters.
-
-    ``kernels``: module path -> the ``QuantizedArray`` kernel it receives whole (passed to
-    Flax as its integer values, which the layer's matmul reads with the scales).
-    ``routes``: when not None, a learning run records into it, for every module path in
-    ``learn``, the shape of the kernel the module sees when its matmul is one jmp_policy
-    routes (the stored kernel's, or a layer's slice of it inside ``nn.scan``), else None.
-    ``sliced``: module path -> a stacked ``QuantizedArray`` kernel its layer reads a slice
-    of inside the stack's loop (passed as its data arrays, which the loop slices:
-    :mod:`jmp_policy._src.quantization.stack_layers`).
-    ``ahead``: module path -> a ``QuantizedArray`` kernel dequantized ahead of the model
-    (a stack's that cannot be read a slice at a time): its layer runs as written, in the
-    compute dtype.
-    """
-
-    kernels: Mapping[str, Any]
-    learn: Mapping[str, Any] = {}
-    routes: dict[str, tuple[int, ...] | None] | None = None
-    ahead: Mapping[str, Any] = {}
-    sliced: Mapping[str, Any] = {}
-
-
-_KERNEL_RUN: contextvars.ContextVar[KernelRun | None] = contextvars.ContextVar(
-    "jmp_policy_linen_kernel_run", default=None
+# A learning run's (learn, routes): for each module path in ``learn``, the shape of the
+# kernel a routable module sees (the stored kernel's, or a layer's slice of it inside
+# ``nn.scan``) is recorded into ``routes``.
+_ROUTES: contextvars.ContextVar[tuple[Mapping[str, Any], dict[str, Any]] | None] = (
+    contextvars.ContextVar("jmp_policy_linen_routes", default=None)
 )
 
 
 @contextlib.contextmanager
-def kernel_run(run: KernelRun) -> Iterator[None]:
-    token = _KERNEL_RUN.set(run)
+def learning_routes(learn: Mapping[str, Any], routes: dict[str, Any]) -> Iterator[None]:
+    """A shape-only run that records the kernel shapes its routable layers see, its
+    quantized kernels none (each layer reads its float kernel as passed)."""
+    token = _ROUTES.set((learn, routes))
     try:
-        yield
+        with run_kernels.running():
+            yield
     finally:
-        _KERNEL_RUN.reset(token)
-
-
-def _learn_route(module: Any, path: str, run: KernelRun) -> None:
-    if run.routes is None or path not in run.learn:
-        return
-    seen = (
-        module.get_variable("params", "kernel") if module.has_variable("params", "kernel") else None
-    )
-    shape = getattr(seen, "shape", None)
-    run.routes[path] = tuple(shape) if routable(module) and shape is not None else None
+        _ROUTES.reset(token)
 
 
 def _layer_kernel(module: Any, stored: Any) -> Any:
@@ -151,26 +94,22 @@ FLOAT_KERNEL = "the layer's own float kernel"
 
 def kernel(module: Any) -> Any:
     """A routable layer's kernel as its matmul receives it: the ``QuantizedArray`` it reads
-    whole, its own slice of a stacked one, else :data:`FLOAT_KERNEL`; ``None`` for a
-    module whose matmul is not routed. A learning run records the kernel shape it sees."""
+    whole, its own slice of a stacked one (the run's kernels,
+    :mod:`jmp_policy._src.framework.run_kernels`), else :data:`FLOAT_KERNEL`; ``None``
+    for a module whose matmul is not routed. A learning run records the kernel shape."""
     if not routable(module):
         return None
-    run = _KERNEL_RUN.get()
-    if run is None:
-        return FLOAT_KERNEL
-    path = path_of(module)
-    _learn_route(module, path, run)
-    if (whole := run.kernels.get(path)) is not None:
+    path, learning = path_of(module), _ROUTES.get()
+    if learning is not None and path in learning[0]:
+        has = module.has_variable("params", "kernel")
+        shape = getattr(module.get_variable("params", "kernel") if has else None, "shape", None)
+        learning[1][path] = None if shape is None else tuple(shape)
+    run = run_kernels.kernels()
+    if (whole := run.whole.get(path)) is not None:
         return whole
     if path in run.sliced:
         return _layer_kernel(module, run.sliced[path])
     return FLOAT_KERNEL
-
-
-def kernel_ahead(path: str) -> Any:
-    """The ``QuantizedArray`` kernel dequantized ahead of the layer at ``path``."""
-    run = _KERNEL_RUN.get()
-    return None if run is None else run.ahead.get(path)
 
 
 # id(module) -> (module, its calls so far) in the run in progress. Flax gives each call a

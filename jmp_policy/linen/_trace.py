@@ -14,15 +14,15 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from jmp_policy._src import casting, interception, quantization
+from jmp_policy._src.framework import run_kernels
 from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import ModuleInfo, Resolver
 from jmp_policy.linen._modules import own_dtype, path_of
-from jmp_policy.linen._quantization import KernelRun, counting, kernel_run
+from jmp_policy.linen._quantization import counting, learning_routes
 from jmp_policy.linen._reads import Stale, read_fix, reading
 
 _MAX_RETRACES = 8
@@ -108,10 +108,9 @@ def _cast_params(
         elif isinstance(leaf, quantization.QuantizedArray) and (
             whole.get(parent_path(path) or "") is leaf
         ):
-            # int4 has no implicit promotion in JAX: Flax's promote_dtype gets int8. The
-            # layer's matmul reads the QuantizedArray itself, so this copy is dead code.
-            values: Any = getattr(leaf, "values")  # noqa: B009
-            leaves.append(values.astype(jnp.int8) if values.dtype == jnp.int4 else values)
+            # Flax's promote_dtype gets int4 as int8; the layer's matmul reads the
+            # QuantizedArray itself, so this copy is dead code.
+            leaves.append(run_kernels.promotable(getattr(leaf, "values")))  # noqa: B009
         else:
             leaves.append(casting.compute_leaf(leaf, resolver.variable(path)[0].compute_dtype))
     return _with_layer_leaves(jax.tree_util.tree_unflatten(treedef, leaves), sliced)
@@ -154,18 +153,16 @@ def _whole_kernels(
     known: dict[str, Any],
     call: Callable[[Any, Resolver], Any],
     method: Any,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The quantized kernels that reach their layers whole, and the stacked ones whose
-    layers read a slice each: those of modules whose matmul jmp_policy routes, seen at
-    their stored shape or, inside a stack's loop, at one layer's (learnt by a shape-only
-    run), under a policy whose scheme reads stored kernels (float8 quantizes float
-    kernels itself). Module path -> kernel, for each."""
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The quantized kernels by how they reach their layers (module path -> kernel, for
+    :func:`run_kernels.route`'s whole, ahead and sliced), a routed layer's kernel seen at
+    its stored shape or, inside a stack's loop, at one layer's (a shape-only run)."""
     quantized = _quantized_kernels(variables.get("params", {}))
     if not quantized:
-        return {}, {}
+        return {}, {}, {}
     routes: dict[str, tuple[int, ...] | None] = {}
     chosen = Resolver(resolved, options, dict(known))
-    with kernel_run(KernelRun({}, quantized, routes)):
+    with learning_routes(quantized, routes):
         # The casts happen inside the shape-only run: nothing is added to the caller's trace.
         _learn_shapes(
             known,
@@ -176,24 +173,14 @@ def _whole_kernels(
             method,
         )
     chosen = Resolver(resolved, options, dict(known))
-    served = {
-        path: q
-        for path, q in quantized.items()
-        if _reads_stored(chosen.variable(f"{path}/kernel" if path else "kernel")[0])
-    }
-    whole = {path: q for path, q in served.items() if routes.get(path) == tuple(q.shape)}
-    sliced = {
-        path: q
-        for path, q in served.items()
-        if path not in whole
-        and stack_layers.servable(q)
-        and routes.get(path) == stack_layers.layer_shape(q)
-    }
-    return whole, sliced
-
-
-def _reads_stored(policy: Any) -> bool:
-    return policy.scheme is None or policy.scheme.reads_stored_kernels  # type: ignore[no-any-return]
+    found: dict[str, dict[str, Any]] = {"whole": {}, "ahead": {}, "sliced": {}}
+    for path, q in quantized.items():
+        seen, layer = routes.get(path), stack_layers.layer_shape(q)
+        lead = 0 if seen == tuple(q.shape) else q.stacked if seen == layer else -1
+        policy = chosen.variable(f"{path}/kernel" if path else "kernel")[0]
+        how = run_kernels.route(q, policy, seen is not None and lead >= 0, max(lead, 0))
+        found[how or "ahead"][path] = q
+    return found["whole"], found["ahead"], found["sliced"]
 
 
 def _with_params(variables: Mapping[str, Any], fn: Callable[[Any], Any]) -> Any:
@@ -260,9 +247,7 @@ def run_traced(
     """
     params = variables.get("params", {})
     stored = {leaf_path(kp): leaf for kp, leaf in flat_params(params)[0]}
-    whole, sliced = _whole_kernels(variables, resolved, options, known, call, method)
-    quantized = _quantized_kernels(params)
-    ahead = {path: q for path, q in quantized.items() if path not in whole and path not in sliced}
+    whole, ahead, sliced = _whole_kernels(variables, resolved, options, known, call, method)
     for _ in range(_MAX_RETRACES):
         chosen = Resolver(resolved, options, dict(known))
         cast_variables = _with_params(
@@ -276,7 +261,7 @@ def run_traced(
             with (
                 nn.intercept_methods(interceptor(resolver, root_method(method))),
                 interception.model_run(options),
-                kernel_run(KernelRun(whole, ahead=ahead, sliced=sliced)),
+                run_kernels.running(whole, ahead, sliced),
                 reading(read_fix(chosen, resolver, stored, early)),
             ):
                 result = call(cast_variables, resolver)
