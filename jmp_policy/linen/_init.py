@@ -9,6 +9,7 @@ import flax.linen as nn
 from flax.core.scope import in_filter
 
 from jmp_policy._src import interception
+from jmp_policy._src.framework import run_kernels
 from jmp_policy._src.framework.params_tree import in_variable_dtypes
 from jmp_policy._src.options import Options
 from jmp_policy._src.resolution import Resolver
@@ -126,6 +127,7 @@ def _create(
     with (
         nn.intercept_methods(interceptor(resolver, method)),
         interception.model_run(opts),
+        run_kernels.running(),
     ):
         created = module.init(
             rngs, *args, method=method_for(resolver, method), **init_kwargs, **kwargs

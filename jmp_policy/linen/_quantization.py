@@ -31,9 +31,9 @@ import flax.linen as nn
 from jmp_policy._src import interception, state_collections
 from jmp_policy._src.framework import run_kernels
 from jmp_policy._src.framework.einsum_route import einsum_as
+from jmp_policy._src.framework.param_reads import unfixed_reads
 from jmp_policy._src.quantization import matmuls, stack_layers
 from jmp_policy.linen._modules import path_of
-from jmp_policy.linen._reads import unfixed_reads
 
 COLLECTION = state_collections.OVERWRITE_WITH_GRADIENT
 
@@ -66,12 +66,11 @@ _ROUTES: contextvars.ContextVar[tuple[Mapping[str, Any], dict[str, Any]] | None]
 
 @contextlib.contextmanager
 def learning_routes(learn: Mapping[str, Any], routes: dict[str, Any]) -> Iterator[None]:
-    """A shape-only run that records the kernel shapes its routable layers see, its
-    quantized kernels none (each layer reads its float kernel as passed)."""
+    """A run in the block records into ``routes`` the kernel shape each routable layer
+    at a path in ``learn`` sees."""
     token = _ROUTES.set((learn, routes))
     try:
-        with run_kernels.running():
-            yield
+        yield
     finally:
         _ROUTES.reset(token)
 
@@ -112,33 +111,12 @@ def kernel(module: Any) -> Any:
     return FLOAT_KERNEL
 
 
-# id(module) -> (module, its calls so far) in the run in progress. Flax gives each call a
-# fresh scope, but the same instance; a lifted transform (nn.scan) traces clones, so a body
-# is one call.
-_CALLS: contextvars.ContextVar[dict[int, tuple[Any, int]] | None] = contextvars.ContextVar(
-    "jmp_policy_linen_calls", default=None
-)
-
-
-@contextlib.contextmanager
-def counting(calls: dict[int, tuple[Any, int]]) -> Iterator[None]:
-    """Module calls in the block count their float8 states in ``calls`` (one per run)."""
-    token = _CALLS.set(calls)
-    try:
-        yield
-    finally:
-        _CALLS.reset(token)
-
-
 def layer_state(call: Any, scheme: Any) -> Any:
-    """The float8 state of this call of the layer (its ``index``-th in the run)."""
-    calls = _CALLS.get()
-    if calls is None:
-        calls = {}
-    module = call.module
-    index = calls.get(id(module), (module, 0))[1]
-    calls[id(module)] = (module, index + 1)
-    return float8_state(module, call.resolution.policy, index)
+    """The float8 state of this call of the layer (its how-manieth in the run: Flax gives
+    each call a fresh scope, but the same instance; a lifted transform such as ``nn.scan``
+    traces clones, so a body is one call)."""
+    index = run_kernels.call_index(call.module)
+    return float8_state(call.module, call.resolution.policy, index)
 
 
 def float8_state(module: nn.Module, policy: Any, index: int) -> Any:

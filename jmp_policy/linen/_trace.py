@@ -17,6 +17,7 @@ import jax
 
 from jmp_policy._src import interception
 from jmp_policy._src.framework import run_kernels
+from jmp_policy._src.framework.param_reads import settle
 from jmp_policy._src.framework.params_tree import (
     by_path,
     cast_params,
@@ -27,10 +28,8 @@ from jmp_policy._src.options import Options
 from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import ModuleInfo, Resolver
 from jmp_policy.linen._modules import own_dtype, path_of
-from jmp_policy.linen._quantization import counting, learning_routes
-from jmp_policy.linen._reads import Stale, read_fix, reading
-
-_MAX_RETRACES = 8
+from jmp_policy.linen._quantization import learning_routes
+from jmp_policy.linen._reads import reading
 
 
 def interceptor(resolver: Resolver, method: Any) -> Callable[..., Any]:
@@ -38,7 +37,6 @@ def interceptor(resolver: Resolver, method: Any) -> Callable[..., Any]:
 
     Intercepted: every module's ``__call__``, and the root's ``method`` when named.
     """
-    calls: dict[int, tuple[Any, int]] = {}  # this run's float8 calls, per module
     root = "__call__" if method is None else method if isinstance(method, str) else ""
 
     def intercept(next_fun: Callable[..., Any], args: Any, kwargs: Any, context: Any) -> Any:
@@ -59,7 +57,7 @@ def interceptor(resolver: Resolver, method: Any) -> Callable[..., Any]:
         resolution = resolver.module(path, type(module), own_dtype(module))
         call = interception.Call(path, module, resolution)
         extensions = resolver.options.extensions  # the core's routed matmuls innermost
-        with _dtype_set(module, resolution), counting(calls):
+        with _dtype_set(module, resolution):
             return interception.run(call, next_fun, args, kwargs, extensions=extensions)
 
     return intercept
@@ -125,6 +123,7 @@ def _learn_shapes(
         with (
             nn.intercept_methods(interceptor(learner, method)),
             interception.model_run(options),
+            run_kernels.running(),  # no quantized kernel read whole: each as passed
         ):
             cast = cast_variables() if callable(cast_variables) else cast_variables
             return call(cast, learner)
@@ -159,55 +158,28 @@ def run_traced(
     Returns:
         ``(result, resolver, cast_variables)`` of the run that counts.
     """
-    params = variables.get("params", {})
-    stored = by_path(params)
     whole, ahead, sliced = _whole_kernels(variables, resolved, options, known, call, method)
-    for _ in range(_MAX_RETRACES):
-        chosen = Resolver(resolved, options, dict(known))
-        cast_variables = with_params(
-            variables,
-            lambda p: cast_params(p, chosen, whole, floats=False, sliced=sliced),  # noqa: B023
+
+    def cast_for(chosen: Resolver) -> Any:
+        return with_params(
+            variables, lambda p: cast_params(p, chosen, whole, floats=False, sliced=sliced)
         )
-        resolver = Resolver(resolved, options, dict(known))
-        error: Exception | None = None
-        early: set[str] = set()
-        try:
-            with (
-                nn.intercept_methods(interceptor(resolver, method)),
-                interception.model_run(options),
-                run_kernels.running(whole, ahead, sliced),
-                reading(read_fix(chosen, resolver, stored, early)),
-            ):
-                result = call(cast_variables, resolver)
-        except Stale:
-            # Cut short: a module met changes a cast. Learn the whole model shape-only
-            # (nothing computed, nothing added to the caller's trace), then run again.
-            known.update(resolver.infos)
-            _learn_shapes(known, resolved, options, cast_variables, call, method)
-            continue
-        except Exception as e:
-            error = e
-        resolver.used_keys |= chosen.used_keys
-        learnt = Resolver(resolved, options, dict(resolver.infos))
-        # Parameters read after their module was met were read in the right dtype; a
-        # difference left is one read before (a parent reading a child's variables).
-        stale = any(
-            chosen.variable(p)[0].compute_dtype != learnt.variable(p)[0].compute_dtype
-            for p in early
-        )
-        known.update(resolver.infos)
-        if error is not None:
-            if not stale:
-                if on_error is not None:
-                    on_error(resolver)  # say what was turned off before the error
-                raise error
-            continue
-        if not stale:
-            return result, resolver, cast_variables
-    raise RuntimeError(  # pragma: no cover - only a model that changes with every trace
-        f"{type(module).__name__} calls different modules on every trace; jmp_policy "
-        "could not settle the dtypes of its parameters."
-    )
+
+    def attempt(cast: Any, resolver: Resolver, read: Callable[[str, Any], Any]) -> Any:
+        with (
+            nn.intercept_methods(interceptor(resolver, method)),
+            interception.model_run(options),
+            run_kernels.running(whole, ahead, sliced),
+            reading(read),
+        ):
+            return call(cast, resolver)
+
+    def relearn(cast: Any) -> None:
+        _learn_shapes(known, resolved, options, cast, call, method)
+
+    stored = by_path(variables.get("params", {}))
+    name = type(module).__name__
+    return settle(known, resolved, options, stored, cast_for, attempt, relearn, on_error, name)
 
 
 def method_for(resolver: Resolver, method: Any) -> Any:
