@@ -30,10 +30,9 @@ from jmp_policy._src.framework.protocol import InstallsMatmuls, Layer
 from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import ModuleInfo, Resolver
-from jmp_policy.linen._kv_cache import kv_caches
 from jmp_policy.linen._modules import check_module
 from jmp_policy.linen._quantization import installed, kernel, layer_state
-from jmp_policy.linen._reads import PARAM_READS
+from jmp_policy.linen._reads import kv_caches
 from jmp_policy.linen._stacks import stacks
 from jmp_policy.linen._trace import method_for, run_traced
 
@@ -100,7 +99,7 @@ class LinenAdapter(InstallsMatmuls):
         def traced(cast_variables: Any, run_resolver: Resolver) -> Any:
             def bound(*args: Any, **kwargs: Any) -> Any:
                 method_run = method_for(run_resolver, method)
-                with kv_caches(run_resolver.options.kv_cache, PARAM_READS):
+                with kv_caches(run_resolver.options.kv_cache):
                     return module.apply(
                         cast_variables, *args, method=method_run, **model.apply_kwargs, **kwargs
                     )
@@ -133,20 +132,14 @@ class LinenAdapter(InstallsMatmuls):
             )
         return out, state
 
-    def kernel_of(self, module: Any) -> Any:
-        return kernel(module)
+    kernel_of, install_matmul = staticmethod(kernel), staticmethod(installed)
+    layer_state = staticmethod(layer_state)
 
     def matmul_kind(self, module: Any) -> str:
         return "einsum" if isinstance(module, nn.Einsum) else "dot_general"
 
-    def install_matmul(self, call: Any, matmul: Callable[..., Any]) -> Any:
-        return installed(call, matmul)
-
     def kernel_ahead(self, call: Any) -> Any:
         return run_kernels.kernels().ahead.get(call.path)
-
-    def layer_state(self, call: Any, scheme: Any) -> Any:
-        return layer_state(call, scheme)
 
     def stacks(self, model: Bound) -> dict[str, tuple[int, int]]:
         """Parameter path -> ``(n, axis)`` of each stacked parameter (``model.sample``'s
