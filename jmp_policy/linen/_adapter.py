@@ -18,19 +18,18 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 
-from jmp_policy._src import casting, quantization
+from jmp_policy._src.framework import run_kernels
 from jmp_policy._src.framework.entry_points import routed_matmuls
-from jmp_policy._src.framework.protocol import Layer
+from jmp_policy._src.framework.params_tree import restore_params
+from jmp_policy._src.framework.protocol import InstallsMatmuls, Layer
 from jmp_policy._src.options import Options
 from jmp_policy._src.policy_map import leaf_path
-from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import ModuleInfo, Resolver
-from jmp_policy.linen._kv_cache import kv_caches
 from jmp_policy.linen._modules import check_module
-from jmp_policy.linen._quantization import installed, kernel, kernel_ahead, layer_state
-from jmp_policy.linen._reads import PARAM_READS
+from jmp_policy.linen._quantization import installed, kernel, layer_state
+from jmp_policy.linen._reads import kv_caches
 from jmp_policy.linen._stacks import stacks
-from jmp_policy.linen._trace import flat_params, method_for, run_traced
+from jmp_policy.linen._trace import method_for, run_traced
 
 
 class Bound(NamedTuple):
@@ -52,7 +51,7 @@ class Bound(NamedTuple):
     sample: Callable[[], tuple[tuple[Any, ...], Mapping[str, Any]]] | None = None
 
 
-class LinenAdapter:
+class LinenAdapter(InstallsMatmuls):
     """The adapter protocol (:class:`jmp_policy._src.framework.protocol.Adapter`) for Linen,
     with the routing operations (:class:`~jmp_policy._src.framework.protocol.Routing`)."""
 
@@ -95,7 +94,7 @@ class LinenAdapter:
         def traced(cast_variables: Any, run_resolver: Resolver) -> Any:
             def bound(*args: Any, **kwargs: Any) -> Any:
                 method_run = method_for(run_resolver, method)
-                with kv_caches(run_resolver.options.kv_cache, PARAM_READS):
+                with kv_caches(run_resolver.options.kv_cache):
                     return module.apply(
                         cast_variables, *args, method=method_run, **model.apply_kwargs, **kwargs
                     )
@@ -123,31 +122,19 @@ class LinenAdapter:
         variables = model.variables
         if isinstance(state, Mapping) and "params" in state and "params" in variables:
             state = dict(state)
-            state["params"] = _restore_params(
+            state["params"] = restore_params(
                 state["params"], cast_variables["params"], variables["params"], learnt
             )
         return out, state
 
-    def kernel_of(self, module: Any) -> Any:
-        return kernel(module)
+    kernel_of, install_matmul = staticmethod(kernel), staticmethod(installed)
+    layer_state = staticmethod(layer_state)
 
     def matmul_kind(self, module: Any) -> str:
         return "einsum" if isinstance(module, nn.Einsum) else "dot_general"
 
-    def install_matmul(self, call: Any, matmul: Callable[..., Any]) -> Any:
-        return installed(call, matmul)
-
     def kernel_ahead(self, call: Any) -> Any:
-        return kernel_ahead(call.path)
-
-    def layer_state(self, call: Any, scheme: Any) -> Any:
-        return layer_state(call, scheme)
-
-    def call_with_matmul(self, module: Any, *rest: Any) -> Any:
-        raise NotImplementedError("Linen layers take their matmul by install_matmul")
-
-    def with_kernels(self, model: Any, kernels: Mapping[str, Any]) -> Any:
-        raise NotImplementedError("Linen's quantize puts back its weights (`weights`)")
+        return run_kernels.kernels().ahead.get(call.path)
 
     def stacks(self, model: Bound) -> dict[str, tuple[int, int]]:
         """Parameter path -> ``(n, axis)`` of each stacked parameter (``model.sample``'s
@@ -189,40 +176,3 @@ class LinenAdapter:
 
 
 ADAPTER = LinenAdapter()
-
-
-def _restore_params(returned: Any, passed: Any, stored: Any, resolver: Resolver) -> Any:
-    """``mutable`` "params" back in their stored dtypes (the stored leaf when unchanged; a
-    quantized kernel as stored, the scales a stack's loop sliced beside it dropped)."""
-
-    def by_path(tree: Any) -> dict[str, Any]:
-        return {leaf_path(key_path): leaf for key_path, leaf in flat_params(tree)[0]}
-
-    passed_leaves, stored_leaves = by_path(passed), by_path(stored)
-    flat, treedef = flat_params(_without_layer_leaves(returned))
-    leaves = []
-    for key_path, leaf in flat:
-        path = leaf_path(key_path)
-        if path in stored_leaves and (
-            leaf is passed_leaves[path] or quantization.is_quantized(stored_leaves[path])
-        ):
-            leaves.append(stored_leaves[path])
-        elif path in stored_leaves and hasattr(stored_leaves[path], "dtype"):
-            leaves.append(casting.cast_leaf(leaf, stored_leaves[path].dtype))
-        else:
-            leaves.append(casting.cast_leaf(leaf, resolver.variable_dtype(path)))
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _without_layer_leaves(tree: Any) -> Any:
-    """``tree`` without the leaves a stacked quantized kernel's scales were passed in
-    (:mod:`jmp_policy._src.quantization.stack_layers`)."""
-    if not isinstance(tree, Mapping):
-        return tree
-    return type(tree)(  # type: ignore[call-arg]
-        {
-            name: _without_layer_leaves(value)
-            for name, value in tree.items()
-            if not stack_layers.is_extra_leaf(str(name))
-        }
-    )

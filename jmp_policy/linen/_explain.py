@@ -12,9 +12,9 @@ import numpy as np
 from jmp_policy._src.framework import entry_points
 from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy._src.kv_cache import report as kv_report
+from jmp_policy._src.kv_cache.hook import CACHE_NAMES
 from jmp_policy._src.options import OPTION_DEFAULTS, floating_policy_or_map
 from jmp_policy.linen._adapter import ADAPTER, Bound
-from jmp_policy.linen._kv_cache import CACHE_NAMES
 from jmp_policy.linen._modules import check_method, check_module, check_variables, options
 
 

@@ -6,18 +6,18 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
-import jax
 from flax.core.scope import in_filter
 
-from jmp_policy._src import casting, interception
+from jmp_policy._src import interception
+from jmp_policy._src.framework import run_kernels
+from jmp_policy._src.framework.params_tree import in_variable_dtypes
 from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy._src.options import Options
-from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
 from jmp_policy.linen._adapter import ADAPTER, Bound
 from jmp_policy.linen._modules import MATMUL_CLASSES, check_method, prepare
-from jmp_policy.linen._trace import interceptor, method_for, root_method
+from jmp_policy.linen._trace import interceptor, method_for
 
 _INIT_MUTABLE = nn.DenyList("intermediates")  # `module.init`'s default
 
@@ -96,7 +96,7 @@ def init(
         )
         resolver = Resolver(policies, opts)
         _, state = ADAPTER.run(model, resolver, opts, (), lambda m: m(*args, **kwargs))
-        variables = {"params": _in_variable_dtypes(params, resolver)}
+        variables = {"params": in_variable_dtypes(params, resolver)}
         for name, collection in state.items():
             if name != "params" and in_filter(mutable, name):
                 variables[name] = collection
@@ -121,17 +121,11 @@ def _create(
     creates the parameters (in their ``param_dtype``) and reads them as created."""
     resolver = Resolver(policies, opts)
     with (
-        nn.intercept_methods(interceptor(resolver, root_method(method))),
+        nn.intercept_methods(interceptor(resolver, method)),
         interception.model_run(opts),
+        run_kernels.running(),
     ):
         created = module.init(
             rngs, *args, method=method_for(resolver, method), **init_kwargs, **kwargs
         )
     return created, resolver
-
-
-def _in_variable_dtypes(params: Any, resolver: Resolver) -> Any:
-    """Each parameter cast to the variable dtype of its path's policy."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    leaves = [casting.cast_leaf(leaf, resolver.variable_dtype(leaf_path(kp))) for kp, leaf in flat]
-    return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -14,45 +14,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 
-from jmp_policy._src import interception, state_collections, transforms
+from jmp_policy._src import interception, state_collections
+from jmp_policy._src.framework import run_kernels
+from jmp_policy._src.framework.einsum_route import einsum_as
+from jmp_policy._src.framework.param_reads import unfixed_reads
 from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy._src.quantization import matmuls, stack_layers
 from jmp_policy.linen._modules import path_of
-from jmp_policy.linen._reads import unfixed_reads
 
 COLLECTION = state_collections.OVERWRITE_WITH_GRADIENT
-
-# This thread's `jnp.einsum` calls go to `_EINSUM_AS.get()` while `_EINSUM.inside()`.
-_EINSUM_AS: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
-    "jmp_policy_linen_einsum", default=None
-)
-
-
-def _einsum(original: Callable[..., Any]) -> Callable[..., Any]:
-    def einsum(*args: Any, **kwargs: Any) -> Any:
-        replacement = _EINSUM_AS.get() if _EINSUM.inside() else None
-        if replacement is None:
-            return original(*args, **kwargs)
-        return replacement(*args, **kwargs)
-
-    return einsum
-
-
-_EINSUM = transforms.ThreadPatch("einsum", {"einsum": _einsum})
-
-
-@contextlib.contextmanager
-def _einsum_as(replacement: Callable[..., Any]) -> Iterator[None]:
-    token = _EINSUM_AS.set(replacement)
-    try:
-        with _EINSUM.active():
-            yield
-    finally:
-        _EINSUM_AS.reset(token)
 
 
 def routable(module: Any) -> bool:
@@ -66,54 +40,30 @@ def installed(call: Any, matmul: Callable[..., Any]) -> Any:
     """A context manager during which the routable layer of ``call`` runs ``matmul`` (a
     ``jnp.einsum`` for an ``nn.Einsum``, else a ``dot_general``) as its matmul (a stacked
     layer's reading its own slice, recorded as such)."""
-    run = _KERNEL_RUN.get()
-    if run is not None and call.path in run.sliced:
+    if call.path in run_kernels.kernels().sliced:
         matmul = matmuls.in_stack(matmul, call.path)
     if isinstance(call.module, nn.Einsum):
-        return _einsum_as(matmul)
+        return einsum_as(matmul)
     return interception.attribute_set(call.module, "dot_general", matmul)
 
 
-# -- quantized kernels reaching their layers ----------------------------------------------
-
-
-class KernelRun(NamedTuple):
-    """What one model run knows of the quantized kernels of its parameters (module path ->
-    kernel): ``kernels`` passed whole as integer values; ``sliced``, stacked ones a layer
-    reads a slice of in the stack's loop; ``ahead``, dequantized before the model runs.
-    ``routes``, when not None, records for the paths in ``learn`` the kernel shape each
-    routed module sees (None when its matmul is not routed).
-    """
-
-    kernels: Mapping[str, Any]
-    learn: Mapping[str, Any] = {}
-    routes: dict[str, tuple[int, ...] | None] | None = None
-    ahead: Mapping[str, Any] = {}
-    sliced: Mapping[str, Any] = {}
-
-
-_KERNEL_RUN: contextvars.ContextVar[KernelRun | None] = contextvars.ContextVar(
-    "jmp_policy_linen_kernel_run", default=None
+# A learning run's (learn, routes): for each module path in ``learn``, the shape of the
+# kernel a routable module sees (the stored kernel's, or a layer's slice of it inside
+# ``nn.scan``) is recorded into ``routes``.
+_ROUTES: contextvars.ContextVar[tuple[Mapping[str, Any], dict[str, Any]] | None] = (
+    contextvars.ContextVar("jmp_policy_linen_routes", default=None)
 )
 
 
 @contextlib.contextmanager
-def kernel_run(run: KernelRun) -> Iterator[None]:
-    token = _KERNEL_RUN.set(run)
+def learning_routes(learn: Mapping[str, Any], routes: dict[str, Any]) -> Iterator[None]:
+    """A run in the block records into ``routes`` the kernel shape each routable layer
+    at a path in ``learn`` sees."""
+    token = _ROUTES.set((learn, routes))
     try:
         yield
     finally:
-        _KERNEL_RUN.reset(token)
-
-
-def _learn_route(module: Any, path: str, run: KernelRun) -> None:
-    if run.routes is None or path not in run.learn:
-        return
-    seen = (
-        module.get_variable("params", "kernel") if module.has_variable("params", "kernel") else None
-    )
-    shape = getattr(seen, "shape", None)
-    run.routes[path] = tuple(shape) if routable(module) and shape is not None else None
+        _ROUTES.reset(token)
 
 
 def _layer_kernel(module: Any, stored: Any) -> Any:
@@ -134,55 +84,30 @@ FLOAT_KERNEL = "the layer's own float kernel"
 
 def kernel(module: Any) -> Any:
     """A routable layer's kernel as its matmul receives it: the ``QuantizedArray`` it reads
-    whole, its own slice of a stacked one, else :data:`FLOAT_KERNEL`; ``None`` for a
-    module whose matmul is not routed. A learning run records the kernel shape it sees."""
+    whole, its own slice of a stacked one (the run's kernels,
+    :mod:`jmp_policy._src.framework.run_kernels`), else :data:`FLOAT_KERNEL`; ``None``
+    for a module whose matmul is not routed. A learning run records the kernel shape."""
     if not routable(module):
         return None
-    run = _KERNEL_RUN.get()
-    if run is None:
-        return FLOAT_KERNEL
-    path = path_of(module)
-    _learn_route(module, path, run)
-    if (whole := run.kernels.get(path)) is not None:
+    path, learning = path_of(module), _ROUTES.get()
+    if learning is not None and path in learning[0]:
+        has = module.has_variable("params", "kernel")
+        shape = getattr(module.get_variable("params", "kernel") if has else None, "shape", None)
+        learning[1][path] = None if shape is None else tuple(shape)
+    run = run_kernels.kernels()
+    if (whole := run.whole.get(path)) is not None:
         return whole
     if path in run.sliced:
         return _layer_kernel(module, run.sliced[path])
     return FLOAT_KERNEL
 
 
-def kernel_ahead(path: str) -> Any:
-    """The ``QuantizedArray`` kernel dequantized ahead of the layer at ``path``."""
-    run = _KERNEL_RUN.get()
-    return None if run is None else run.ahead.get(path)
-
-
-# id(module) -> (module, its calls so far) in the run in progress. Flax gives each call a
-# fresh scope, but the same instance; a lifted transform (nn.scan) traces clones, so a body
-# is one call.
-_CALLS: contextvars.ContextVar[dict[int, tuple[Any, int]] | None] = contextvars.ContextVar(
-    "jmp_policy_linen_calls", default=None
-)
-
-
-@contextlib.contextmanager
-def counting(calls: dict[int, tuple[Any, int]]) -> Iterator[None]:
-    """Module calls in the block count their float8 states in ``calls`` (one per run)."""
-    token = _CALLS.set(calls)
-    try:
-        yield
-    finally:
-        _CALLS.reset(token)
-
-
 def layer_state(call: Any, scheme: Any) -> Any:
-    """The float8 state of this call of the layer (its ``index``-th in the run)."""
-    calls = _CALLS.get()
-    if calls is None:
-        calls = {}
-    module = call.module
-    index = calls.get(id(module), (module, 0))[1]
-    calls[id(module)] = (module, index + 1)
-    return float8_state(module, call.resolution.policy, index)
+    """The float8 state of this call of the layer (its how-manieth in the run: Flax gives
+    each call a fresh scope, but the same instance; a lifted transform such as ``nn.scan``
+    traces clones, so a body is one call)."""
+    index = run_kernels.call_index(call.module)
+    return float8_state(call.module, call.resolution.policy, index)
 
 
 def float8_state(module: nn.Module, policy: Any, index: int) -> Any:

@@ -27,10 +27,11 @@ class RunKernels(NamedTuple):
 
 
 _NONE = RunKernels({}, {}, {})
-# The run in progress: its kernels, and id(layer) -> layer for the layers called so far.
-_RUN: contextvars.ContextVar[tuple[RunKernels, dict[int, Any]] | None] = contextvars.ContextVar(
-    "jmp_policy_run_kernels", default=None
-)
+# The run in progress: its kernels, id(layer) -> layer for the layers called so far, and
+# id(layer) -> (layer, its calls so far) for an adapter keeping one state per call.
+_RUN: contextvars.ContextVar[
+    tuple[RunKernels, dict[int, Any], dict[int, tuple[Any, int]]] | None
+] = contextvars.ContextVar("jmp_policy_run_kernels", default=None)
 
 
 @contextlib.contextmanager
@@ -40,7 +41,7 @@ def running(
     sliced: Mapping[str, Any] | None = None,
 ) -> Iterator[None]:
     """One model run, whose layers receive these kernels (layer path -> kernel)."""
-    token = _RUN.set((RunKernels(whole or {}, ahead or {}, sliced or {}), {}))
+    token = _RUN.set((RunKernels(whole or {}, ahead or {}, sliced or {}), {}, {}))
     try:
         yield
     finally:
@@ -64,6 +65,17 @@ def first_call(layer: Any) -> bool:
         return False
     called[id(layer)] = layer
     return True
+
+
+def call_index(layer: Any) -> int:
+    """How many calls of ``layer`` came before this one in the run in progress (this one
+    recorded, the layer kept alive); 0 outside a run."""
+    run = _RUN.get()
+    if run is None:
+        return 0
+    index = run[2].get(id(layer), (layer, 0))[1]
+    run[2][id(layer)] = (layer, index + 1)
+    return index
 
 
 def route(kernel: Any, policy: Any, routed: bool, lead: int) -> str | None:
