@@ -34,31 +34,26 @@ from jmp_policy._src.framework.policy_class import (
 )
 from jmp_policy._src.framework.protocol import InstallsMatmuls, Layer
 from jmp_policy._src.framework.routing import routed_matmuls
+from jmp_policy._src.framework.stack_axes import stack_axes as _stack_axes
 from jmp_policy._src.options import Options
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
 from jmp_policy._src.tree_paths import leaf_path
-from jmp_policy.nnx._copy import cast_copy, warn_plain_arrays, write_back
-from jmp_policy.nnx._kv_cache import kv_caches
+from jmp_policy.nnx._copy import cast_copy, kv_caches, warn_plain_arrays, write_back
 from jmp_policy.nnx._modules import (
     MATMUL_CLASSES,
     check_model,
     filled_dtype,
     is_nnx_object,
+    kernel_shape,
     own_dtype,
+    own_shape,
     path_of,
-)
-from jmp_policy.nnx._quantization import (
-    install,
-    kind_of,
     replacement,
     routable,
     stacked,
-    state_type,
 )
-from jmp_policy.nnx._quantization import kernel as routed_kernel
-from jmp_policy.nnx._quantization import layer_state as state_of
-from jmp_policy.nnx._stack_axes import ambiguous_stack, stack_axes
+from jmp_policy.nnx._quantization import install, layer_state, state_type
 
 # What the apply wrapper in progress has warned about (None outside `applying`).
 _APPLYING: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
@@ -113,6 +108,15 @@ def dress(
             object.__setattr__(module, "__class__", subclass)
 
 
+def stack_axes(model: Any) -> tuple[dict[str, Any], dict[str, int | None]]:
+    """The layers created stacked (path -> module; NNX names a stack's axis at the call, not
+    in the layer), and where their stacked axes start (``None``: not known)."""
+    layers = {path_of(parts): m for parts, m in nnx.iter_modules(model) if stacked(m)}
+    return layers, _stack_axes(
+        {p: (kernel_shape(m), own_shape(m) or ()) for p, m in layers.items()}
+    )
+
+
 class NnxAdapter(InstallsMatmuls):
     """The adapter protocol (:class:`jmp_policy._src.framework.protocol.Adapter`) for NNX,
     with the routing operations (:class:`~jmp_policy._src.framework.protocol.Routing`);
@@ -140,10 +144,16 @@ class NnxAdapter(InstallsMatmuls):
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))  # type: ignore[no-any-return]
 
     def kernel_of(self, module: Any) -> Any:
-        return routed_kernel(module, call_path(module)) if routable(module) else None
+        if not routable(module):
+            return None
+        # The QuantizedArray it reads whole or its own slice of a stack's, else its value.
+        value = module.kernel.get_value()
+        leaf = lambda name: getattr(module, name).get_value()  # noqa: E731
+        found = run_kernels.layer_kernel(call_path(module), value, leaf)
+        return value if found is None else found
 
     def matmul_kind(self, module: Any) -> str:
-        return kind_of(replacement(module) or "dot_general")
+        return "einsum" if replacement(module) == "einsum_op" else "dot_general"
 
     def install_matmul(self, call: Any, matmul: Callable[..., Any]) -> Any:
         return install(call, matmul)
@@ -152,7 +162,7 @@ class NnxAdapter(InstallsMatmuls):
         return run_kernels.kernels().ahead.get(call.path)
 
     def layer_state(self, call: Any, scheme: Any) -> Any:
-        return state_of(call, scheme)
+        return layer_state(call, scheme)
 
     def run(
         self,
@@ -166,7 +176,7 @@ class NnxAdapter(InstallsMatmuls):
         dress(copy, resolver, self.methods, extensions, routed_matmuls(self))
         warned = _APPLYING.get()
         if warned is None:
-            with run_kernels.running(casts.whole, casts.ahead, casts.sliced):
+            with casts.kernels.running():
                 return call(copy)
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
@@ -175,10 +185,7 @@ class NnxAdapter(InstallsMatmuls):
         if casts.plain and "plain" not in warned:
             warned.add("plain")
             warn_plain_arrays(type(model).__name__, casts.plain)
-        with (
-            run_kernels.running(casts.whole, casts.ahead, casts.sliced),
-            kv_caches(options.kv_cache, copy, casts.stored),
-        ):
+        with casts.kernels.running(), kv_caches(options.kv_cache, copy, casts.stored):
             out = call(copy)
         write_back(model, copy, casts.stored)
         return out
@@ -188,14 +195,19 @@ class NnxAdapter(InstallsMatmuls):
         # layer's at the axis its stack is on (left whole, with a warning, when unknown).
         copy = nnx.clone(model)
         stacked_axes = {}
-        axes = stack_axes(copy)
-        for parts, module in nnx.iter_modules(copy):
-            if lead := len(stacked(module)):
-                path = path_of(parts)
-                if (at := axes[path]) is None:  # whole: run dequantized ahead of its stack
-                    user_warnings.warn(ambiguous_stack(path, module))
-                    continue
-                stacked_axes[re.escape(f"{path}/" if path else "") + "[^/]+"] = (lead, at)
+        layers, axes = stack_axes(copy)
+        for path, at in axes.items():
+            if at is None:  # whole: run dequantized ahead of its stack
+                user_warnings.warn(
+                    f"quantize: the stacked layer {path!r} (kernel {kernel_shape(layers[path])}) could "
+                    "hold its layers on more than one axis (as many heads as layers, not on "
+                    "axis 0); its kernel is quantized as one kernel (its layers share their "
+                    "scales) and runs dequantized ahead of its stack. Stack the layers on "
+                    "axis 0 (`nnx.vmap(..., out_axes=0)`) to quantize them per layer."
+                )
+                continue
+            lead = len(stacked(layers[path]))
+            stacked_axes[re.escape(f"{path}/" if path else "") + "[^/]+"] = (lead, at)
 
         state = nnx.state(copy, nnx.Param)
 
@@ -215,7 +227,7 @@ class NnxAdapter(InstallsMatmuls):
             layer, _, name = leaf_path(key_path).rpartition("/")
             if name == "kernel" and getattr(leaf, "ndim", 0) >= 2:
                 kernels[layer] = leaf
-        return kernels, {path: at for path, at in stack_axes(model).items() if at}
+        return kernels, {path: at for path, at in stack_axes(model)[1].items() if at}
 
     def with_states(self, model: Any, states: Mapping[str, Any]) -> Any:
         copy = nnx.clone(model)

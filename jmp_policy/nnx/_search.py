@@ -8,7 +8,7 @@ from typing import Any
 from flax import nnx
 
 from jmp_policy._src import map_search
-from jmp_policy._src.framework.search import search_map as search_once
+from jmp_policy._src.framework.search import search_call
 from jmp_policy._src.options import Options
 from jmp_policy.nnx._adapter import ADAPTER
 from jmp_policy.nnx._apply import apply_with
@@ -80,16 +80,4 @@ def search_map(
         policies, opts = prepare(runner, policy_map, dict(options))
         return apply_with(runner, policies, opts, "__call__", taps)
 
-    return search_once(
-        ADAPTER,
-        model,
-        batches,
-        loss_fn,
-        budget=budget,
-        candidates=candidates,
-        base=base,
-        inputs=inputs,
-        progress=progress,
-        options=Options(),
-        apply=apply,
-    )
+    return search_call(ADAPTER, locals(), options=Options())

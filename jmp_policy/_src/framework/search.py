@@ -81,6 +81,15 @@ def search_map(
     )
 
 
+def search_call(
+    adapter: Adapter, arguments: Mapping[str, Any], **given: Any
+) -> map_search.SearchResult:
+    """:func:`search_map` with a framework's public ``search_map``'s arguments by name (its
+    ``locals()``: ``model``, ``batches``, ``loss_fn`` and the keywords), ``given`` replacing
+    them (``options``: built, not the user's keywords)."""
+    return search_map(adapter, **{**arguments, **given})
+
+
 def _routed_kernels(adapter: Adapter) -> Callable[[Any], tuple[dict[str, Any], dict[str, int]]]:
     def kernels(model: Any) -> tuple[dict[str, Any], dict[str, int]]:
         found = {
