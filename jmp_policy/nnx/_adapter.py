@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -24,36 +25,19 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jmp_policy._src import user_warnings
-from jmp_policy._src.framework import run_kernels
-from jmp_policy._src.framework.policy_class import (
-    call_path,
-    method_of,
-    original_class,
-    policy_subclass,
-)
+from jmp_policy._src import interception, user_warnings
+from jmp_policy._src.framework import policy_class, run_kernels
 from jmp_policy._src.framework.protocol import InstallsMatmuls, Layer
 from jmp_policy._src.framework.routing import routed_matmuls
 from jmp_policy._src.framework.stack_axes import stack_axes as _stack_axes
 from jmp_policy._src.options import Options
+from jmp_policy._src.quantization import matmuls
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
 from jmp_policy._src.tree_paths import leaf_path
-from jmp_policy.nnx._copy import cast_copy, kv_caches, warn_plain_arrays, write_back
-from jmp_policy.nnx._modules import (
-    MATMUL_CLASSES,
-    check_model,
-    filled_dtype,
-    is_nnx_object,
-    kernel_shape,
-    own_dtype,
-    own_shape,
-    path_of,
-    replacement,
-    routable,
-    stacked,
-)
-from jmp_policy.nnx._quantization import install, layer_state, state_type
+from jmp_policy.nnx import _copy
+from jmp_policy.nnx import _modules as m
+from jmp_policy.nnx._quantization import layer_state, state_type
 
 # What the apply wrapper in progress has warned about (None outside `applying`).
 _APPLYING: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar(
@@ -77,33 +61,26 @@ def dress(
     resolver: Resolver,
     methods: tuple[str, ...],
     extensions: tuple[Any, ...],
-    routed: Any = None,
+    routed: Any,
 ) -> None:
     """Each module of the copy computes in its policy's dtype (where its ``dtype`` is not
     the user's) and runs its methods through the hook (a policy subclass) with
     ``extensions``, less ``routed`` (the core's routed matmuls) where the module's matmul
-    is not routable."""
+    is not routable (each Python frame a module call adds costs trace time in every op
+    it runs)."""
     for parts, module in list(nnx.iter_modules(copy)):
-        path = path_of(parts)
+        path, cls = m.path_of(parts), type(module)
         resolution = resolver.module(path)
         if resolution.set_dtype is not None:
             object.__setattr__(module, "dtype", resolution.set_dtype)
-        elif filled_dtype(module):  # not the user's: computes in the policy's dtype
+        elif m.filled_dtype(module):  # not the user's: computes in the policy's dtype
             object.__setattr__(module, "dtype", resolution.policy.compute_dtype)
-        wrapped = tuple(name for name in methods if method_of(type(module), name))
+        wrapped = tuple(name for name in methods if policy_class.method_of(cls, name))
         if wrapped:
-            # The routed matmuls only on the layers they can reach: each Python frame a
-            # module call adds costs trace time in every op it runs.
-            own = tuple(e for e in extensions if e is not routed or routable(module))
-            pytree = {"pytree": getattr(type(module), "_pytree__is_pytree", True)}
-            subclass = policy_subclass(
-                type(module),
-                path,
-                resolution,
-                own,
-                wrapped,
-                opaque=is_nnx_object,
-                class_kwargs=pytree,
+            own = tuple(e for e in extensions if e is not routed or m.routable(module))
+            pytree = {"pytree": getattr(cls, "_pytree__is_pytree", True)}
+            subclass = policy_class.policy_subclass(
+                cls, path, resolution, own, wrapped, opaque=m.is_nnx_object, class_kwargs=pytree
             )
             object.__setattr__(module, "__class__", subclass)
 
@@ -111,10 +88,9 @@ def dress(
 def stack_axes(model: Any) -> tuple[dict[str, Any], dict[str, int | None]]:
     """The layers created stacked (path -> module; NNX names a stack's axis at the call, not
     in the layer), and where their stacked axes start (``None``: not known)."""
-    layers = {path_of(parts): m for parts, m in nnx.iter_modules(model) if stacked(m)}
-    return layers, _stack_axes(
-        {p: (kernel_shape(m), own_shape(m) or ()) for p, m in layers.items()}
-    )
+    layers = {m.path_of(parts): x for parts, x in nnx.iter_modules(model) if m.stacked(x)}
+    shapes = {path: (m.kernel_shape(x), m.own_shape(x) or ()) for path, x in layers.items()}
+    return layers, _stack_axes(shapes)
 
 
 class NnxAdapter(InstallsMatmuls):
@@ -128,35 +104,44 @@ class NnxAdapter(InstallsMatmuls):
         self.methods = methods
 
     def check(self, model: Any) -> None:
-        check_model(model)
+        m.check_model(model)
 
     def layers(self, model: Any) -> Iterator[Layer]:
         modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]) > 0)
         for parts, module in modules:  # the root first (NNX lists children before parents)
-            path, cls = path_of(parts), original_class(module)
-            if not routable(module):
-                yield Layer(path, cls, own_dtype(module))
+            path, cls = m.path_of(parts), policy_class.original_class(module)
+            if not m.routable(module):
+                yield Layer(path, cls, m.own_dtype(module))
                 continue
             kernel = getattr(module, "kernel").get_value()  # noqa: B009
-            yield Layer(path, cls, own_dtype(module), "kernel", kernel, stacked(module))
+            yield Layer(path, cls, m.own_dtype(module), "kernel", kernel, m.stacked(module))
 
     def params(self, model: Any) -> Mapping[str, Any]:
         return nnx.to_pure_dict(nnx.state(model, nnx.Param))  # type: ignore[no-any-return]
 
     def kernel_of(self, module: Any) -> Any:
-        if not routable(module):
+        if not m.routable(module):
             return None
         # The QuantizedArray it reads whole or its own slice of a stack's, else its value.
-        value = module.kernel.get_value()
+        value, path = module.kernel.get_value(), policy_class.call_path(module)
         leaf = lambda name: getattr(module, name).get_value()  # noqa: E731
-        found = run_kernels.layer_kernel(call_path(module), value, leaf)
+        found = run_kernels.layer_kernel(path, value, leaf)
         return value if found is None else found
 
     def matmul_kind(self, module: Any) -> str:
-        return "einsum" if replacement(module) == "einsum_op" else "dot_general"
+        return "einsum" if m.replacement(module) == "einsum_op" else "dot_general"
 
     def install_matmul(self, call: Any, matmul: Callable[..., Any]) -> Any:
-        return install(call, matmul)
+        # In its matmul's attribute (a stacked layer's reading its slice, its int4 values
+        # promoted as int8).
+        module, stack = call.module, contextlib.ExitStack()
+        if call.path in run_kernels.kernels().sliced:
+            matmul = matmuls.in_stack(matmul, call.path)
+            promote = run_kernels.promoting(module.promote_dtype)
+            stack.enter_context(interception.attribute_set(module, "promote_dtype", promote))
+        name = m.replacement(module)  # the core routes routable layers only
+        stack.enter_context(interception.attribute_set(module, name, matmul))  # type: ignore[arg-type]
+        return stack
 
     def kernel_ahead(self, call: Any) -> Any:
         return run_kernels.kernels().ahead.get(call.path)
@@ -172,7 +157,7 @@ class NnxAdapter(InstallsMatmuls):
         extensions: tuple[Any, ...],
         call: Callable[[Any], Any],
     ) -> Any:
-        copy, casts = cast_copy(model, resolver)
+        copy, casts = _copy.cast_copy(model, resolver)
         dress(copy, resolver, self.methods, extensions, routed_matmuls(self))
         warned = _APPLYING.get()
         if warned is None:
@@ -180,14 +165,14 @@ class NnxAdapter(InstallsMatmuls):
                 return call(copy)
         # Before the call: a policy turned off by modules' own dtypes may well make the
         # model fail (a cache of one dtype written with another), so say why first.
-        compute = compute_modules(resolver, nnx.state(model), MATMUL_CLASSES)
+        compute = compute_modules(resolver, nnx.state(model), m.MATMUL_CLASSES)
         warn_once(resolver, type(model).__name__, warned, compute)
         if casts.plain and "plain" not in warned:
             warned.add("plain")
-            warn_plain_arrays(type(model).__name__, casts.plain)
-        with casts.kernels.running(), kv_caches(options.kv_cache, copy, casts.stored):
+            _copy.warn_plain_arrays(type(model).__name__, casts.plain)
+        with casts.kernels.running(), _copy.kv_caches(options.kv_cache, copy, casts.stored):
             out = call(copy)
-        write_back(model, copy, casts.stored)
+        _copy.write_back(model, copy, casts.stored)
         return out
 
     def weights(self, model: Any) -> tuple[Any, Any, Callable[[Any], Any]]:
@@ -199,16 +184,16 @@ class NnxAdapter(InstallsMatmuls):
         for path, at in axes.items():
             if at is None:  # whole: run dequantized ahead of its stack
                 user_warnings.warn(
-                    f"quantize: the stacked layer {path!r} (kernel {kernel_shape(layers[path])}) could "
-                    "hold its layers on more than one axis (as many heads as layers, not on "
-                    "axis 0); its kernel is quantized as one kernel (its layers share their "
-                    "scales) and runs dequantized ahead of its stack. Stack the layers on "
-                    "axis 0 (`nnx.vmap(..., out_axes=0)`) to quantize them per layer."
+                    f"quantize: the stacked layer {path!r} (kernel "
+                    f"{m.kernel_shape(layers[path])}) could hold its layers on more than one "
+                    "axis (as many heads as layers, not on axis 0); its kernel is quantized "
+                    "as one kernel (its layers share their scales) and runs dequantized ahead "
+                    "of its stack. Stack the layers on axis 0 (`nnx.vmap(..., out_axes=0)`) "
+                    "to quantize them per layer."
                 )
                 continue
-            lead = len(stacked(layers[path]))
-            stacked_axes[re.escape(f"{path}/" if path else "") + "[^/]+"] = (lead, at)
-
+            pattern = re.escape(f"{path}/" if path else "") + "[^/]+"
+            stacked_axes[pattern] = (len(m.stacked(layers[path])), at)
         state = nnx.state(copy, nnx.Param)
 
         def rebuild(quantized: Any) -> Any:
@@ -231,7 +216,7 @@ class NnxAdapter(InstallsMatmuls):
 
     def with_states(self, model: Any, states: Mapping[str, Any]) -> Any:
         copy = nnx.clone(model)
-        modules = {path_of(parts): module for parts, module in nnx.iter_modules(copy)}
+        modules = {m.path_of(parts): module for parts, module in nnx.iter_modules(copy)}
         for path, slot in states.items():
             module, kind = modules[path], state_type(slot.kind)
             current = getattr(module, slot.kind, None)
@@ -250,14 +235,10 @@ class NnxAdapter(InstallsMatmuls):
         return state, lambda s: nnx.merge(graphdef, s)
 
 
-_ADAPTERS: dict[tuple[str, ...], NnxAdapter] = {}
-
-
+@functools.cache
 def adapter_for(methods: tuple[str, ...]) -> NnxAdapter:
     """The adapter whose runs hook ``methods`` (one per tuple: the core caches per adapter)."""
-    if methods not in _ADAPTERS:
-        _ADAPTERS[methods] = NnxAdapter(methods)
-    return _ADAPTERS[methods]
+    return NnxAdapter(methods)
 
 
 ADAPTER = adapter_for(("__call__",))

@@ -1,21 +1,13 @@
 """The NNX model's policy-running copy: parameters cast to their compute dtypes going in
 (a quantized kernel as the run's kernels say: :mod:`jmp_policy._src.framework.run_kernels`),
 its quantized KV caches handed out and taken back, the non-parameter state written back in
-its stored dtypes coming out.
-
-``nnx.MultiHeadAttention`` (after ``init_cache``) reads ``self.cached_key[...]``, writes the
-new token with ``lax.dynamic_update_slice`` and stores the result with
-``self.cached_key[...] = key``. Before the call each such variable of the copy holds its
-cache dequantized; the write quantizes the new tokens alone into the stored values and
-scales (:mod:`jmp_policy._src.kv_cache.hook`); after the call the variable holds the
-quantized cache, which :func:`write_back` puts in the model.
+its stored dtypes coming out (the caches: :mod:`jmp_policy._src.kv_cache.variables`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -25,7 +17,7 @@ from flax import nnx
 from jmp_policy._src import casting
 from jmp_policy._src.framework.run_kernels import Staging
 from jmp_policy._src.kv_cache import KVCacheSpec
-from jmp_policy._src.kv_cache.hook import CACHE_NAMES, CacheRun
+from jmp_policy._src.kv_cache.variables import VariableCaches
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import Resolver
@@ -125,38 +117,7 @@ def kv_caches(
 ) -> contextlib.AbstractContextManager[Any]:
     """Runs a call of ``copy`` with its attention caches stored as ``spec`` says; their
     paths leave ``stored`` (the dtypes ``write_back`` would cast them to)."""
-    return contextlib.nullcontext() if spec is None else _CopyCaches(spec, copy, stored)
-
-
-class _CopyCaches(CacheRun):
-    def __init__(self, spec: KVCacheSpec, copy: nnx.Module, stored: dict[str, Any]) -> None:
-        super().__init__(spec, where="the")
-        self._copy, self._stored = copy, stored
-
-    def __enter__(self) -> Any:
-        run = super().__enter__()
-        for variable, fmt, variable_path in _caches(self._copy, run):
-            cache = run.as_stored(variable.get_value(), fmt, variable_path)
-            variable.set_value(run.hand_out(cache))
-            self._stored.pop(variable_path, None)
-        return run
-
-    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
-        if kind is None:
-            # Caches made in the call (a method running `init_cache`) are stored too.
-            for variable, fmt, variable_path in _caches(self._copy, self.run):
-                value = variable.get_value()
-                variable.set_value(self.run.stored(value, fmt, variable_path, False))
-        super().__exit__(kind, error, traceback)
-
-
-def _caches(copy: nnx.Module, run: Any) -> Iterator[tuple[nnx.Variable[Any], Any, str]]:
-    """The cache variables of ``copy`` that ``run``'s spec quantizes, with their formats."""
-    for parts, module in nnx.iter_modules(copy):
-        path = path_of(parts)
-        for name in CACHE_NAMES:
-            variable = vars(module).get(name)
-            fmt = run.format_of(path, name)
-            if fmt is not None and isinstance(variable, nnx.Variable):
-                run.hooked.add(path)
-                yield variable, fmt, f"{path}/{name}" if path else name
+    if spec is None:
+        return contextlib.nullcontext()
+    modules = lambda: ((path_of(parts), x) for parts, x in nnx.iter_modules(copy))  # noqa: E731
+    return VariableCaches(spec, modules, lambda x: isinstance(x, nnx.Variable), stored)

@@ -35,15 +35,11 @@ Extend it as ``{**NORM_FLOAT32, MyNorm: NORM_FLOAT32[nnx.LayerNorm]}``.
 MATMUL_CLASSES: tuple[type, ...] = (nnx.MultiHeadAttention,)
 
 
-def options(option_kwargs: dict[str, Any]) -> Options:
-    """The wrappers' keyword options, validated once."""
-    return make_options(nnx.Module, "nnx.Module", "nnx.LayerNorm", **option_kwargs)
-
-
 def prepare(model: Any, policy_or_map: Any, option_kwargs: dict[str, Any]) -> tuple[Any, Options]:
     """Checks a wrapper's arguments once: ``(policy or map, options)`` (as Linen's)."""
     check_model(model)
-    return floating_policy_or_map(policy_or_map), options(option_kwargs)
+    policies = floating_policy_or_map(policy_or_map)
+    return policies, make_options(nnx.Module, "nnx.Module", "nnx.LayerNorm", **option_kwargs)
 
 
 def is_nnx_object(x: Any) -> bool:
@@ -63,11 +59,8 @@ def own_dtype(module: Any) -> np.dtype | None:
 def filled_dtype(module: Any) -> bool:
     """Whether the module's ``dtype`` was filled in by NNX rather than set by the user
     (``nnx.Embed`` copies an unset ``dtype`` from its ``param_dtype``)."""
-    return (
-        isinstance(module, nnx.Embed)
-        and own_dtype(module) is None
-        and (dt.floating_or_none(getattr(module, "dtype", None)) is not None)
-    )
+    dtype = dt.floating_or_none(getattr(module, "dtype", None))
+    return isinstance(module, nnx.Embed) and dtype is not None and own_dtype(module) is None
 
 
 def path_of(parts: tuple[Any, ...]) -> str:
@@ -111,8 +104,7 @@ def own_shape(module: Any) -> tuple[int, ...] | None:
 
 def kernel_shape(module: Any) -> tuple[int, ...]:
     kernel = getattr(module, "kernel", None)
-    value = kernel.get_value() if isinstance(kernel, nnx.Variable) else kernel
-    return tuple(getattr(value, "shape", ()))
+    return tuple(getattr(kernel, "shape", ()))
 
 
 def stacked(module: Any) -> tuple[int, ...]:

@@ -19,18 +19,13 @@ called twice in one run is a ``ValueError``.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
 
-from jmp_policy._src import interception
 from jmp_policy._src.framework import run_kernels
 from jmp_policy._src.framework.state import fits, shapes
-from jmp_policy._src.quantization import matmuls
-from jmp_policy.nnx._modules import replacement
 
 ATTR = "float8"  # the attribute of a float8 layer that holds its Float8State
 
@@ -111,20 +106,6 @@ def layer_state(call: Any, scheme: Any) -> dict[str, jax.Array]:
             "`jmp_policy.nnx.init_float8(model, policy_or_map)`."
         )
     return state  # type: ignore[no-any-return]
-
-
-def install(call: Any, matmul: Callable[..., Any]) -> contextlib.ExitStack:
-    """The layer of ``call`` runs with ``matmul`` in its matmul's attribute (a stacked
-    layer's reading its slice, its int4 values promoted as int8)."""
-    module, name = call.module, replacement(call.module)
-    assert name is not None  # the core routes routable layers only
-    stack = contextlib.ExitStack()
-    if call.path in run_kernels.kernels().sliced:
-        matmul = matmuls.in_stack(matmul, call.path)
-        promote = run_kernels.promoting(module.promote_dtype)
-        stack.enter_context(interception.attribute_set(module, "promote_dtype", promote))
-    stack.enter_context(interception.attribute_set(module, name, matmul))
-    return stack
 
 
 def split_gradients(grads: nnx.State) -> tuple[nnx.State, nnx.State]:
