@@ -18,23 +18,20 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import jax
 from flax import nnx
 
-from jmp_policy._src import interception, user_warnings
+from jmp_policy._src import interception
 from jmp_policy._src.framework import policy_class, run_kernels
+from jmp_policy._src.framework import stack_axes as core_axes
 from jmp_policy._src.framework.protocol import InstallsMatmuls, Layer
 from jmp_policy._src.framework.routing import routed_matmuls
-from jmp_policy._src.framework.stack_axes import stack_axes as _stack_axes
-from jmp_policy._src.options import Options
+from jmp_policy._src.framework.search import param_kernels
 from jmp_policy._src.quantization import matmuls
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
-from jmp_policy._src.tree_paths import leaf_path
 from jmp_policy.nnx import _copy
 from jmp_policy.nnx import _modules as m
 from jmp_policy.nnx._quantization import layer_state, state_type
@@ -57,11 +54,7 @@ def applying(warned: set[str]) -> Iterator[None]:
 
 
 def dress(
-    copy: nnx.Module,
-    resolver: Resolver,
-    methods: tuple[str, ...],
-    extensions: tuple[Any, ...],
-    routed: Any,
+    copy: nnx.Module, resolver: Resolver, methods: tuple[str, ...], extensions: Any, routed: Any
 ) -> None:
     """Each module of the copy computes in its policy's dtype (where its ``dtype`` is not
     the user's) and runs its methods through the hook (a policy subclass) with
@@ -85,12 +78,14 @@ def dress(
             object.__setattr__(module, "__class__", subclass)
 
 
-def stack_axes(model: Any) -> tuple[dict[str, Any], dict[str, int | None]]:
-    """The layers created stacked (path -> module; NNX names a stack's axis at the call, not
-    in the layer), and where their stacked axes start (``None``: not known)."""
-    layers = {m.path_of(parts): x for parts, x in nnx.iter_modules(model) if m.stacked(x)}
-    shapes = {path: (m.kernel_shape(x), m.own_shape(x) or ()) for path, x in layers.items()}
-    return layers, _stack_axes(shapes)
+def stack_axes(model: Any) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Path -> ``(kernel shape, one layer's)`` of each layer created stacked (NNX names a
+    stack's axis at the call, not in the layer: :mod:`jmp_policy._src.framework.stack_axes`
+    reads it from these)."""
+    modules = nnx.iter_modules(model)
+    return {
+        m.path_of(p): (m.kernel_shape(x), m.own_shape(x) or ()) for p, x in modules if m.stacked(x)
+    }
 
 
 class NnxAdapter(InstallsMatmuls):
@@ -149,14 +144,7 @@ class NnxAdapter(InstallsMatmuls):
     def layer_state(self, call: Any, scheme: Any) -> Any:
         return layer_state(call, scheme)
 
-    def run(
-        self,
-        model: Any,
-        resolver: Resolver,
-        options: Options,
-        extensions: tuple[Any, ...],
-        call: Callable[[Any], Any],
-    ) -> Any:
+    def run(self, model: Any, resolver: Any, options: Any, extensions: Any, call: Any) -> Any:
         copy, casts = _copy.cast_copy(model, resolver)
         dress(copy, resolver, self.methods, extensions, routed_matmuls(self))
         warned = _APPLYING.get()
@@ -179,21 +167,7 @@ class NnxAdapter(InstallsMatmuls):
         # Every nnx.Param of a copy (the map quantizes those of rank >= 2), a stacked
         # layer's at the axis its stack is on (left whole, with a warning, when unknown).
         copy = nnx.clone(model)
-        stacked_axes = {}
-        layers, axes = stack_axes(copy)
-        for path, at in axes.items():
-            if at is None:  # whole: run dequantized ahead of its stack
-                user_warnings.warn(
-                    f"quantize: the stacked layer {path!r} (kernel "
-                    f"{m.kernel_shape(layers[path])}) could hold its layers on more than one "
-                    "axis (as many heads as layers, not on axis 0); its kernel is quantized "
-                    "as one kernel (its layers share their scales) and runs dequantized ahead "
-                    "of its stack. Stack the layers on axis 0 (`nnx.vmap(..., out_axes=0)`) "
-                    "to quantize them per layer."
-                )
-                continue
-            pattern = re.escape(f"{path}/" if path else "") + "[^/]+"
-            stacked_axes[pattern] = (len(m.stacked(layers[path])), at)
+        stacked_axes = core_axes.quantize_axes(stack_axes(copy), "`nnx.vmap(..., out_axes=0)`")
         state = nnx.state(copy, nnx.Param)
 
         def rebuild(quantized: Any) -> Any:
@@ -206,13 +180,8 @@ class NnxAdapter(InstallsMatmuls):
     def search_kernels(self, model: Any) -> tuple[dict[str, Any], dict[str, int]]:
         # Every nnx.Param kernel of rank >= 2 (nnx.Conv's too), and where a stack's
         # layers start when not on axis 0.
-        kernels = {}
-        params = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]
-        for key_path, leaf in params:
-            layer, _, name = leaf_path(key_path).rpartition("/")
-            if name == "kernel" and getattr(leaf, "ndim", 0) >= 2:
-                kernels[layer] = leaf
-        return kernels, {path: at for path, at in stack_axes(model)[1].items() if at}
+        kernels = param_kernels(nnx.state(model, nnx.Param))
+        return kernels, {p: at for p, at in core_axes.stack_axes(stack_axes(model)).items() if at}
 
     def with_states(self, model: Any, states: Mapping[str, Any]) -> Any:
         copy = nnx.clone(model)

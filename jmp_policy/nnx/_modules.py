@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,15 +11,11 @@ from flax import nnx
 
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.framework.policy_class import method_of
-from jmp_policy._src.identifiers import get as _get_policy
-from jmp_policy._src.options import Island, Options, floating_policy_or_map, make_options
+from jmp_policy._src.options import Options, float32_islands, floating_policy_or_map, make_options
 from jmp_policy._src.quantization.quantized_matmul import JNP_EINSUM
 
-NORM_FLOAT32: Mapping[type, Any] = types.MappingProxyType(
-    {
-        cls: Island(_get_policy("float32"))
-        for cls in (nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.InstanceNorm)
-    }
+NORM_FLOAT32: Mapping[type, Any] = float32_islands(
+    nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.InstanceNorm
 )
 """``type_policies`` that compute NNX's normalisation layers in float32 (read-only).
 

@@ -77,7 +77,6 @@ def search_map(
     check_model(model)
 
     def apply(runner: nnx.Module, policy_map: Any, taps: tuple[Any, ...]) -> Any:
-        policies, opts = prepare(runner, policy_map, dict(options))
-        return apply_with(runner, policies, opts, "__call__", taps)
+        return apply_with(runner, *prepare(runner, policy_map, dict(options)), "__call__", taps)
 
     return search_call(ADAPTER, locals(), options=Options())
