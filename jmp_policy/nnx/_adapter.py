@@ -23,6 +23,8 @@ from typing import Any
 
 from flax import nnx
 
+import jmp_policy.nnx._copy as _copy
+import jmp_policy.nnx._modules as m
 from jmp_policy._src import interception
 from jmp_policy._src.framework import policy_class, run_kernels
 from jmp_policy._src.framework import stack_axes as core_axes
@@ -32,8 +34,6 @@ from jmp_policy._src.framework.search import param_kernels
 from jmp_policy._src.quantization import matmuls
 from jmp_policy._src.resolution import Resolver
 from jmp_policy._src.run_report import compute_modules, warn_once
-from jmp_policy.nnx import _copy
-from jmp_policy.nnx import _modules as m
 from jmp_policy.nnx._quantization import layer_state, state_type
 
 # What the apply wrapper in progress has warned about (None outside `applying`).
