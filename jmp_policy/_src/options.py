@@ -10,6 +10,7 @@ a new option is one field here and one keyword. Which policy a module then runs 
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -284,3 +285,9 @@ def _check_class(cls: Any, argument: str, base: type | None, base_name: str, exa
             f"`{argument}` takes {base_name or base.__qualname__} subclasses, such as "
             f"{example}. Received {cls!r}"
         )
+
+
+def float32_islands(*classes: type) -> Mapping[type, Any]:
+    """Read-only ``type_policies`` that compute ``classes`` in float32, each one's output
+    back in its caller's compute dtype (a framework's ``NORM_FLOAT32``)."""
+    return types.MappingProxyType({cls: Island(identifiers.get("float32")) for cls in classes})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -11,8 +10,7 @@ import equinox as eqx
 from jmp_policy._src.framework import entry_points, state
 from jmp_policy._src.framework.diagnose import diagnose as diagnose_once
 from jmp_policy._src.framework.shared_docs import fill
-from jmp_policy._src.identifiers import get as _get_policy
-from jmp_policy._src.options import Island, Options, make_options
+from jmp_policy._src.options import Options, float32_islands, make_options
 from jmp_policy.equinox._adapter import EquinoxAdapter
 from jmp_policy.equinox._kv_cache import as_shapes, cache_table, with_kv_caches
 
@@ -20,11 +18,8 @@ M = TypeVar("M")
 
 ADAPTER = EquinoxAdapter()
 
-NORM_FLOAT32: Mapping[type, Any] = types.MappingProxyType(
-    {
-        cls: Island(_get_policy("float32"))
-        for cls in (eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm, eqx.nn.BatchNorm)
-    }
+NORM_FLOAT32: Mapping[type, Any] = float32_islands(
+    eqx.nn.LayerNorm, eqx.nn.RMSNorm, eqx.nn.GroupNorm, eqx.nn.BatchNorm
 )
 """``type_policies`` that compute Equinox's ``LayerNorm``, ``RMSNorm``, ``GroupNorm`` and
 ``BatchNorm`` in float32 and return their outputs in the caller's compute dtype (read-only)."""

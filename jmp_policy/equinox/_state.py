@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jmp_policy._src.framework.shared_docs import fill
+from jmp_policy._src.framework.state import fits
 
 # A state-holding subclass's name for its original class and its slot's field.
 _PUBLIC = "_jmp_policy_public_class"
@@ -108,8 +109,7 @@ def state_value(call: Any, scheme: Any) -> Any:
             "state) and take its new value with `jmp_policy.equinox.split_gradients`, or "
             "use current scaling, 'float8_current_from_<source>' (no state)."
         )
-    expected = jax.tree.map(jnp.shape, jax.eval_shape(scheme.init_state))
-    if jax.tree.map(jnp.shape, slot.value) != expected:
+    if not fits(slot.value, scheme):
         length = getattr(policy, "amax_history_length", None)
         raise ValueError(
             f"{where} runs under {policy.name!r} with amax_history_length={length}, but "

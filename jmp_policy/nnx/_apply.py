@@ -64,11 +64,7 @@ def apply(
 
 
 def apply_with(
-    model: nnx.Module,
-    policies: Any,
-    opts: Any,
-    method: str | Callable[..., Any],
-    taps: tuple[Any, ...] = (),
+    model: nnx.Module, policies: Any, opts: Any, method: Any, taps: tuple[Any, ...] = ()
 ) -> Callable[..., Any]:
     """:func:`apply` with checked arguments and built options, ``taps`` outermost (the
     extensions ``diagnose`` and ``search_map`` add)."""
@@ -85,14 +81,7 @@ def apply_with(
     return apply_run
 
 
-def _invoke(
-    method: str | Callable[..., Any],
-    copy: nnx.Module,
-    resolver: Any,
-    extensions: tuple[Any, ...],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
+def _invoke(method: Any, copy: Any, resolver: Any, extensions: Any, args: Any, kwargs: Any) -> Any:
     """The copy's ``method`` (a name), or ``method(copy, ...)`` under the root's policy."""
     if isinstance(method, str):
         return getattr(copy, method)(*args, **kwargs)

@@ -1,8 +1,12 @@
-"""The NNX model's policy-running copy: parameters cast to their compute dtypes going
-in, the non-parameter state written back in its stored dtypes coming out."""
+"""The NNX model's policy-running copy: parameters cast to their compute dtypes going in
+(a quantized kernel as the run's kernels say: :mod:`jmp_policy._src.framework.run_kernels`),
+its quantized KV caches handed out and taken back, the non-parameter state written back in
+its stored dtypes coming out (the caches: :mod:`jmp_policy._src.kv_cache.variables`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any, NamedTuple
 
@@ -11,26 +15,23 @@ import numpy as np
 from flax import nnx
 
 from jmp_policy._src import casting
-from jmp_policy._src.framework import run_kernels
+from jmp_policy._src.framework.run_kernels import Staging
+from jmp_policy._src.kv_cache import KVCacheSpec
+from jmp_policy._src.kv_cache.variables import VariableCaches
 from jmp_policy._src.policy_map import leaf_path, parent_path
 from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import Resolver
-from jmp_policy.nnx._modules import path_of
-from jmp_policy.nnx._quantization import routable, stacked
+from jmp_policy.nnx._modules import path_of, routable, stacked
 
 
 class Casts(NamedTuple):
-    """What :func:`cast_copy` did (module path -> kernel, for the kernels): the stored dtypes
-    of the non-parameter state, to write it back in; the quantized kernels passed whole,
-    dequantized ahead, or stacked (values with their scales beside them, sliced in the
-    loop); the plain floating arrays the policy would have cast.
-    """
+    """What :func:`cast_copy` did: the stored dtypes of the non-parameter state (to write
+    it back in), the plain floating arrays the policy would have cast, and the run's
+    quantized kernels (:class:`~jmp_policy._src.framework.run_kernels.Staging`)."""
 
     stored: dict[str, np.dtype]
-    whole: dict[str, Any]
     plain: list[str]
-    ahead: dict[str, Any]
-    sliced: dict[str, Any]
+    kernels: Staging
 
 
 def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]:
@@ -38,10 +39,7 @@ def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]
     quantized kernel of a routed layer as its integer values, read whole by the layer's
     matmul), every other variable a fresh one in its stored dtype."""
     graphdef, state = nnx.split(model)
-    casts = Casts({}, {}, [], {}, {})
-    # A stacked layer (nnx.vmap'd, run under nnx.scan or nnx.vmap) sees a slice of its
-    # kernel: its QuantizedArray is passed as its data arrays, which the loop slices
-    # (jmp_policy._src.quantization.stack_layers), not whole.
+    casts = Casts({}, [], Staging())
     modules = {path_of(parts): module for parts, module in nnx.iter_modules(model)}
 
     def cast_variable(key_path: Any, variable: Any) -> Any:
@@ -58,22 +56,12 @@ def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]
             return variable
         value = variable.get_value()
         if isinstance(variable, nnx.Param):
-            policy = resolver.variable(path)[0]
             module_path, _, name = path.rpartition("/")
             module = modules.get(module_path)
-            how = run_kernels.route(value, policy, routable(module), len(stacked(module)))
-            if name == "kernel" and how == "whole":
-                # The layer's matmul reads the QuantizedArray itself (see
-                # jmp_policy._src.quantization.matmuls); NNX's promote_dtype gets its integers.
-                casts.whole[module_path] = value
-                return variable.replace(run_kernels.promotable(value.values))
-            if name == "kernel" and how == "sliced":
-                # Each layer's matmul reads its slice (jmp_policy.nnx._quantization).
-                casts.sliced[module_path] = value
-                return variable.replace(value.values)
-            if name == "kernel" and how == "ahead":
-                casts.ahead[module_path] = value
-            return variable.replace(policy.cast_to_compute(value))
+            policy, lead = resolver.variable(path)[0], len(stacked(module))
+            return variable.replace(
+                casts.kernels.param(module_path, name, value, policy, routable(module), lead)
+            )
         if isinstance(value, (jax.Array, np.ndarray)):
             casts.stored[path] = value.dtype
         return variable.replace(value)  # A fresh variable for the copy.
@@ -83,9 +71,11 @@ def cast_copy(model: nnx.Module, resolver: Resolver) -> tuple[nnx.Module, Casts]
     )
     copy = nnx.merge(graphdef, copy_state)
     for parts, module in nnx.iter_modules(copy):
-        q = casts.sliced.get(path_of(parts))
+        # A stacked layer (nnx.vmap'd, run under nnx.scan or nnx.vmap) sees a slice of its
+        # kernel: its QuantizedArray is passed as its data arrays, which the loop slices
+        # (jmp_policy._src.quantization.stack_layers): params, never written back.
+        q = casts.kernels.sliced.get(path_of(parts))
         for field, leaf in ({} if q is None else stack_layers.extra_leaves(q)).items():
-            # Params (never written back), sliced by the loop with the kernel's values.
             setattr(module, stack_layers.leaf_name("kernel", field), nnx.Param(leaf))
     return copy, casts
 
@@ -120,3 +110,14 @@ def warn_plain_arrays(model: str, paths: list[str]) -> None:
         UserWarning,
         stacklevel=3,
     )
+
+
+def kv_caches(
+    spec: KVCacheSpec | None, copy: nnx.Module, stored: dict[str, Any]
+) -> contextlib.AbstractContextManager[Any]:
+    """Runs a call of ``copy`` with its attention caches stored as ``spec`` says; their
+    paths leave ``stored`` (the dtypes ``write_back`` would cast them to)."""
+    if spec is None:
+        return contextlib.nullcontext()
+    modules = lambda: ((path_of(parts), x) for parts, x in nnx.iter_modules(copy))  # noqa: E731
+    return VariableCaches(spec, modules, lambda x: isinstance(x, nnx.Variable), stored)

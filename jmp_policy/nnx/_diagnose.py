@@ -50,13 +50,7 @@ def diagnose(
         ('layers/0', 'float16')
     """
     policies, opts = prepare(model, policy_or_map, options)
+    run = lambda model, taps: apply_with(model, policies, opts, method, taps)  # noqa: E731
     return diagnose_once(
-        ADAPTER,
-        model,
-        policies,
-        opts,
-        every,
-        paths,
-        opaque=is_nnx_object,
-        apply=lambda model, taps: apply_with(model, policies, opts, method, taps),
+        ADAPTER, model, policies, opts, every, paths, opaque=is_nnx_object, apply=run
     )

@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import types
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.framework.policy_class import method_of
-from jmp_policy._src.identifiers import get as _get_policy
-from jmp_policy._src.options import Island, Options, floating_policy_or_map, make_options
+from jmp_policy._src.options import Options, float32_islands, floating_policy_or_map, make_options
+from jmp_policy._src.quantization.quantized_matmul import JNP_EINSUM
 
-NORM_FLOAT32: Mapping[type, Any] = types.MappingProxyType(
-    {
-        cls: Island(_get_policy("float32"))
-        for cls in (nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.InstanceNorm)
-    }
+NORM_FLOAT32: Mapping[type, Any] = float32_islands(
+    nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm, nnx.InstanceNorm
 )
 """``type_policies`` that compute NNX's normalisation layers in float32 (read-only).
 
@@ -33,15 +30,11 @@ Extend it as ``{**NORM_FLOAT32, MyNorm: NORM_FLOAT32[nnx.LayerNorm]}``.
 MATMUL_CLASSES: tuple[type, ...] = (nnx.MultiHeadAttention,)
 
 
-def options(option_kwargs: dict[str, Any]) -> Options:
-    """The wrappers' keyword options, validated once."""
-    return make_options(nnx.Module, "nnx.Module", "nnx.LayerNorm", **option_kwargs)
-
-
 def prepare(model: Any, policy_or_map: Any, option_kwargs: dict[str, Any]) -> tuple[Any, Options]:
     """Checks a wrapper's arguments once: ``(policy or map, options)`` (as Linen's)."""
     check_model(model)
-    return floating_policy_or_map(policy_or_map), options(option_kwargs)
+    policies = floating_policy_or_map(policy_or_map)
+    return policies, make_options(nnx.Module, "nnx.Module", "nnx.LayerNorm", **option_kwargs)
 
 
 def is_nnx_object(x: Any) -> bool:
@@ -61,15 +54,60 @@ def own_dtype(module: Any) -> np.dtype | None:
 def filled_dtype(module: Any) -> bool:
     """Whether the module's ``dtype`` was filled in by NNX rather than set by the user
     (``nnx.Embed`` copies an unset ``dtype`` from its ``param_dtype``)."""
-    return (
-        isinstance(module, nnx.Embed)
-        and own_dtype(module) is None
-        and (dt.floating_or_none(getattr(module, "dtype", None)) is not None)
-    )
+    dtype = dt.floating_or_none(getattr(module, "dtype", None))
+    return isinstance(module, nnx.Embed) and dtype is not None and own_dtype(module) is None
 
 
 def path_of(parts: tuple[Any, ...]) -> str:
     return "/".join(str(p) for p in parts)
+
+
+def replacement(module: Any) -> str | None:
+    """The attribute holding the module's matmul, when routable (NNX's own matmul: an
+    ``nnx.Linear`` whose ``dot_general`` is JAX's, an ``nnx.LinearGeneral`` whose user set
+    neither ``dot_general`` nor ``dot_general_cls``, an ``nnx.Einsum`` whose ``einsum_op``
+    is ``jnp.einsum``)."""
+    if isinstance(module, nnx.Linear):
+        if module.dot_general is jax.lax.dot_general:
+            return "dot_general"
+    elif isinstance(module, nnx.LinearGeneral):
+        if module.dot_general is None and module.dot_general_cls is None:
+            return "dot_general"
+    elif isinstance(module, nnx.Einsum) and module.einsum_op is JNP_EINSUM:
+        return "einsum_op"
+    return None
+
+
+def routable(module: Any) -> bool:
+    """Whether a quantized policy reaches the module's matmul (:func:`replacement`)."""
+    return replacement(module) is not None
+
+
+def own_shape(module: Any) -> tuple[int, ...] | None:
+    """One layer's kernel shape, for an ``nnx.Linear``, ``nnx.LinearGeneral``,
+    ``nnx.Einsum`` or ``nnx.Conv`` (``None`` for any other module: its own axes are
+    unknown)."""
+    if isinstance(module, nnx.Linear):
+        return (module.in_features, module.out_features)
+    if isinstance(module, nnx.LinearGeneral):
+        batch = tuple(dict(module.batch_axis).values())
+        return (*batch, *module.in_features, *module.out_features)
+    if isinstance(module, (nnx.Einsum, nnx.Conv)):
+        return tuple(module.kernel_shape)
+    return None
+
+
+def kernel_shape(module: Any) -> tuple[int, ...]:
+    kernel = getattr(module, "kernel", None)
+    return tuple(getattr(kernel, "shape", ()))
+
+
+def stacked(module: Any) -> tuple[int, ...]:
+    """The leading axes of a layer created stacked (``nnx.vmap`` of its constructor, for
+    ``nnx.scan`` over layers): its kernel's axes before the layer's own (:func:`own_shape`;
+    ``()`` for other modules)."""
+    own, shape = own_shape(module), kernel_shape(module)
+    return () if own is None else shape[: max(len(shape) - len(own), 0)]
 
 
 def check_model(model: Any) -> None:

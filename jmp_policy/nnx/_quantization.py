@@ -10,17 +10,14 @@ is a ``ValueError``.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 from flax import nnx
 
-from jmp_policy._src import interception
 from jmp_policy._src.framework import run_kernels
 from jmp_policy._src.framework.shared_docs import fill
-from jmp_policy._src.quantization import matmuls, quantized_matmul, stack_layers
+from jmp_policy._src.framework.state import fits, shapes
 
 ATTR = "float8"  # the attribute of a float8 layer that holds its Float8State
 
@@ -61,51 +58,6 @@ def state_type(kind: str) -> type[nnx.Variable[Any]]:
     return Float8State if kind == ATTR else SchemeState
 
 
-def replacement(module: Any) -> str | None:
-    """The attribute holding the module's matmul, when routable (NNX's own matmul)."""
-    if isinstance(module, nnx.Linear):
-        if module.dot_general is jax.lax.dot_general:
-            return "dot_general"
-    elif isinstance(module, nnx.LinearGeneral):
-        if module.dot_general is None and module.dot_general_cls is None:
-            return "dot_general"
-    elif isinstance(module, nnx.Einsum) and module.einsum_op is quantized_matmul.JNP_EINSUM:
-        return "einsum_op"
-    return None
-
-
-def stacked(module: Any) -> tuple[int, ...]:
-    """The leading axes of a layer created stacked (``nnx.vmap`` of its constructor, for
-    ``nnx.scan`` over layers): its kernel's axes before the layer's own. ``()`` for a module
-    that is not an ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum`` or
-    ``nnx.Conv`` (whose own axes are unknown)."""
-    if isinstance(module, nnx.Linear):
-        own = 2
-    elif isinstance(module, nnx.LinearGeneral):
-        own = len(module.batch_axis) + len(module.in_features) + len(module.out_features)
-    elif isinstance(module, nnx.Einsum):
-        own = len(module.kernel_shape)
-    elif isinstance(module, nnx.Conv):
-        own = len(module.kernel_size) + 2
-    else:
-        return ()
-    kernel = getattr(module, "kernel", None)
-    value = kernel.get_value() if isinstance(kernel, nnx.Variable) else kernel
-    shape = tuple(getattr(value, "shape", ()))
-    return shape[: max(len(shape) - own, 0)]
-
-
-def kind_of(name: str) -> str:
-    """The matmul kind (:func:`jmp_policy._src.quantization.matmuls.of_kind`) of the
-    attribute :func:`replacement` names."""
-    return "einsum" if name == "einsum_op" else "dot_general"
-
-
-def routable(module: Any) -> bool:
-    """Whether a quantized policy reaches the module's matmul (see the module docstring)."""
-    return replacement(module) is not None
-
-
 def _where(call: Any) -> str:
     return f"{type(call.module).__name__} at {call.path or 'the root'!r}"
 
@@ -134,8 +86,8 @@ def layer_state(call: Any, scheme: Any) -> dict[str, jax.Array]:
             "bfloat16 policy in the map."
         )
     state = variable.get_value()
-    if _shapes(state) != _shapes(jax.eval_shape(scheme.init_state)):
-        history = _shapes(state.get("input_amax_history") if isinstance(state, dict) else None)
+    if not fits(state, scheme):
+        history = shapes(state.get("input_amax_history") if isinstance(state, dict) else None)
         length = getattr(policy, "amax_history_length", None)
         raise ValueError(
             f"{_where(call)} runs under the float8 policy {policy.name!r} with "
@@ -144,62 +96,6 @@ def layer_state(call: Any, scheme: Any) -> dict[str, jax.Array]:
             "`jmp_policy.nnx.init_float8(model, policy_or_map)`."
         )
     return state  # type: ignore[no-any-return]
-
-
-def _shapes(tree: Any) -> Any:
-    return jax.tree.map(lambda x: getattr(x, "shape", None), tree)
-
-
-def kernel(module: Any, path: str | None) -> Any:
-    """A routable layer's kernel as its matmul receives it: the ``QuantizedArray`` it
-    reads whole, its own slice of a stacked one, else its (cast) kernel's value."""
-    if path is not None:
-        whole = run_kernels.kernels().whole.get(path)
-        if whole is not None:
-            return whole
-        stack = run_kernels.kernels().sliced.get(path)
-        if stack is not None:
-            return _layer_kernel(module, stack)
-    return module.kernel.get_value()
-
-
-@contextlib.contextmanager
-def install(call: Any, matmul: Callable[..., Any]) -> Iterator[None]:
-    """The layer of ``call`` runs with ``matmul`` in its matmul's attribute (a stacked
-    layer's reading its slice, its int4 values promoted as int8)."""
-    module = call.module
-    name = replacement(module)
-    assert name is not None  # the core routes routable layers only
-    if run_kernels.kernels().sliced.get(call.path) is None:
-        with interception.attribute_set(module, name, matmul):
-            yield
-        return
-    with (
-        interception.attribute_set(module, name, matmuls.in_stack(matmul, call.path)),
-        interception.attribute_set(module, "promote_dtype", _int4_as_int8(module.promote_dtype)),
-    ):
-        yield
-
-
-def _layer_kernel(module: Any, stack: Any) -> Any:
-    """The layer's own ``QuantizedArray`` kernel, from the slices of the stacked kernel
-    ``stack`` that the loop body's module holds (:func:`jmp_policy.nnx._copy.cast_copy`)."""
-    leaves = {
-        field: getattr(module, stack_layers.leaf_name("kernel", field)).get_value()
-        for field in stack_layers.extra_leaves(stack)
-    }
-    return stack_layers.layer_of(stack, module.kernel.get_value(), leaves)
-
-
-def _int4_as_int8(promote: Callable[..., Any]) -> Callable[..., Any]:
-    """The layer's ``promote_dtype``, given int4 values as int8 (int4 has no implicit
-    promotion): the layer's matmul reads the values with their scales, so this copy is
-    dead code."""
-
-    def promote_dtype(arrays: Any, *args: Any, **kwargs: Any) -> Any:
-        return promote(tuple(map(run_kernels.promotable, arrays)), *args, **kwargs)
-
-    return promote_dtype
 
 
 @fill

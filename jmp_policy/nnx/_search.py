@@ -8,7 +8,7 @@ from typing import Any
 from flax import nnx
 
 from jmp_policy._src import map_search
-from jmp_policy._src.framework.search import search_map as search_once
+from jmp_policy._src.framework.search import search_call
 from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy._src.options import Options
 from jmp_policy.nnx._adapter import ADAPTER
@@ -59,19 +59,6 @@ def search_map(
     check_model(model)
 
     def apply(runner: nnx.Module, policy_map: Any, taps: tuple[Any, ...]) -> Any:
-        policies, opts = prepare(runner, policy_map, dict(options))
-        return apply_with(runner, policies, opts, "__call__", taps)
+        return apply_with(runner, *prepare(runner, policy_map, dict(options)), "__call__", taps)
 
-    return search_once(
-        ADAPTER,
-        model,
-        batches,
-        loss_fn,
-        budget=budget,
-        candidates=candidates,
-        base=base,
-        inputs=inputs,
-        progress=progress,
-        options=Options(),
-        apply=apply,
-    )
+    return search_call(ADAPTER, locals(), options=Options())

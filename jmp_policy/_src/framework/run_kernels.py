@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -93,6 +93,64 @@ def route(kernel: Any, policy: Any, routed: bool, lead: int) -> str | None:
     if routed and reads and lead and stack_layers.servable(kernel) and kernel.stacked == lead:
         return "sliced"
     return "ahead"
+
+
+class Staging:
+    """A policy-running copy's kernels as it is made (:meth:`param`), then its run
+    (:meth:`running`): layer path -> ``QuantizedArray`` read whole, dequantized ahead, sliced."""
+
+    def __init__(self) -> None:
+        self.whole: dict[str, Any] = {}
+        self.ahead: dict[str, Any] = {}
+        self.sliced: dict[str, Any] = {}
+
+    def param(self, path: str, name: str, value: Any, policy: Any, routed: bool, lead: int) -> Any:
+        """What the copy holds for the parameter ``name`` of the layer at ``path`` (its
+        policy's, its matmul ``routed`` or not, ``lead`` stacked axes): a quantized
+        ``kernel`` its matmul reads whole as its integer values (promotable), a stacked one's
+        values (each layer's matmul reads its slice in the loop), else the value cast to
+        the compute dtype (a quantized kernel dequantized ahead of its layer)."""
+        how = route(value, policy, routed, lead) if name == "kernel" else None
+        if how == "whole":
+            self.whole[path] = value
+            return promotable(value.values)
+        if how == "sliced":
+            self.sliced[path] = value
+            return value.values
+        if how == "ahead":
+            self.ahead[path] = value
+        return policy.cast_to_compute(value)
+
+    def running(self) -> contextlib.AbstractContextManager[None]:
+        """The run of the copy, its layers receiving these kernels."""
+        return running(self.whole, self.ahead, self.sliced)
+
+
+def layer_kernel(path: str | None, values: Any, leaf: Callable[[str], Any]) -> Any:
+    """The ``QuantizedArray`` the routed layer at ``path`` reads in the run in progress:
+    the one it reads whole, or its own slice of a stacked one, rebuilt from the slices its
+    loop body holds (``values``, and ``leaf(name)`` for each
+    :func:`~jmp_policy._src.quantization.stack_layers.leaf_name`); else ``None``."""
+    run = kernels()
+    if path is None or path in run.whole:
+        return None if path is None else run.whole[path]
+    stack = run.sliced.get(path)
+    if stack is None:
+        return None
+    fields = stack_layers.extra_leaves(stack)
+    leaves = {field: leaf(stack_layers.leaf_name("kernel", field)) for field in fields}
+    return stack_layers.layer_of(stack, values, leaves)
+
+
+def promoting(promote: Callable[..., Any]) -> Callable[..., Any]:
+    """A layer's dtype promotion given integer values as :func:`promotable` (int4 as int8):
+    a stacked layer's matmul reads its values with their scales, so the promoted copy is
+    dead code."""
+
+    def promote_dtype(arrays: Any, *args: Any, **kwargs: Any) -> Any:
+        return promote(tuple(map(promotable, arrays)), *args, **kwargs)
+
+    return promote_dtype
 
 
 def promotable(values: Any) -> Any:

@@ -6,11 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
+
 from jmp_policy._src import map_search
 from jmp_policy._src.framework import entry_points
 from jmp_policy._src.framework.protocol import Adapter
 from jmp_policy._src.options import Options
 from jmp_policy._src.quantization import is_quantized
+from jmp_policy._src.tree_paths import leaf_path
 
 
 def search_map(
@@ -79,6 +82,26 @@ def search_map(
         stacked_at=stacked_at,
         reuse=reuse,
     )
+
+
+def search_call(
+    adapter: Adapter, arguments: Mapping[str, Any], **given: Any
+) -> map_search.SearchResult:
+    """:func:`search_map` with a framework's public ``search_map``'s arguments by name (its
+    ``locals()``: ``model``, ``batches``, ``loss_fn`` and the keywords), ``given`` replacing
+    them (``options``: built, not the user's keywords)."""
+    return search_map(adapter, **{**arguments, **given})
+
+
+def param_kernels(params: Any) -> dict[str, Any]:
+    """Layer path -> each leaf named ``kernel`` of rank >= 2 of a parameter tree (every
+    layer's, a convolution's too): the layers of an adapter's ``search_kernels``."""
+    kernels = {}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        layer, _, name = leaf_path(key_path).rpartition("/")
+        if name == "kernel" and getattr(leaf, "ndim", 0) >= 2:
+            kernels[layer] = leaf
+    return kernels
 
 
 def _routed_kernels(adapter: Adapter) -> Callable[[Any], tuple[dict[str, Any], dict[str, int]]]:

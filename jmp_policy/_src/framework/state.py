@@ -62,6 +62,16 @@ def init_states(
     return getattr(adapter, "with_states")(model, states), found  # noqa: B009
 
 
+def shapes(tree: Any) -> Any:
+    """``tree`` with each leaf's shape (``None`` for a leaf without one)."""
+    return jax.tree.map(lambda x: getattr(x, "shape", None), tree)
+
+
+def fits(value: Any, scheme: Any) -> bool:
+    """Whether a layer's state ``value`` has the shapes of ``scheme.init_state()``'s."""
+    return shapes(value) == shapes(jax.eval_shape(scheme.init_state))
+
+
 def _stack(lead: tuple[int, ...], x: Any) -> Any:
     return jnp.broadcast_to(x, lead + x.shape)
 
