@@ -261,7 +261,7 @@ SERVING_FORMATS = (
     ("int4/128", "int4/128_from_float32", "s4"),
 )
 # Zero points (int4 per group, int8 per channel): the XLA forms fold them in (the Pallas
-# kernel reads none).
+# route, not compiled here, takes their term from its result).
 ZERO_POINT_FORMATS = (
     ("int4/128/asym", "int4/128/asym_from_float32", "s4"),
     ("int8/asym", "int8/asym_from_float32", "s8"),

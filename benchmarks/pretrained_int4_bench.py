@@ -68,7 +68,7 @@ REST = (
 )
 ROWS = (
     "int8", "gptq/8/-1", "smoothquant/8", "int4/128", "gptq/4/128", "awq/4/128",
-    "int4/128/asym", "gptq/4/128/asym", "awq/4/128/asym", "int4/128/full", "qwix:int4/128",
+    "int4/128/asym", "gptq/4/128/asym", "awq/4/128/asym", "int4/128/narrow", "qwix:int4/128",
     "keras:int4/128",
 )  # fmt: skip
 # The peers' int4 on the same kernels, run dequantized (benchmarks/peer_int4.py).
@@ -193,7 +193,7 @@ def main():
     comparisons = []
     if "int4/128" in results:
         int4 = ("gptq/4/128", "awq/4/128", "int4/128/asym", "gptq/4/128/asym", "awq/4/128/asym")
-        int4 += ("int4/128/full", "qwix:int4/128", "keras:int4/128")
+        int4 += ("int4/128/narrow", "qwix:int4/128", "keras:int4/128")
         comparisons.append(("int4/128", tuple(r for r in int4 if r in results)))
     if "int8" in results:
         comparisons.append(
@@ -207,7 +207,7 @@ def peer_differences(results):
     """Prints each of our round-to-nearest int4/128 rows against each peer's row: the mean
     held-out loss difference (ours minus the peer's; below zero: ours better) and the
     standard error of that paired difference over the same sequences."""
-    ours = [r for r in ("int4/128", "int4/128/full", "int4/128/asym") if r in results]
+    ours = [r for r in ("int4/128", "int4/128/narrow", "int4/128/asym") if r in results]
     for peer in (r for r in results if r.startswith(PEERS)):
         for row in ours:
             diff, se = lm_task.paired_difference(results[row][0], results[peer][0])

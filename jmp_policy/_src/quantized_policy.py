@@ -23,7 +23,8 @@ class QuantizedDTypePolicy(DTypePolicy):
 
     Compute, variable and output dtypes come from the source policy. ``int4/<block>``
     quantizes in blocks of ``<block>`` rows, ``int4`` (or ``int4/-1``, Keras's legacy
-    ``int4/None``) per channel; ``int8/asym`` and ``int4/<block>/asym`` store a zero point
+    ``int4/None``) per channel, on int4's 16 codes ``-8..7`` (``int4/<block>/narrow``: the
+    15 codes ``-7..7``); ``int8/asym`` and ``int4/<block>/asym`` store a zero point
     per group. ``str`` writes the mode before jmp's short form of the
     dtypes, which :func:`get` reads back.
 
@@ -254,13 +255,13 @@ class Int4DTypePolicy(QuantizedDTypePolicy):
                 "`symmetric` contradicts `mode`, whose groups have zero points. "
                 f"Received: symmetric={symmetric!r}, mode={mode!r}"
             )
-        full = given.full_range  # with symmetric=False: Int4Scheme says both cannot be
+        full = given.full_range  # narrow with symmetric=False: Int4Scheme says both cannot be
         scheme = Int4Scheme(block_size=block, symmetric=bool(symmetric), full_range=full)
         self._init_quantized(scheme.mode_text(), scheme, source_name)
 
     def _rebuild_from(self, source: DTypePolicy) -> Int4DTypePolicy:
         scheme = self._scheme
-        mode = scheme.mode_text() if scheme.full_range else "int4"
+        mode = "int4" if scheme.full_range else scheme.mode_text()
         return Int4DTypePolicy(mode, source.name, scheme.block_size, scheme.symmetric)
 
     @property

@@ -220,7 +220,13 @@ def test_keras_quantized_configs_drive_the_same_layers(linen_mlp):
     assert _int8_dots(lambda p: fn({"params": p}, X), quantized)[0] == 0  # weight-only
     out = fn({"params": quantized}, X)
     assert out.dtype == jnp.float32  # the int4 head computes in float32
-    assert _rel(out, model.apply(variables, X)) < 0.1
+    # Was < 0.1 on int4's narrow grid (0.090 here); on the full-range grid, the default since
+    # #49, the head's weights are closer (checked below) but this draw's 16 x 4 outputs come
+    # out at 0.126 (the output error of a single group of 32 rows per output, not the grid's).
+    assert _rel(out, model.apply(variables, X)) < 0.15
+    head = variables["params"]["head"]["kernel"]
+    narrow = jp.get("int4/128/narrow_from_float32").quantize(head)
+    assert _rel(quantized["head"]["kernel"].dequantize(), head) < _rel(narrow.dequantize(), head)
 
 
 # -- quantization-aware training of a small transformer LM ---------------------------------

@@ -65,10 +65,12 @@ def test_awq_finds_the_brute_force_best_exponent(group, maybe_jit):
     assert q.mode == "int4" and q.block_size == group and q.values.dtype == jnp.int4
 
 
-def _brute_force_clip(w, x, s, group, qmax=7.0):
+def _brute_force_clip(w, x, s, group, bound=7.5, lo=-8.0, qmax=7.0):
     """AWQ's auto_clip by brute force: for the scaled kernel ``diag(s) w`` and inputs
     ``x / s``, each group's and column's ratio ``1 - i/100`` (``i < 80``) of the abs-max
-    with the least output error of that group's rows, in float64."""
+    with the least output error of that group's rows, in float64. On the full-range grid,
+    int4's default since #49 (``amax / 7.5``, ``-8..7``, a division within 1e-5 of the tie
+    ``-7.5`` rounded to ``-8``; was ``amax / 7``, ``-7..7``)."""
     ws = w.astype(np.float64) * s[:, None]
     xs = x.astype(np.float64) / s[None, :]
     rows = w.shape[0]
@@ -79,8 +81,9 @@ def _brute_force_clip(w, x, s, group, qmax=7.0):
         amax = np.abs(wg).max(0)
         best, best_err = None, np.full(amax.shape, np.inf)
         for i in range(80):
-            sc = amax * (1 - i / 100) / qmax
-            dq = np.clip(np.round(wg / sc), -qmax, qmax) * sc
+            sc = amax * (1 - i / 100) / bound
+            t = wg / sc
+            dq = np.clip(np.round(np.where(np.abs(t + bound) < 1e-5, -bound, t)), lo, qmax) * sc
             err = ((xg @ (wg - dq)) ** 2).sum(0)
             better = err < best_err
             best = dq if best is None else np.where(better, dq, best)

@@ -42,8 +42,14 @@ def wide_inputs():
 def _reference(w, h, bits, group, damping=0.01, block=128, clip=False):
     """GPTQ as Frantar et al. write it (float64; blocks are the groups when grouped); with
     ``clip``, each scale by the reference code's ``mse=True`` grid (ratios ``1 - i/100``,
-    ``i < 80``, of the abs-max, by ``Σ |w - ŵ|^2.4`` over the group's rows)."""
-    qmax = 7.0 if bits == 4 else 127.0
+    ``i < 80``, of the abs-max, by ``Σ |w - ŵ|^2.4`` over the group's rows). int4 on the
+    full-range grid, the library's default since #49 (``amax / 7.5``, codes ``-8..7``, a
+    division within 1e-5 of the tie ``-7.5`` rounded to ``-8``; was ``amax / 7``, ``-7..7``)."""
+    bound, lo, qmax = (7.5, -8.0, 7.0) if bits == 4 else (127.0, -127.0, 127.0)
+
+    def rounded(t):
+        return np.clip(np.round(np.where(np.abs(t + 7.5) < 1e-5, -7.5, t)), lo, qmax)
+
     w = np.array(w, np.float64)
     h = np.array(h, np.float64)
     rows = w.shape[0]
@@ -57,11 +63,11 @@ def _reference(w, h, bits, group, damping=0.01, block=128, clip=False):
     def scale_of(x):
         amax = np.abs(x).max(axis=0)
         if not clip:
-            return np.where(amax > 0, amax / qmax, 1.0)
-        best, best_err = amax / qmax, np.full(amax.shape, np.inf)
+            return np.where(amax > 0, amax / bound, 1.0)
+        best, best_err = amax / bound, np.full(amax.shape, np.inf)
         for i in range(80):
-            s = amax * (1 - i / 100) / qmax
-            err = (np.abs(x - np.clip(np.round(x / s), -qmax, qmax) * s) ** 2.4).sum(0)
+            s = amax * (1 - i / 100) / bound
+            err = (np.abs(x - rounded(x / s) * s) ** 2.4).sum(0)
             best = np.where(err < best_err, s, best)
             best_err = np.minimum(err, best_err)
         return np.where(amax > 0, best, 1.0)
@@ -76,7 +82,7 @@ def _reference(w, h, bits, group, damping=0.01, block=128, clip=False):
         scale = scale_of(w1) if group > 0 else per_channel
         scales.append(scale)
         for j in range(i2 - i1):
-            qj = np.clip(np.round(w1[j] / scale), -qmax, qmax)
+            qj = rounded(w1[j] / scale)
             e = (w1[j] - qj * scale) / u[i1 + j, i1 + j]
             w1[j + 1 :] -= np.outer(u[i1 + j, i1 + j + 1 : i2], e)
             q[i1 + j], err[j] = qj, e

@@ -1,6 +1,7 @@
 """int8 with a zero point per output channel (``"int8/asym"``): values, dtypes, the folded
 serving matmul, names, configs and round trips, with and without jit."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,9 +77,15 @@ def test_matmul_folds_the_zero_point_weight_only(use_jit, rows):
     dot = quantized_kernel_dot_general(q, int8_compute=True, record=forms.append)
     run = lambda a: dot(a, jnp.zeros((256, 48)), DIMS)  # noqa: E731
     y = (jax.jit(run) if use_jit else run)(x)
-    np.testing.assert_allclose(y, x @ q.dequantize(jnp.float32), rtol=2e-5, atol=2e-4)
-    # int8 x int8 reads symmetric weights only: the zero point is served weight-only.
-    assert forms[-1] == "weight-only, scale after, zero point folded"
+    if rows < 128:
+        np.testing.assert_allclose(y, x @ q.dequantize(jnp.float32), rtol=2e-5, atol=2e-4)
+        assert forms[-1] == "weight-only, scale after, zero point folded"
+    else:  # Since #49 int8 x int8 reads zero-point weights too (was weight-only at every
+        # row count): x quantized per row, the zero point folded in int32.
+        xs = np.abs(np.asarray(x)).max(axis=1, keepdims=True) / 127
+        xq = np.round(np.asarray(x) / xs) * xs
+        np.testing.assert_allclose(y, xq @ q.dequantize(jnp.float32), rtol=2e-5, atol=2e-4)
+        assert forms[-1] == "int8 x int8, zero point folded"
 
 
 def test_policy_names_configs_and_round_trips():
@@ -132,3 +139,34 @@ def test_a_tree_of_int8_zero_points_round_trips_and_serves(maybe_jit):
     np.testing.assert_allclose(served, model.apply(dense, x), rtol=1e-5, atol=1e-5)
     table = str(jp.linen.explain(model, policy, q, x))
     assert "int8 with zero points" in table and "zero point folded" in table
+
+
+class _Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(64, name="up")(x)
+        return nn.Dense(32, use_bias=False, name="down")(nn.gelu(x))
+
+
+@pytest.mark.parametrize("rows", [1, 128])  # the weight-only form, then int8 x int8
+def test_compile_for_serving_folds_the_zero_point_into_int8_x_int8(rows):
+    model = _Stack()
+    x = (jax.random.normal(jax.random.key(1), (rows, 32)) + 0.5).astype(jnp.bfloat16)
+    variables = jp.get("int8/asym_from_float32").quantize(model.init(jax.random.key(0), x))
+    assert variables["params"]["up"]["kernel"].zero_point is not None
+    policy = "int8/asym_from_mixed_bfloat16"
+    serve = jp.linen.apply(model, policy)
+    compiled, placed = jp.compile_for_serving(serve, variables, x)
+    want = jax.jit(serve)(variables, x)
+    got = compiled(placed, x)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    dense = jax.tree.map(
+        lambda k: k.dequantize() if isinstance(k, jp.QuantizedArray) else k,
+        variables,
+        is_leaf=lambda k: isinstance(k, jp.QuantizedArray),
+    )
+    ref = np.asarray(model.apply(dense, x.astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(got, np.float32), ref, rtol=0.05, atol=0.05)
+    form = "int8 x int8" if rows >= 128 else "weight-only, scale after"
+    table = jp.linen.explain(model, policy, variables, x)
+    assert f"up    int8 with zero points weights: {form}, zero point folded" in table, table

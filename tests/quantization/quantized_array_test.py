@@ -12,7 +12,7 @@ from flax_examples.measure import dot_kinds as _dots
 from flax_examples.measure import equations
 
 import jmp_policy as jp
-from jmp_policy._src.quantization import int4_layout, quantized_matmul
+from jmp_policy._src.quantization import int4_layout, quantized_matmul, symmetric_grid
 from jmp_policy._src.quantization import quantized_array as quantization
 
 INT8 = jp.QuantizedDTypePolicy("int8", "mixed_bfloat16")
@@ -59,9 +59,10 @@ def test_int4_round_trip_error_is_bounded_per_block(block, maybe_jit):
 
 
 def test_int4_values_are_exact_and_the_old_packed_layout_still_loads():
-    # Every int4 value -7..7, an odd number of rows.
+    # Every int4 value -7..7, an odd number of rows. On the narrow grid (amax / 7), where
+    # they are exact: the default full-range grid (#49) scales by amax / 7.5.
     x = jnp.asarray(np.arange(-7, 8, dtype=np.float32).reshape(15, 1) * np.ones((1, 3)))
-    q = quantization.quantize(x, "int4", -1)
+    q = quantization.quantize(x, "int4", -1, grid=symmetric_grid.INT4_NARROW)
     assert q.values.shape == (15, 3) and q.values.dtype == jnp.int4 and not q.packed
     np.testing.assert_array_equal(np.asarray(q.dequantize()), np.asarray(x))
     # A checkpoint of the earlier layout: two values per uint8 byte along axis 0.
@@ -71,13 +72,20 @@ def test_int4_values_are_exact_and_the_old_packed_layout_still_loads():
     assert old.values.shape == (8, 3) and old.values.dtype == jnp.uint8 and old.packed
     np.testing.assert_array_equal(np.asarray(old.dequantize()), np.asarray(x))
     assert old.nbytes == 8 * 3 + q.scale.nbytes
+    # The default grid's -8 codes pack and load as well.
+    full = quantization.quantize(x, "int4", -1)
+    assert int(jnp.min(full.values.astype(jnp.int32))) == -8
+    old = quantization.QuantizedArray(
+        int4_layout.pack_int4(full.values), full.scale, "int4", -1, (15, 3), np.dtype("float32")
+    )
+    np.testing.assert_array_equal(np.asarray(old.dequantize()), np.asarray(full.dequantize()))
 
 
 def test_int4_block_that_does_not_divide_the_axis_leaves_a_shorter_last_block():
     x = _kernel((100, 8))
     q = jp.get("int4/64_from_float32").quantize(x)
     assert q.scale.shape == (2, 8)
-    last = np.abs(np.asarray(x)[64:]).max(axis=0) / 7
+    last = np.abs(np.asarray(x)[64:]).max(axis=0) / 7.5  # the full-range grid (#49; was / 7)
     np.testing.assert_allclose(np.asarray(q.scale)[1], last, rtol=1e-6)
     assert q.dequantize().shape == (100, 8)
     err = np.abs(np.asarray(q.dequantize()) - np.asarray(x))[64:].max(axis=0)
@@ -258,10 +266,17 @@ def test_int4_blocks_of_a_stack_are_cut_along_each_layers_input_axis():
     # the layer axis (the unstacked layout) would mix layer 0's rows with layer 1's.
     x = jnp.concatenate([jnp.full((1, 8, 2), 0.01), jnp.full((1, 8, 2), 100.0)])
     x = x.at[0, :4].set(0.001)
-    q = quantization.quantize(x, "int4", 4, 1)
+    # On the narrow grid (amax / 7), where a constant block is exact; the default full-range
+    # grid (#49) clips a block's amax to 7 steps of amax / 7.5 (checked after).
+    q = quantization.quantize(x, "int4", 4, 1, grid=symmetric_grid.INT4_NARROW)
     assert q.scale.shape == (2, 2, 2)
     np.testing.assert_allclose(q.scale[:, :, 0], [[0.001 / 7, 0.01 / 7], [100 / 7, 100 / 7]])
     np.testing.assert_allclose(q.dequantize(), x, rtol=1e-6)  # every block is constant
+    full = quantization.quantize(x, "int4", 4, 1)
+    np.testing.assert_allclose(
+        full.scale[:, :, 0], [[0.001 / 7.5, 0.01 / 7.5], [100 / 7.5, 100 / 7.5]], rtol=2e-7
+    )  # float32's rounding of 0.001 / 7.5
+    np.testing.assert_allclose(full.dequantize(), x * 7 / 7.5, rtol=1e-6)
     flat = quantization.quantize(x, "int4", 4)  # the shared layout: blocks of layers
     assert flat.scale.shape == (1, 2)
 
@@ -426,7 +441,8 @@ def test_scales_follow_the_last_axis_and_int4_blocks_axis_0_at_any_rank():
     np.testing.assert_allclose(q8.scale, jnp.abs(w).max(axis=(0, 1, 2)) / 127, rtol=1e-6)
     q4 = quantization.quantize(w, "int4", block_size=1)
     assert q4.scale.shape == (2, 16)  # a block per index of axis 0
-    np.testing.assert_allclose(q4.scale, jnp.abs(w).max(axis=(1, 2)) / 7, rtol=1e-6)
+    # amax / 7.5: the full-range grid, int4's default since #49 (was / 7).
+    np.testing.assert_allclose(q4.scale, jnp.abs(w).max(axis=(1, 2)) / 7.5, rtol=1e-6)
     # An Equinox-style [out, in] weight: one scale per input feature (its last axis).
     eqx_weight = _kernel((8, 32))
     assert quantization.quantize(eqx_weight, "int8").scale.shape == (32,)

@@ -40,7 +40,7 @@ def check_symmetric(symmetric: Any, weight_bits: int = 4, allow_asymmetric: bool
     (or ``allow_asymmetric``: round-to-nearest int8)."""
     if not isinstance(symmetric, (bool, np.bool_)):
         raise TypeError(
-            "`symmetric` must be True (abs-max, codes -7..7 for int4) or False (a zero point "
+            "`symmetric` must be True (abs-max, codes -8..7 for int4) or False (a zero point "
             f"per group, all the codes). Received: symmetric={bounded_repr(symmetric)} "
             f"(of type {type(symmetric).__name__})"
         )

@@ -27,19 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src.int_arguments import check_int
-from jmp_policy._src.quantization import asymmetric_grid, clipping
+from jmp_policy._src.quantization import asymmetric_grid, clipping, symmetric_grid
 from jmp_policy._src.quantization.asymmetric_grid import check_symmetric
 from jmp_policy._src.quantization.gptq import (
     check_bits_and_group,
     check_in_axes,
     check_kernel,
 )
-from jmp_policy._src.quantization.quantized_array import (
-    INT4_MAX,
-    INT8_MAX,
-    QuantizedArray,
-    quantize,
-)
+from jmp_policy._src.quantization.quantized_array import QuantizedArray, quantize
 from jmp_policy._src.quantization.quantized_array_checks import stack_to_front
 from jmp_policy._src.quantization.quantized_tree import make, register
 from jmp_policy._src.quantization.zero_point import quantize_asymmetric
@@ -105,7 +100,7 @@ def _search(
     # AWQ's auto_clip: each group's clip by its share of the output error of the scaled
     # layer, whose inputs are x / s (Gram matrix XᵀX / (s sᵀ)).
     rows, rest = w.shape[0], tuple(w.shape[1:])
-    qmax = INT4_MAX if mode == "int4" else INT8_MAX
+    sgrid = symmetric_grid.of(mode)  # int4's full range, as round-to-nearest's
     size = rows if group in (None, -1) else int(group)  # type: ignore[arg-type]
     gram_s = gram / s[:, None] / s[None, :]
     if not sym:
@@ -113,7 +108,7 @@ def _search(
             scaled.reshape(rows, -1), rest, size, gram_s
         )
         return s, values.reshape(w.shape), scales, zeros, losses
-    values, scales = clipping.quantize_groups(scaled.reshape(rows, -1), rest, qmax, size, gram_s)
+    values, scales = clipping.quantize_groups(scaled.reshape(rows, -1), rest, sgrid, size, gram_s)
     if mode == "int8":
         scales = scales.reshape(-1)
     return s, values.reshape(w.shape), scales, jnp.zeros(scales.shape), losses

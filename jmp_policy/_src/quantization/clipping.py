@@ -20,7 +20,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jmp_policy._src.quantization.quantized_array import round_to_grid
+from jmp_policy._src.quantization.symmetric_grid import SymmetricGrid, as_grid, round_to_grid
 
 #: The reference code's grid: ratios ``1 - i / CLIP_GRID`` for ``i < CLIP_MAX_SHRINK · CLIP_GRID``.
 CLIP_GRID = 100
@@ -82,7 +82,7 @@ def best_ratio(
 def search_scale(
     rows: jax.Array,
     rest: tuple[int, ...],
-    qmax: float,
+    qmax: float | SymmetricGrid,
     gram: jax.Array | None = None,
     *,
     grid: int = CLIP_GRID,
@@ -90,7 +90,9 @@ def search_scale(
     norm: float = WEIGHT_NORM,
 ) -> jax.Array:
     """The best clipped scale (``[n]``) of one group of rows ``[r, M]`` on the symmetric
-    grid (see the module docstring and :func:`best_ratio`).
+    grid ``qmax`` (a :class:`~jmp_policy._src.quantization.symmetric_grid.SymmetricGrid`,
+    or a number: ``amax / qmax``, ``-qmax..qmax``; see the module docstring and
+    :func:`best_ratio`): ``r · amax / bound``.
 
     A scale whose group is all zero is 1 (as :func:`~jmp_policy._src.quantization.
     quantized_array.abs_max_scale` gives); a non-finite group keeps a NaN scale.
@@ -101,15 +103,15 @@ def search_scale(
         >>> float(search_scale(w, (1,), 7.0)[0]) < 2.0 / 7
         True
     """
-    amax = abs_max(rows, rest)
+    amax, g = abs_max(rows, rest), as_grid(qmax)
 
     def real(r: jax.Array) -> jax.Array:
-        s = broadcast_scale(amax * r / qmax, rest)
+        s = broadcast_scale(amax * r / g.bound, rest)
         s = jnp.where(s > 0, s, 1.0)
-        return round_to_grid(rows, s, qmax) * s
+        return round_to_grid(rows, s, g) * s
 
     ratio = best_ratio(rows, rest, real, gram, grid=grid, max_shrink=max_shrink, norm=norm)
-    scale = amax * ratio / qmax
+    scale = amax * ratio / g.bound
     scale = jnp.where(scale > 0, scale, 1.0)
     return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
 
@@ -117,7 +119,7 @@ def search_scale(
 def quantize_groups(
     w: jax.Array,
     rest: tuple[int, ...],
-    qmax: float,
+    qmax: float | SymmetricGrid,
     size: int,
     gram: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:

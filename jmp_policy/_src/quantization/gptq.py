@@ -10,7 +10,8 @@ mean diagonal to the diagonal (Keras's default 0.01); an input never seen (a zer
 gets a diagonal of 1, so its row is rounded to nearest.
 
 The result is stored exactly as round-to-nearest stores it
-(:func:`jmp_policy._src.quantization.quantize`): symmetric abs-max scales, int4 in groups
+(:func:`jmp_policy._src.quantization.quantize`): symmetric abs-max scales on the same grid
+(int4's full range ``-8..7``, :mod:`~jmp_policy._src.quantization.symmetric_grid`), int4 in groups
 of ``group_size`` rows (``-1``: per channel; a group's scale is taken from the rows as GPTQ
 has updated them when the group starts), int8 per channel. So the serving matmuls read a
 GPTQ kernel as they read any other. With ``clip_search`` each group's scale is the
@@ -32,17 +33,16 @@ import numpy as np
 
 from jmp_policy._src import dtypes as dt
 from jmp_policy._src.int_arguments import check_int
-from jmp_policy._src.quantization import asymmetric_grid, clipping, zero_point
+from jmp_policy._src.quantization import asymmetric_grid, clipping, symmetric_grid, zero_point
 from jmp_policy._src.quantization.asymmetric_grid import check_symmetric
-from jmp_policy._src.quantization.quantized_array import (
-    INT4_MAX,
-    INT8_MAX,
-    QuantizedArray,
-    abs_max_scale,
-    quantize,
-)
+from jmp_policy._src.quantization.quantized_array import QuantizedArray, quantize
 from jmp_policy._src.quantization.quantized_array_checks import check_stacked
 from jmp_policy._src.quantization.quantized_tree import make
+from jmp_policy._src.quantization.symmetric_grid import (
+    SymmetricGrid,
+    abs_max_scale,
+    round_to_grid,
+)
 
 BITS = (4, 8)
 DEFAULT_HESSIAN_DAMPING = 0.01
@@ -126,7 +126,11 @@ def inverse_cholesky(h: jax.Array) -> jax.Array:
 
 
 def _channel_scale(
-    rows: jax.Array, rest: tuple[int, ...], qmax: float, clip: bool = False, sym: bool = True
+    rows: jax.Array,
+    rest: tuple[int, ...],
+    sgrid: SymmetricGrid,
+    clip: bool = False,
+    sym: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The scale and zero point of ``rows`` (``[r, M]``, ``M = prod(rest)``) per index of the
     last axis of ``rest``, broadcast back to ``[M]``, and the ``[n]`` ones themselves:
@@ -136,10 +140,10 @@ def _channel_scale(
     if not sym:
         scale, zero = asymmetric_grid.column_grid(rows, rest, clip)
     elif clip:
-        scale, zero = clipping.search_scale(rows, rest, qmax), jnp.zeros(rest[-1])
+        scale, zero = clipping.search_scale(rows, rest, sgrid), jnp.zeros(rest[-1])
     else:
         cols = jnp.max(jnp.abs(rows), axis=0).reshape(rest)
-        scale = abs_max_scale(cols, tuple(range(len(rest) - 1)), qmax).reshape(rest[-1])
+        scale = abs_max_scale(cols, tuple(range(len(rest) - 1)), sgrid).reshape(rest[-1])
         zero = jnp.zeros_like(scale)
     broadcast = clipping.broadcast_scale
     return broadcast(scale, rest), broadcast(zero, rest), scale, zero
@@ -161,8 +165,8 @@ def _solve(
     """GPTQ on one kernel ``w2`` (``[in, M]``, float32): integer values (float32, ``[in, M]``),
     scales and zero points (``[groups, n]``; ``[n]`` per channel) and whether the
     factorisation was finite."""
-    qmax = INT4_MAX if bits == 4 else INT8_MAX
-    lo, hi = (-qmax, qmax) if sym else (asymmetric_grid.QMIN, asymmetric_grid.QMAX)
+    sgrid = symmetric_grid.of("int4" if bits == 4 else "int8")
+    lo, hi = asymmetric_grid.QMIN, asymmetric_grid.QMAX
     rows, m = w2.shape
     # A group (or block) longer than the kernel is one block of its rows: padding it out
     # would change nothing but the size of the Cholesky factor and of the row loop.
@@ -177,20 +181,23 @@ def _solve(
     h = h + jnp.diag(pad_diag.astype(h.dtype))
     u = inverse_cholesky(h)
     ok = jnp.all(jnp.isfinite(u))
-    per_channel = _channel_scale(w2, rest, qmax, clip and group <= 0, sym)
+    per_channel = _channel_scale(w2, rest, sgrid, clip and group <= 0, sym)
     later = jnp.arange(size)[None, :] > jnp.arange(size)[:, None]  # [j, k]: k after j
 
     def one_block(w: jax.Array, k: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         start = k * size
         w1 = jax.lax.dynamic_slice(w, (start, 0), (size, m))
         u1 = jax.lax.dynamic_slice(u, (start, start), (size, size))
-        grid = _channel_scale(w1, rest, qmax, clip, sym) if group > 0 else per_channel
+        grid = _channel_scale(w1, rest, sgrid, clip, sym) if group > 0 else per_channel
         scale_m, zero_m, scale_n, zero_n = grid
 
         def one_row(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             w1, q1, err1 = carry
             row = w1[j]
-            q = jnp.clip(jnp.round(row / scale_m) + zero_m, lo, hi)
+            if sym:  # the grid's rounding (its tie at -amax), as round-to-nearest's
+                q = round_to_grid(row, scale_m, sgrid)
+            else:
+                q = jnp.clip(jnp.round(row / scale_m) + zero_m, lo, hi)
             e = (row - (q - zero_m) * scale_m) / u1[j, j]
             w1 = w1 - jnp.outer(jnp.where(later[j], u1[j], 0.0), e)
             return w1, q1.at[j].set(q), err1.at[j].set(e)

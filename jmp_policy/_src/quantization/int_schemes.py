@@ -4,7 +4,7 @@
 kernel reaches it whole reads it (int8 x int8 at enough rows), and a layer with a float
 kernel computes int8 x int8 with both operands quantized in the step (quantization-aware
 training, straight-through). ``"int4"`` / ``"int4/<block>"``: kernels stored as int4 per
-channel or in blocks of rows; a layer reads its stored kernel whole, a float kernel runs
+channel or in blocks of rows (codes ``-8..7``, the full range); a layer reads its stored kernel whole, a float kernel runs
 as written.
 """
 
@@ -18,14 +18,16 @@ import numpy as np
 
 from jmp_policy._src.dtypes import MAX_INT4_BLOCK, bounded_repr
 from jmp_policy._src.int_arguments import int_from_text
-from jmp_policy._src.quantization import full_range, matmuls, quantized_matmul, zero_point
+from jmp_policy._src.quantization import matmuls, quantized_matmul, symmetric_grid, zero_point
 from jmp_policy._src.quantization import quantized_array as quantization
 from jmp_policy._src.quantization.asymmetric_grid import ASYM, check_symmetric
 from jmp_policy._src.quantization.quantized_array_checks import is_bad_block
 from jmp_policy._src.schemes import Scheme
 
-#: The end of an int4 mode on qwix's full-range symmetric grid (``"int4/128/full"``).
+#: The end of an int4 mode on the full range, the default grid (a synonym: ``"int4/128/full"``).
 FULL = "/full"
+#: The end of an int4 mode on the 15-code grid ``-7..7`` (``"int4/128/narrow"``).
+NARROW = "/narrow"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,40 +100,43 @@ class Int8Scheme(Scheme):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Int4Scheme(Scheme):
     """int4 weights, per channel (``block_size=-1``, ``"int4"``) or in blocks of rows
-    (``"int4/<block>"``); ``symmetric=False`` (``"int4/<block>/asym"``): a zero point per
-    group and all 16 codes (:mod:`~jmp_policy._src.quantization.zero_point`);
-    ``full_range=True`` (``"int4/<block>/full"``): symmetric, ``scale = amax / 7.5`` and
-    codes ``-8..7`` (qwix's default int4; :mod:`~jmp_policy._src.quantization.full_range`).
+    (``"int4/<block>"``), symmetric on the full range: ``scale = amax / 7.5`` and codes
+    ``-8..7`` (qwix's default int4; :mod:`~jmp_policy._src.quantization.symmetric_grid`;
+    ``"int4/<block>/full"`` is a synonym); ``symmetric=False`` (``"int4/<block>/asym"``): a
+    zero point per group (:mod:`~jmp_policy._src.quantization.zero_point`);
+    ``full_range=False`` (``"int4/<block>/narrow"``): the 15 codes ``-7..7``, ``amax / 7``
+    (the default before the full range).
 
     Examples:
         >>> from jmp_policy._src.quantization.int_schemes import Int4Scheme
         >>> scheme = Int4Scheme.parse("int4/128")
         >>> scheme, scheme.mode_text(), Int4Scheme.parse("int4").mode_text("int4")
         (Int4Scheme(block_size=128, symmetric=True), 'int4/128', 'int4')
-        >>> Int4Scheme.parse("int4/64/asym").mode_text()
-        'int4/64/asym'
+        >>> Int4Scheme.parse("int4/64/asym").mode_text(), Int4Scheme.parse("int4/64/full")
+        ('int4/64/asym', Int4Scheme(block_size=64, symmetric=True))
     """
 
     mode: ClassVar[str] = "int4"
     grammar: ClassVar[tuple[str, ...]] = (
-        "'int4'", "'int4/<block>'", "'int4/<block>/asym'", "'int4/<block>/full'",
+        "'int4'", "'int4/<block>'", "'int4/<block>/asym'", "'int4/<block>/narrow'",
+        "'int4/<block>/full'",
     )  # fmt: skip
 
     block_size: int = -1  # type: ignore[assignment]
     #: Keras's spelling: ``False`` stores a zero point per group (``"/asym"`` in names).
     symmetric: bool = True
-    #: qwix's symmetric grid: ``amax / 7.5``, codes ``-8..7`` (``"/full"`` in names).
-    full_range: bool = dataclasses.field(default=False, repr=False)
+    #: ``False``: the narrow grid, ``amax / 7`` and codes ``-7..7`` (``"/narrow"`` in names).
+    full_range: bool = dataclasses.field(default=True, repr=False)
 
     def __post_init__(self) -> None:
         if self.full_range is not False and self.full_range is not True:
             raise TypeError(
                 f"`full_range` must be a bool. Received: full_range={self.full_range!r}"
             )
-        if self.full_range and not self.symmetric:
+        if not self.full_range and not self.symmetric:
             raise ValueError(
-                "`full_range` is the symmetric grid's (a zero point already uses all 16 "
-                "codes): 'int4/<block>/full' or 'int4/<block>/asym', not both."
+                "`full_range=False` is the narrow symmetric grid's (a zero point uses all 16 "
+                "codes): 'int4/<block>/narrow' or 'int4/<block>/asym', not both."
             )
         if is_bad_block(self.block_size):
             raise ValueError(
@@ -141,20 +146,22 @@ class Int4Scheme(Scheme):
         check_symmetric(self.symmetric)
 
     def __repr__(self) -> str:
-        full = ", full_range=True" if self.full_range else ""
-        return f"Int4Scheme(block_size={self.block_size}, symmetric={self.symmetric}{full})"
+        narrow = "" if self.full_range else ", full_range=False"
+        return f"Int4Scheme(block_size={self.block_size}, symmetric={self.symmetric}{narrow})"
 
     @classmethod
     def parse(cls, text: str) -> Int4Scheme | None:
         base, sep, block_text = text.partition("/")
         if base != "int4":
             return None
-        if block_text.endswith(ASYM) and block_text.count("/") == 1:
-            scheme = cls.parse(text[: -len(ASYM)])
-            return None if scheme is None else cls(block_size=scheme.block_size, symmetric=False)
-        if block_text.endswith(FULL) and block_text.count("/") == 1:
-            scheme = cls.parse(text[: -len(FULL)])
-            return None if scheme is None else cls(block_size=scheme.block_size, full_range=True)
+        for end, grid in (
+            (ASYM, {"symmetric": False}),
+            (NARROW, {"full_range": False}),
+            (FULL, {}),
+        ):
+            if block_text.endswith(end) and block_text.count("/") == 1:
+                scheme = cls.parse(text[: -len(end)])
+                return None if scheme is None else cls(block_size=scheme.block_size, **grid)
         if not sep or block_text == "None":  # Keras's legacy "int4/None": per channel
             return cls(block_size=-1)
         block = int_from_text(block_text, -1, MAX_INT4_BLOCK)
@@ -169,17 +176,16 @@ class Int4Scheme(Scheme):
 
     def mode_text(self, given: str | None = None) -> str:
         # "int4" stays "int4" (Keras's own spelling); a given block is written canonically.
-        if given is not None and "/" not in given and self.symmetric and not self.full_range:
+        if given is not None and "/" not in given and self.symmetric and self.full_range:
             return "int4"
-        grid = FULL if self.full_range else "" if self.symmetric else ASYM
+        grid = NARROW if not self.full_range else "" if self.symmetric else ASYM
         return f"int4/{self.block_size}{grid}"
 
     def quantize(self, x: Any, stacked: int) -> Any:
         if not self.symmetric:
             return zero_point.quantize_asymmetric(x, self.block_size, stacked)
-        if self.full_range:
-            return full_range.quantize_full_range(x, self.block_size, stacked)
-        return quantization.quantize(x, "int4", self.block_size, stacked)
+        grid = symmetric_grid.INT4 if self.full_range else symmetric_grid.INT4_NARROW
+        return quantization.quantize(x, "int4", self.block_size, stacked, grid)
 
     def describe(self, kernel: Any) -> str:
         # By its storage: the kernel may have been quantized under another int format.

@@ -75,12 +75,11 @@ def kernel_form(q: QuantizedArray, dims: Any, rows: int, int8_compute: bool) -> 
         return "dequantized"
     if not q.reads_as_stored:
         return "dequantized"  # an AWQ kernel outside its scheme's matmul (which divides x)
-    zero = zero_point_of(q) is not None  # folded into the XLA forms, not the Pallas kernel
-    if int8_compute and kind.integer_gemm and rows >= INT8_GEMM_MIN_ROWS and not zero:
+    # A zero point is folded into every fast form after its product.
+    if int8_compute and kind.integer_gemm and rows >= INT8_GEMM_MIN_ROWS:
         return "int8 x int8"
     if (
-        not zero
-        and q.ndim == 2
+        q.ndim == 2
         and rc == (0,)
         and len(lc) == 1
         and rows <= serving_kernels.pallas_rows()
@@ -123,7 +122,8 @@ def quantized_kernel_dot_general(
       float32 result;
     * :data:`PALLAS_FORM` (a 2-D kernel at few rows on a GPU, when the ``serving_kernel``
       option asks for it): the library's Pallas kernel reads the integer weights and
-      applies the scales itself;
+      applies the scales itself (zero points: ``Σ_b sum(x_b) z_b s_b`` taken from its
+      float32 result);
     * ``"int4 blocks"`` (a 2-D kernel, fewer than :data:`INT4_BLOCKS_MAX_ROWS` rows): one
       matmul per block of rows and a scaled sum;
     * ``"dequantized, one GEMM"`` (the same kernel from :data:`INT4_BLOCKS_MAX_ROWS` rows):
@@ -201,10 +201,14 @@ def _fast(
     if form == PALLAS_FORM:  # one contracted axis, moved last; the free ones lead the result
         (lc, _), _ = dims
         x = jnp.moveaxis(lhs.astype(compute), lc[0], -1)
+        x2 = x.reshape(rows, x.shape[-1])
+        folded = zero_point_of(kernel) is not None
         y = pallas_matmul.weight_only_matmul(
-            x.reshape(rows, x.shape[-1]), kernel.values, kernel.scale, _block(kernel), out,
+            x2, kernel.values, kernel.scale, _block(kernel), jnp.float32 if folded else out,
             interpret=serving_kernels.interpret(),
         )  # fmt: skip
+        if folded:
+            y = (y - _zero_term(x2, kernel)).astype(out)
         return y.reshape(*x.shape[:-1], kernel.shape[1])
     if form == "weight-only, scale after":
         x = lhs.astype(compute)
@@ -232,6 +236,22 @@ def _fast(
     if form == "int4 blocks":
         return _int4_blocks(lhs.astype(compute), kernel, out)
     return int8_weights_dot(lhs, kernel, dims, out)  # type: ignore[no-any-return]
+
+
+def _zero_term(x2: jax.Array, q: QuantizedArray) -> jax.Array:
+    """What a 2-D kernel's zero points take from ``x2 @ (values * scale)`` (float32, ``[rows,
+    out]``): ``Σ_b sum(x_b) z_b s_b`` over its blocks of rows (one per channel), from ``x2``'s
+    block sums and the ``[blocks, out]`` products ``z s``, with no copy of the weights."""
+    n = q.shape[-1]
+    zs = (jnp.asarray(q.zero_point, jnp.float32) * q.scale).reshape(-1, n)
+    x32 = x2.astype(jnp.float32)
+    block = _block(q)
+    if block is None:
+        return jnp.sum(x32, axis=1, keepdims=True) * zs
+    blocks = zs.shape[0]
+    x32 = jnp.pad(x32, ((0, 0), (0, blocks * block - x32.shape[1])))
+    sums = jnp.sum(x32.reshape(x32.shape[0], blocks, block), axis=2)
+    return jnp.matmul(sums, zs, precision=jax.lax.Precision.HIGHEST)
 
 
 def _int4_blocks(x: jax.Array, q: QuantizedArray, out: np.dtype) -> jax.Array:

@@ -1,8 +1,9 @@
 """Quantization: int8 and int4 weights (:class:`QuantizedArray`).
 
-Weights: symmetric abs-max, ``real ≈ values * scale``. int8 keeps one float32 scale per
-index of the last axis (the output channel of a Flax kernel), abs-max over every other
-axis. int4 cuts axis 0 (the input axis of a Flax kernel) into blocks of ``block_size``
+Weights: symmetric abs-max, ``real ≈ values * scale``, on a grid of
+:mod:`~jmp_policy._src.quantization.symmetric_grid` (int4's full range ``-8..7`` by
+default). int8 keeps one float32 scale per index of the last axis (the output channel of a
+Flax kernel), abs-max over every other axis. int4 cuts axis 0 (the input axis of a Flax kernel) into blocks of ``block_size``
 rows (``-1``: one block, per channel), one scale per block and last-axis index; a block
 size that does not divide axis 0 leaves the last block shorter (no padding is stored).
 int4 values are stored as ``jnp.int4`` (XLA packs them two per byte and its GEMM fusions
@@ -37,6 +38,10 @@ from jmp_policy._src.quantization.quantized_array_checks import (
 )
 from jmp_policy._src.quantization.quantized_tree import equal, make, register, replace
 from jmp_policy._src.quantization.storage import INT4, INT8, storage_of
+from jmp_policy._src.quantization.symmetric_grid import SymmetricGrid
+from jmp_policy._src.quantization.symmetric_grid import abs_max_scale as abs_max_scale
+from jmp_policy._src.quantization.symmetric_grid import of as grid_of
+from jmp_policy._src.quantization.symmetric_grid import round_to_grid as round_to_grid
 from jmp_policy._src.state_pytree import register_with_flax_serialization
 
 INT8_MAX = INT8.qmax
@@ -258,23 +263,13 @@ def is_quantizable(x: Any) -> bool:
     )
 
 
-def abs_max_scale(x: jax.Array, axes: tuple[int, ...], qmax: float) -> jax.Array:
-    """The symmetric scale ``amax / qmax`` over ``axes`` (1 where it is 0, the amax 0 or so
-    small that the division underflows: always positive); NaN where the slice holds a
-    non-finite value, so a NaN or inf in a kernel stays non-finite (its whole channel or
-    block dequantizes to NaN) instead of silently becoming a finite number."""
-    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
-    scale = amax / qmax
-    scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
-    return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
-
-
-def round_to_grid(x: jax.Array, scale: jax.Array, qmax: float) -> jax.Array:
-    """``x / scale`` rounded and clipped to ``[-qmax, qmax]`` (float32 integers)."""
-    return jnp.clip(jnp.round(x / scale), -qmax, qmax)
-
-
-def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0) -> QuantizedArray:
+def quantize(
+    x: Any,
+    mode: str,
+    block_size: int | None = None,
+    stacked: int = 0,
+    grid: SymmetricGrid | None = None,
+) -> QuantizedArray:
     """Quantizes one floating array of rank >= 2 (see the module docstring).
 
     Args:
@@ -284,6 +279,8 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
             ``-1`` or ``None``: per channel).
         stacked: the number of leading axes that stack layers (``[depth, in, out]``:
             1); each layer is quantized on its own.
+        grid: the :class:`~jmp_policy._src.quantization.symmetric_grid.SymmetricGrid`
+            (``None``: the mode's default, int4's full range ``-8..7``).
 
     Raises:
         ValueError: another mode, a bad block size, a negative ``stacked``, or an array
@@ -297,31 +294,34 @@ def quantize(x: Any, mode: str, block_size: int | None = None, stacked: int = 0)
     shape, dtype = tuple(x.shape), np.dtype(x.dtype)
     if x.size == 0:  # nothing to scale: zero-size values, scales of 1
         return _empty(shape, mode, block, dtype, stacked)
-    one = functools.partial(_quantize_layer, mode=mode, block=block)
+    grid = grid_of(mode, kind.qmax) if grid is None else grid
+    one = functools.partial(_quantize_layer, mode=mode, block=block, grid=grid)
     for _ in range(stacked):  # each stacked layer on its own
         one = jax.vmap(one)
     values, scale = one(x32)
     return make(QuantizedArray, values, scale, mode, block, shape, dtype, stacked)
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "block"))
-def _quantize_layer(x32: jax.Array, mode: str, block: int | None) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("mode", "block", "grid"))
+def _quantize_layer(
+    x32: jax.Array, mode: str, block: int | None, grid: SymmetricGrid
+) -> tuple[jax.Array, jax.Array]:
     """The values and scale of one (unstacked) float32 kernel (one compiled program per
     shape and format, not a dispatch and compile per operation when called eagerly):
-    symmetric abs-max on the storage's grid."""
+    symmetric abs-max on ``grid``."""
     kind = storage_of(mode)
     if kind.has_zero_point or not kind.signed:
         raise ValueError(f"`quantize` writes symmetric storage only. Received: mode={mode!r}")
     if not kind.blocked:
-        scale = abs_max_scale(x32, tuple(range(x32.ndim - 1)), kind.qmax)
-        values = round_to_grid(x32, scale, kind.qmax).astype(kind.value_dtype)
+        scale = abs_max_scale(x32, tuple(range(x32.ndim - 1)), grid)
+        values = round_to_grid(x32, scale, grid).astype(kind.value_dtype)
         return values, scale.reshape(-1)
     rows = x32.shape[0]
     size = rows if block == -1 else min(int(block), rows)  # type: ignore[arg-type]
     blocks = -(-rows // size)
     xb = blocked(x32, size, blocks)  # (blocks, size, ..., n)
-    scale = abs_max_scale(xb, tuple(range(1, xb.ndim - 1)), kind.qmax)
-    q = round_to_grid(xb, scale, kind.qmax).astype(kind.value_dtype)
+    scale = abs_max_scale(xb, tuple(range(1, xb.ndim - 1)), grid)
+    q = round_to_grid(xb, scale, grid).astype(kind.value_dtype)
     q = q.reshape(blocks * size, *x32.shape[1:])[:rows]
     return q, scale.reshape(blocks, x32.shape[-1])
 

@@ -21,12 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_policy._src import dtypes as dt
-from jmp_policy._src.quantization.quantized_array import (
-    INT8_MAX,
-    QuantizedArray,
-    abs_max_scale,
-    round_to_grid,
-)
+from jmp_policy._src.quantization.quantized_array import INT8_MAX, QuantizedArray
+from jmp_policy._src.quantization.symmetric_grid import abs_max_scale, round_to_grid
 
 # Captured at import: the Linen glue may route `jnp.einsum` here for a call.
 JNP_EINSUM = jnp.einsum
@@ -190,6 +186,10 @@ def _int8_weights_core(
     acc = jax.lax.optimization_barrier(
         jax.lax.dot_general(xq, w, dims_t, preferred_element_type=jnp.int32)
     )
+    if q.zero_point is not None:  # xq @ (wq - z) = xq @ wq - sum(xq) z, exact in int32
+        sums = jnp.sum(xq.astype(jnp.int32), axis=lc)  # the lhs's free axes (no batch dims)
+        sums = sums.reshape(*sums.shape, *([1] * (acc.ndim - sums.ndim)))
+        acc = acc - sums * q.zero_point.astype(jnp.int32).reshape(-1)
     x_scale = _output_scale(xs, jnp.ones((1,) * q.ndim, jnp.float32), dims)
     return (acc.astype(jnp.float32) * x_scale * q.scale.reshape(-1)).astype(out)
 
@@ -212,6 +212,7 @@ _int8_weights_core.defvjp(_int8_weights_fwd, _int8_weights_bwd)
 
 def int8_weights_dot(lhs: jax.Array, q: QuantizedArray, dims: DimensionNumbers, out: Any) -> Any:
     """``lhs`` quantized per row times int8 weights ``q``: an int8 x int8 -> int32 GEMM in
-    cuBLAS's layout, both scales applied to the result; the input's gradient is the float
+    cuBLAS's layout, a zero point folded in int32 (``sum(xq) z`` per row and channel taken
+    from the product), both scales applied to the result; the input's gradient is the float
     matmul's."""
     return _int8_weights_core(lhs, q, dims, np.dtype(out), tuple(lhs.shape))

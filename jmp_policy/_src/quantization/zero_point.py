@@ -5,8 +5,8 @@ input axis) is rounded onto int4's 16 codes ``-8..7`` between its own minimum an
 (each widened to include 0, as GPTQ's reference ``find_params`` does, so that 0 is exact):
 ``scale = (max - min) / 15``, ``zero_point = round(-min / scale) - 8`` and
 ``values = clip(round(w / scale) + zero_point, -8, 7)``, so ``real = (values - zero_point)
-* scale``. The symmetric grid (``"int4"``) uses 15 codes ``-7..7`` around 0 and cannot
-shift to a skewed group; this one uses all 16 and follows the group's range (Keras's int4
+* scale``. The symmetric grid (``"int4"``: ``-8..7`` around 0, ``amax / 7.5``) cannot
+shift to a skewed group; this one follows the group's range (Keras's int4
 with ``symmetric=False``, AutoAWQ's and GPTQ's ``sym=False`` default). int8 (``"int8/asym"``)
 does the same per output channel on its 256 codes ``-128..127``: ``scale = (max - min) / 255``.
 
