@@ -125,6 +125,7 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--compute", choices=sorted(COMPUTE), default="bfloat16")
+    parser.add_argument("--losses", help="an .npz file to save each row's per-sequence losses")
     parser.add_argument("--rows", default=",".join(ROWS), help="of " + ",".join(ROWS))
     args = parser.parse_args()
     rows = args.rows.split(",")
@@ -152,7 +153,10 @@ def main():
     )
     model = gemma3_gguf.Gemma3(config)
     inputs = quantization_bench.layer_inputs(model, params, held[:2], prefix="layers_")
-    print(f"{'blocks under':14} {'block bytes':>12} {'loss':>7} {'rel err':>8} {'calib s':>8}")
+    print(
+        f"{'blocks under':14} {'block bytes':>12} {'loss':>7} {'gap ± paired SE':>17} "
+        f"{'rel err':>8} {'calib s':>8}"
+    )
     results, ref_logits = {}, []
     for row in (None, *rows):
         pm = policy_map(None if row is not None and row.startswith(PEERS) else row, args.compute)
@@ -186,10 +190,16 @@ def main():
         block_bytes = quantization_bench.nbytes(blocks)
         if peer_bytes is not None:  # the peer's storage in place of the float kernels
             block_bytes = int(block_bytes - replaced + peer_bytes)
+        gap, se = lm_task.paired_difference(losses, results[reference][0])
         print(
-            f"{label:14} {block_bytes:>12,} {losses.mean():>7.4f} {err:>8.4f} {calib_s:>8}",
+            f"{label:14} {block_bytes:>12,} {losses.mean():>7.4f} {gap:>+9.4f} ± {se:.4f} "
+            f"{err:>8.4f} {calib_s:>8}",
             flush=True,
         )
+        if args.losses:  # each row's per-sequence losses as it ends (a run cut short keeps them)
+            np.savez(args.losses, **{k: v[0] for k, v in results.items()})
+        del stored, apply, loss_fn, logits_fn, logits
+        jax.clear_caches()  # each row compiles its own programs: free them before the next
     comparisons = []
     if "int4/128" in results:
         int4 = ("gptq/4/128", "awq/4/128", "int4/128/asym", "gptq/4/128/asym", "awq/4/128/asym")
