@@ -27,7 +27,8 @@ Programs (compile time does not depend on the sizes, but some forms do):
 * the same serving at batch 1 and 16 with ``serving_kernel="pallas"`` (jax >= 0.11, whose
   Pallas lowering takes a GPU without one): native when each layer is one Pallas kernel
   (``__gpu$xla.gpu.triton``) reading its s8/s4 weights in place (int4 through a bitcast),
-  and no GEMM reads them;
+  and no GEMM reads them; with zero points too (int4/128/asym, int8/asym: the zero points'
+  term taken from the kernel's result, no float copy of the weights);
 * int8 x int8 (int8 weights under ``"int8_from_mixed_bfloat16"``) at 256 rows: native when
   every GEMM is s8 x s8 -> s32;
 * the control: the Linen Dense step under ``"mixed_bfloat16"``, bf16 GEMMs and no fp8 one.
@@ -260,8 +261,8 @@ SERVING_FORMATS = (
     ("int4", "int4_from_float32", "s4"),
     ("int4/128", "int4/128_from_float32", "s4"),
 )
-# Zero points (int4 per group, int8 per channel): the XLA forms fold them in (the Pallas
-# route, not compiled here, takes their term from its result).
+# Zero points (int4 per group, int8 per channel): the XLA forms fold them in; the Pallas
+# route runs its kernel on the stored values and takes the zero points' term from its result.
 ZERO_POINT_FORMATS = (
     ("int4/128/asym", "int4/128/asym_from_float32", "s4"),
     ("int8/asym", "int8/asym_from_float32", "s8"),
@@ -290,11 +291,13 @@ def programs() -> list[Program]:
             blocks = label.startswith("int4/128")
             group = "serving" if not blocks or batch < 128 else "serving dequantized"
             result.append(Program(name, group, build, SERVE_LAYERS, weights, elements))
-    for label, stored, weights in SERVING_FORMATS:
+    for label, stored, weights in SERVING_FORMATS + ZERO_POINT_FORMATS:
         for batch in (1, 16):
             build = serving(stored, "mixed_bfloat16", batch, "pallas")
             name = f"serve {label} weights, pallas, batch {batch}"
             result.append(Program(name, "serving pallas", build, SERVE_LAYERS, weights, elements))
+        if (label, stored, weights) in ZERO_POINT_FORMATS:
+            continue
         # The kernel's untuned variant (#48, to time on a GPU): 1 row on CUDA cores, no mask.
         build = on_cuda_cores(serving(stored, "mixed_bfloat16", 1, "pallas"))
         name = f"serve {label} weights, pallas CUDA cores, batch 1"
