@@ -70,7 +70,8 @@ def _brute_force_clip(w, x, s, group, bound=7.5, lo=-8.0, qmax=7.0):
     ``x / s``, each group's and column's ratio ``1 - i/100`` (``i < 80``) of the abs-max
     with the least output error of that group's rows, in float64. On the full-range grid,
     int4's default since #49 (``amax / 7.5``, ``-8..7``, a division within 1e-5 of the tie
-    ``-7.5`` rounded to ``-8``; was ``amax / 7``, ``-7..7``)."""
+    ``-7.5`` rounded to ``-8``; was ``amax / 7``, ``-7..7``), the ratios also
+    ``1.01, ..., 1.07`` and ``7.5 / 7`` (up to the scale ``amax / 7``)."""
     ws = w.astype(np.float64) * s[:, None]
     xs = x.astype(np.float64) / s[None, :]
     rows = w.shape[0]
@@ -80,8 +81,9 @@ def _brute_force_clip(w, x, s, group, bound=7.5, lo=-8.0, qmax=7.0):
         wg, xg = ws[a : a + size], xs[:, a : a + size]
         amax = np.abs(wg).max(0)
         best, best_err = None, np.full(amax.shape, np.inf)
-        for i in range(80):
-            sc = amax * (1 - i / 100) / bound
+        wider = [1 + i / 100 for i in range(1, 8)] + [bound / qmax] if bound > qmax else []
+        for r in [1 - i / 100 for i in range(80)] + wider:
+            sc = amax * r / bound
             t = wg / sc
             dq = np.clip(np.round(np.where(np.abs(t + bound) < 1e-5, -bound, t)), lo, qmax) * sc
             err = ((xg @ (wg - dq)) ** 2).sum(0)

@@ -137,3 +137,64 @@ def test_best_ratio_takes_any_grid_and_skips_nan_errors(use_jit):
     nan_first = lambda r: jnp.where(r == 1.0, jnp.nan, real(r))  # noqa: E731
     got = clipping.best_ratio(rows, (3,), nan_first)
     assert np.all(np.asarray(got) < 1.0)
+
+
+# -- int4's full range: the ratios go above 1, to 7.5 / 7 ----------------------------------
+
+
+def test_clip_ratios_widen_above_one_after_the_reference_grid():
+    r = np.asarray(clipping.clip_ratios(widen=7.5 / 7))
+    assert r.shape == (88,) and r[0] == 1.0
+    np.testing.assert_allclose(r[:80], np.asarray(clipping.clip_ratios()))
+    np.testing.assert_allclose(r[80:], [1.01, 1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 7.5 / 7])
+    np.testing.assert_array_equal(np.asarray(clipping.clip_ratios(widen=1.0)), r[:80])
+
+
+def _full_range_errors(w, rest, gram=None, norm=2.4):
+    """Brute force on int4's full range (``r · amax / 7.5``, codes -8..7), float64."""
+    w64, n = w.astype(np.float64), rest[-1]
+    amax = np.abs(w64).max(axis=0).reshape(-1, n).max(axis=0)
+    ratios = np.asarray(clipping.clip_ratios(widen=7.5 / 7), np.float64)
+    out = []
+    for r in ratios:
+        s = np.broadcast_to(amax * r / 7.5, rest).reshape(-1)
+        t = w64 / s
+        t = np.where(np.abs(t + 7.5) < 1e-5, -7.5, t)
+        d = w64 - np.clip(np.round(t), -8, 7) * s
+        e = (np.abs(d) ** norm).sum(0) if gram is None else (d * (gram @ d)).sum(0)
+        out.append(e.reshape(-1, n).sum(0))
+    return np.array(out), amax, ratios
+
+
+@pytest.mark.parametrize("objective", ["weights", "outputs"])
+def test_search_scale_on_the_full_range_is_the_brute_force_best_of_the_wider_ratios(
+    objective, maybe_jit
+):
+    from jmp_policy._src.quantization.symmetric_grid import INT4
+
+    w = _weights(32, 12, seed=3)
+    gram = None
+    if objective == "outputs":
+        x = np.random.default_rng(4).normal(size=(256, 32))
+        gram = (x.T @ x).astype(np.float32)
+    fn = maybe_jit(lambda w, g: clipping.search_scale(w, (12,), INT4, g))
+    scale = np.asarray(fn(jnp.asarray(w), None if gram is None else jnp.asarray(gram)))
+    errors, amax, ratios = _full_range_errors(w, (12,), None if gram is None else gram)
+    best = ratios[np.argmin(errors, axis=0)]
+    np.testing.assert_allclose(scale, amax * best / 7.5, rtol=1e-5)
+
+
+def test_the_full_range_search_finds_the_narrow_scale_where_it_is_exact(maybe_jit):
+    """Weights on the narrow grid's codes (multiples of amax / 7): only a ratio above 1
+    reaches that scale; the search takes it, error 0 (ratio 1 leaves +amax half a step off)."""
+    from jmp_policy._src.quantization.symmetric_grid import INT4
+
+    codes = np.array([-7, -5, -2, 0, 1, 3, 6, 7], np.float32)[:, None]
+    w = np.concatenate([codes * 0.1, codes[::-1] * 0.3], axis=1)  # two columns
+    scale = np.asarray(maybe_jit(lambda w: clipping.search_scale(w, (2,), INT4))(w))
+    np.testing.assert_allclose(scale, [0.1, 0.3], rtol=1e-6)
+    values, _ = clipping.quantize_groups(jnp.asarray(w), (2,), INT4, 8)
+    np.testing.assert_array_equal(np.asarray(values), np.concatenate([codes, codes[::-1]], 1))
+    # The narrow grid and int8 keep the reference ratios (none above 1).
+    narrow = np.asarray(clipping.search_scale(w, (2,), 7.0))
+    np.testing.assert_allclose(narrow, [0.1, 0.3], rtol=1e-6)

@@ -82,8 +82,8 @@ def test_the_clip_search_picks_sensible_ratios_on_either_grid(grid, maybe_jit):
     search = maybe_jit(lambda w: clipping.search_scale(w, (64,), grid))
     ratio_g = np.asarray(search(gauss) * grid.bound / amax(gauss))
     ratio_h = np.asarray(search(heavy) * grid.bound / amax(heavy))
-    for ratio in (ratio_g, ratio_h):
-        assert np.all((ratio > 0.2) & (ratio <= 1.0 + 1e-6))
+    for ratio in (ratio_g, ratio_h):  # on the full range up to 7.5 / 7 (the scale amax / 7)
+        assert np.all((ratio > 0.2) & (ratio <= grid.bound / grid.high + 1e-6))
     # Groups of 128 clip some, not much (measured: medians 0.90-0.92 on either grid).
     assert 0.8 < np.median(ratio_g) < 0.97 and 0.8 < np.median(ratio_h) < 0.97
     # The search never does worse than abs-max on its own objective (Σ |w - ŵ|^2.4).

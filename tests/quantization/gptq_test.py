@@ -44,7 +44,8 @@ def _reference(w, h, bits, group, damping=0.01, block=128, clip=False):
     ``clip``, each scale by the reference code's ``mse=True`` grid (ratios ``1 - i/100``,
     ``i < 80``, of the abs-max, by ``Σ |w - ŵ|^2.4`` over the group's rows). int4 on the
     full-range grid, the library's default since #49 (``amax / 7.5``, codes ``-8..7``, a
-    division within 1e-5 of the tie ``-7.5`` rounded to ``-8``; was ``amax / 7``, ``-7..7``)."""
+    division within 1e-5 of the tie ``-7.5`` rounded to ``-8``; was ``amax / 7``, ``-7..7``),
+    whose clip ratios also go above 1: ``1.01, ..., 1.07`` and ``7.5 / 7``."""
     bound, lo, qmax = (7.5, -8.0, 7.0) if bits == 4 else (127.0, -127.0, 127.0)
 
     def rounded(t):
@@ -65,8 +66,9 @@ def _reference(w, h, bits, group, damping=0.01, block=128, clip=False):
         if not clip:
             return np.where(amax > 0, amax / bound, 1.0)
         best, best_err = amax / bound, np.full(amax.shape, np.inf)
-        for i in range(80):
-            s = amax * (1 - i / 100) / bound
+        wider = [1 + i / 100 for i in range(1, 8)] + [bound / qmax] if bound > qmax else []
+        for r in [1 - i / 100 for i in range(80)] + wider:
+            s = amax * r / bound
             err = (np.abs(x - rounded(x / s) * s) ** 2.4).sum(0)
             best = np.where(err < best_err, s, best)
             best_err = np.minimum(err, best_err)
