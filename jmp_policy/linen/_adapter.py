@@ -16,14 +16,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
-import jax
 
 from jmp_policy._src.framework import run_kernels
 from jmp_policy._src.framework.entry_points import routed_matmuls
 from jmp_policy._src.framework.params_tree import restore_params
 from jmp_policy._src.framework.protocol import InstallsMatmuls, Layer
+from jmp_policy._src.framework.search import param_kernels
 from jmp_policy._src.options import Options
-from jmp_policy._src.policy_map import leaf_path
 from jmp_policy._src.resolution import ModuleInfo, Resolver
 from jmp_policy.linen._modules import check_module
 from jmp_policy.linen._quantization import installed, kernel, layer_state
@@ -157,11 +156,7 @@ class LinenAdapter(InstallsMatmuls):
     def search_kernels(self, model: Bound) -> tuple[dict[str, Any], Callable[[], Any]]:
         # Every floating "kernel" of rank >= 2; where a stack's layers start, once the
         # sample (the first batch) is checked.
-        kernels = {}
-        for key_path, leaf in jax.tree_util.tree_flatten_with_path(self.params(model))[0]:
-            layer, _, name = leaf_path(key_path).rpartition("/")
-            if name == "kernel" and getattr(leaf, "ndim", 0) >= 2:
-                kernels[layer] = leaf
+        kernels = param_kernels(self.params(model))
 
         def stacked_at() -> dict[str, int]:
             found = self.stacks(model).items()
@@ -170,6 +165,9 @@ class LinenAdapter(InstallsMatmuls):
             }
 
         return kernels, stacked_at
+
+    def with_sample(self, model: Bound, args: tuple[Any, ...], kwargs: Any) -> Bound:
+        return model._replace(sample=lambda: (args, kwargs))
 
     def split(self, model: Bound) -> tuple[Any, Callable[[Any], Any]]:
         return dict(model.variables), lambda v: model._replace(variables=v)

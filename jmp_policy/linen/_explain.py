@@ -6,8 +6,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
-import jax
-import numpy as np
 
 from jmp_policy._src.framework import entry_points
 from jmp_policy._src.framework.shared_docs import fill
@@ -69,20 +67,16 @@ def explain(
     apply_kwargs = {"rngs": kwargs.pop("rngs", None), "mutable": kwargs.pop("mutable", False)}
     method = kwargs.pop("method", None)
     check_method(module, method)
-    leaves, treedef = jax.tree.flatten((dict(variables), args, kwargs))
-    traced = [isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves]
     text: list[str] = []
 
-    def trace(*arrays: Any) -> None:  # variables given as shapes are traced with the rest
-        it = iter(arrays)
-        full = [next(it) if flag else x for x, flag in zip(leaves, traced, strict=True)]
-        v, a, k = jax.tree.unflatten(treedef, full)
+    def trace(given: Any) -> None:  # variables given as shapes are traced with the rest
+        v, a, k = given
         model = Bound(module, v, {}, method, {**apply_kwargs, **k})  # the call's keywords
         ADAPTER.learn(model, policies, opts, a, {})  # the modules, in the order of their calls
         text.append(
             entry_points.explain(ADAPTER, model, policies, opts, (), a, calibration, trace=True)
         )
 
-    jax.eval_shape(trace, *[x for x, flag in zip(leaves, traced, strict=True) if flag])
+    entry_points.eval_shapes(trace, (dict(variables), args, kwargs))
     caches = kv_report.cache_rows(variables.get("cache", {}), opts.kv_cache, CACHE_NAMES)
     return text[-1] + kv_report.format_caches(caches)

@@ -11,9 +11,7 @@ its own ``float8_<i>`` (its ``i``-th call in this run) of :data:`COLLECTION`, wh
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -47,25 +45,6 @@ def installed(call: Any, matmul: Callable[..., Any]) -> Any:
     return interception.attribute_set(call.module, "dot_general", matmul)
 
 
-# A learning run's (learn, routes): for each module path in ``learn``, the shape of the
-# kernel a routable module sees (the stored kernel's, or a layer's slice of it inside
-# ``nn.scan``) is recorded into ``routes``.
-_ROUTES: contextvars.ContextVar[tuple[Mapping[str, Any], dict[str, Any]] | None] = (
-    contextvars.ContextVar("jmp_policy_linen_routes", default=None)
-)
-
-
-@contextlib.contextmanager
-def learning_routes(learn: Mapping[str, Any], routes: dict[str, Any]) -> Iterator[None]:
-    """A run in the block records into ``routes`` the kernel shape each routable layer
-    at a path in ``learn`` sees."""
-    token = _ROUTES.set((learn, routes))
-    try:
-        yield
-    finally:
-        _ROUTES.reset(token)
-
-
 def _layer_kernel(module: Any, stored: Any) -> Any:
     """The layer's own ``QuantizedArray`` kernel, rebuilt from the slices of the stacked
     kernel ``stored`` that the loop body sees (read as stored, not cast)."""
@@ -86,14 +65,10 @@ def kernel(module: Any) -> Any:
     """A routable layer's kernel as its matmul receives it: the ``QuantizedArray`` it reads
     whole, its own slice of a stacked one (the run's kernels,
     :mod:`jmp_policy._src.framework.run_kernels`), else :data:`FLOAT_KERNEL`; ``None``
-    for a module whose matmul is not routed. A learning run records the kernel shape."""
+    for a module whose matmul is not routed."""
     if not routable(module):
         return None
-    path, learning = path_of(module), _ROUTES.get()
-    if learning is not None and path in learning[0]:
-        has = module.has_variable("params", "kernel")
-        shape = getattr(module.get_variable("params", "kernel") if has else None, "shape", None)
-        learning[1][path] = None if shape is None else tuple(shape)
+    path = path_of(module)
     run = run_kernels.kernels()
     if (whole := run.whole.get(path)) is not None:
         return whole

@@ -139,31 +139,10 @@ def calibrate(
     """
     check_module(module)
     check_params(variables, "calibrate")
+    given = {k: v for k, v in locals().items() if k not in ("module", "variables", "method")}
     model = Bound(module, variables, {}, method, {"mutable": True})
-    first: list[Any] = []  # the first batch, as the core's checks made it
-
-    def sample() -> tuple[tuple[Any, ...], Mapping[str, Any]]:
-        return first[0], kwargs
-
-    settings = {
-        "hessian_damping": hessian_damping,
-        "num_grid_points": num_grid_points,
-        "clip_search": clip_search,
-    }
-    result = core_calibrate.calibrate(
-        ADAPTER,
-        model._replace(sample=sample),
-        policy_or_map,
-        _first_kept(batches, first),
-        settings,
-        return_report,
-        progress,
-        max_statistics_bytes,
-        kwargs,
-    )
-    if return_report:
-        return result[0].variables, result[1]
-    return result.variables
+    result = core_calibrate.calibrate_call(ADAPTER, {**given, "model": model})
+    return (result[0].variables, result[1]) if return_report else result.variables
 
 
 @fill
@@ -244,17 +223,3 @@ def search_map(
         # passes (their jitted forms kept across calls); options by their text.
         reuse=(module, loss_fn, inputs, repr(sorted(options.items()))),
     )
-
-
-def _first_kept(batches: Any, first: list[Any]) -> Any:
-    """``batches`` as a list (the core's checks refuse what is not iterable), its first
-    call's arguments put in ``first``."""
-    if isinstance(batches, (str, bytes)):
-        return batches
-    try:
-        items = list(batches)
-    except TypeError:
-        return batches
-    if items:
-        first.append(items[0] if isinstance(items[0], tuple) else (items[0],))
-    return items

@@ -1,5 +1,7 @@
-"""Where a Linen model's stacked layers keep their stacked axes: ``nn.scan``'s
-``variable_axes``, else the shapes each layer sees its parameters at (a shape-only run)."""
+"""What a shape-only run of a Linen model shows (:class:`Seen`, watching every module call):
+where its stacked layers keep their stacked axes (``nn.scan``'s ``variable_axes``, else the
+shapes each layer sees its parameters at), and the kernel shape each routable layer sees
+(how a quantized kernel reaches it: whole, or its layer's slice)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from jmp_policy._src import quantization
 from jmp_policy._src.framework.params_tree import by_path, with_params
 from jmp_policy._src.framework.stack_axes import stacked_axes
 from jmp_policy.linen._modules import path_of
+from jmp_policy.linen._quantization import routable
 
 
 def scan_axis(module: nn.Module) -> int | None:
@@ -49,26 +52,29 @@ def _bound(module: nn.Module) -> bool:
     return module.scope is not None and not isinstance(module.parent, TestScope)
 
 
-def _seen_shapes(
-    module: nn.Module,
-    variables: Mapping[str, Any],
-    args: Any,
-    kwargs: Any,
-    method: Any,
-    scans: dict[str, int],
-) -> dict[str, tuple[int, ...]]:
-    """Parameter path -> the shape of lowest rank a module of the model saw it at, by a
-    shape-only run (inside ``nn.scan`` a layer sees a slice of its stacked kernel); into
-    ``scans``, module path -> the parameters' axis of each ``nn.scan`` it met."""
-    seen: dict[str, tuple[int, ...]] = {}
-    running: list[str] = [""]  # the paths of the module calls in progress
+class Seen:
+    """What a shape-only run of the model shows while :meth:`watching`: ``shapes``,
+    parameter path -> the shape of lowest rank a module saw it at (inside ``nn.scan`` a
+    layer sees a slice of its stacked kernel); ``scans``, module path -> the parameters'
+    axis of each ``nn.scan`` met; ``kernels``, routable layer path -> the kernel shape that
+    layer's call sees (the stored kernel's, or its slice inside ``nn.scan``)."""
 
-    def intercept(next_fun: Any, a: Any, k: Any, context: Any) -> Any:
+    def __init__(self) -> None:
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.scans: dict[str, int] = {}
+        self.kernels: dict[str, tuple[int, ...]] = {}
+        self._running: list[str] = [""]  # the paths of the module calls in progress
+
+    def watching(self) -> Any:
+        """The block's module calls are watched (``nn.intercept_methods``)."""
+        return nn.intercept_methods(self._intercept)
+
+    def _intercept(self, next_fun: Any, a: Any, k: Any, context: Any) -> Any:
         mod, name = context.module, context.method_name
         if (axis := scan_axis(mod)) is not None and isinstance(mod.name, str):
             # Flax hands the interceptor a scan module off the model's tree (no path):
             # its path is its name under the module that calls it.
-            scans.setdefault("/".join(p for p in (running[-1], mod.name) if p), axis)
+            self.scans.setdefault("/".join(p for p in (self._running[-1], mod.name) if p), axis)
         if name == "setup":
             return next_fun(*a, **k)
         try:
@@ -78,23 +84,17 @@ def _seen_shapes(
         for tail, leaf in by_path(params).items():
             path = "/".join(p for p in (path_of(mod), tail) if p)
             shape = tuple(getattr(leaf, "shape", ()))
-            if path not in seen or len(shape) < len(seen[path]):
-                seen[path] = shape
+            if path not in self.shapes or len(shape) < len(self.shapes[path]):
+                self.shapes[path] = shape
+            if tail == "kernel" and routable(mod):
+                self.kernels[path_of(mod)] = shape
         if name is None or not _bound(mod):
             return next_fun(*a, **k)
-        running.append(path_of(mod))
+        self._running.append(path_of(mod))
         try:
             return next_fun(*a, **k)
         finally:
-            running.pop()
-
-    def run(v: Any) -> Any:  # kernels already quantized: run on their float shapes
-        v = with_params(v, lambda p: jax.tree.map(_float, p, is_leaf=quantization.is_quantized))
-        with nn.intercept_methods(intercept):
-            return module.apply(v, *args, method=method, mutable=True, **kwargs)
-
-    jax.eval_shape(run, variables)
-    return seen
+            self._running.pop()
 
 
 def _float(x: Any) -> Any:
@@ -109,10 +109,16 @@ def stacks(
     ``variable_axes``, else shapes). A parameter whose scans put their axes apart (nested
     scans on different axes) has none: it is quantized whole and runs dequantized ahead
     of its stack."""
-    scans: dict[str, int] = {}
-    seen = _seen_shapes(module, variables, args, kwargs, method, scans)
+    seen = Seen()
+
+    def run(v: Any) -> Any:  # kernels already quantized: run on their float shapes
+        v = with_params(v, lambda p: jax.tree.map(_float, p, is_leaf=quantization.is_quantized))
+        with seen.watching():
+            return module.apply(v, *args, method=method, mutable=True, **kwargs)
+
+    jax.eval_shape(run, variables)
     shapes = {
         path: tuple(getattr(leaf, "shape", ()))
         for path, leaf in by_path(variables["params"]).items()
     }
-    return stacked_axes(shapes, seen, scans)
+    return stacked_axes(shapes, seen.shapes, seen.scans)

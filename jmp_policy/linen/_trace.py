@@ -25,8 +25,8 @@ from jmp_policy._src.options import Options
 from jmp_policy._src.quantization import stack_layers
 from jmp_policy._src.resolution import ModuleInfo, Resolver
 from jmp_policy.linen._modules import own_dtype, path_of
-from jmp_policy.linen._quantization import learning_routes
 from jmp_policy.linen._reads import reading
+from jmp_policy.linen._stacks import Seen
 
 
 def interceptor(resolver: Resolver, method: Any) -> Callable[..., Any]:
@@ -77,29 +77,29 @@ def _whole_kernels(
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The quantized kernels by how they reach their layers (module path -> kernel, for
     :func:`run_kernels.route`'s whole, ahead and sliced), a routed layer's kernel seen at
-    its stored shape or, inside a stack's loop, at one layer's (a shape-only run)."""
+    its stored shape or, inside a stack's loop, at one layer's (the shape-only run that
+    learns the modules, watched by :class:`~jmp_policy.linen._stacks.Seen`)."""
     quantized = quantized_kernels(variables.get("params", {}))
     if not quantized:
         return {}, {}, {}
-    routes: dict[str, tuple[int, ...] | None] = {}
-    chosen = Resolver(resolved, options, dict(known))
-    with learning_routes(quantized, routes):
-        # The casts happen inside the shape-only run: nothing is added to the caller's trace.
-        _learn_shapes(
-            known,
-            resolved,
-            options,
-            lambda: with_params(variables, lambda p: cast_params(p, chosen)),
-            call,
-            method,
-        )
+    chosen, seen = Resolver(resolved, options, dict(known)), Seen()
+    # The casts happen inside the shape-only run: nothing is added to the caller's trace.
+    _learn_shapes(
+        known,
+        resolved,
+        options,
+        lambda: with_params(variables, lambda p: cast_params(p, chosen)),
+        call,
+        method,
+        seen,
+    )
     chosen = Resolver(resolved, options, dict(known))
     found: dict[str, dict[str, Any]] = {"whole": {}, "ahead": {}, "sliced": {}}
     for path, q in quantized.items():
-        seen, layer = routes.get(path), stack_layers.layer_shape(q)
-        lead = 0 if seen == tuple(q.shape) else q.stacked if seen == layer else -1
+        seen_at, layer = seen.kernels.get(path), stack_layers.layer_shape(q)
+        lead = 0 if seen_at == tuple(q.shape) else q.stacked if seen_at == layer else -1
         policy = chosen.variable(f"{path}/kernel" if path else "kernel")[0]
-        how = run_kernels.route(q, policy, seen is not None and lead >= 0, max(lead, 0))
+        how = run_kernels.route(q, policy, seen_at is not None and lead >= 0, max(lead, 0))
         found[how or "ahead"][path] = q
     return found["whole"], found["ahead"], found["sliced"]
 
@@ -111,13 +111,17 @@ def _learn_shapes(
     cast_variables: Any,
     call: Callable[[Any, Resolver], Any],
     method: Any,
+    seen: Seen | None = None,
 ) -> None:
     """Records every module of the model into ``known`` by a shape-only run
-    (``cast_variables``, or a function that makes them inside that run)."""
+    (``cast_variables``, or a function that makes them inside that run); what it shows
+    into ``seen`` when given."""
     learner = Resolver(resolved, options, dict(known))
 
     def run() -> Any:
         with (
+            # Outermost: `seen` sees each layer as written, before the hook installs a matmul.
+            contextlib.nullcontext() if seen is None else seen.watching(),
             nn.intercept_methods(interceptor(learner, method)),
             interception.model_run(options),
             run_kernels.running(),  # no quantized kernel read whole: each as passed

@@ -26,15 +26,15 @@ from __future__ import annotations
 
 from jmp_policy._src import state_pytree as _state_pytree
 from jmp_policy.nnx._apply import apply as apply
-from jmp_policy.nnx._calibrate import calibrate as calibrate
 from jmp_policy.nnx._diagnose import diagnose as diagnose
 from jmp_policy.nnx._explain import explain as explain
 from jmp_policy.nnx._init import init_float8 as init_float8
-from jmp_policy.nnx._init import quantize as quantize
 from jmp_policy.nnx._modules import NORM_FLOAT32 as NORM_FLOAT32
 from jmp_policy.nnx._quantization import Float8State as Float8State
 from jmp_policy.nnx._quantization import split_gradients as split_gradients
-from jmp_policy.nnx._search import search_map as search_map
+from jmp_policy.nnx._quantize import calibrate as calibrate
+from jmp_policy.nnx._quantize import quantize as quantize
+from jmp_policy.nnx._quantize import search_map as search_map
 
 __all__ = [
     "NORM_FLOAT32",

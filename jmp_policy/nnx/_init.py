@@ -6,7 +6,7 @@ from typing import Any, TypeVar
 
 from flax import nnx
 
-from jmp_policy._src.framework import entry_points, state
+from jmp_policy._src.framework import state
 from jmp_policy._src.framework.shared_docs import fill
 from jmp_policy.nnx._adapter import ADAPTER
 from jmp_policy.nnx._modules import prepare
@@ -68,55 +68,3 @@ def init_float8(model: M, policy_or_map: Any, **options: Any) -> M:
             f"policy_or_map={policy_or_map!r} for a {type(model).__name__}"
         )
     return copy
-
-
-@fill
-def quantize(model: M, policy_or_map: Any) -> M:
-    """A copy of ``model`` whose kernels under int8 or int4 policies are quantized.
-
-    What ``policy_or_map.quantize(nnx.state(model, nnx.Param))`` does, with the leading
-    stacked axes of each layer found from the model.
-    {quantize_description}
-    A layer is stacked when it is created stacked (``nnx.vmap`` of its constructor): an
-    ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum`` or ``nnx.Conv`` whose kernel has
-    more axes than the layer's own.
-
-    Args:
-        model: an ``nnx.Module``; never modified (the copy is made with ``nnx.clone``).
-        {quantize_policy_or_map}
-
-    Returns:
-        The quantized copy of ``model``.
-
-    Raises:
-        TypeError: ``model`` is not an ``nnx.Module``.
-        {quantize_error}
-
-    Examples:
-        >>> import jax.numpy as jnp
-        >>> from flax import nnx
-        >>> import jmp_policy as jp
-        >>> class Stack(nnx.Module):
-        ...     def __init__(self, rngs):
-        ...         @nnx.split_rngs(splits=4)
-        ...         @nnx.vmap
-        ...         def make(rngs):
-        ...             return nnx.Linear(8, 8, rngs=rngs)
-        ...         self.layers = make(rngs)   # kernels [4, 8, 8]
-        ...     def __call__(self, x):
-        ...         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        ...         def body(x, layer):
-        ...             return layer(x)
-        ...         return body(x, self.layers)
-        >>> model = Stack(nnx.Rngs(0))
-        >>> q = jp.nnx.quantize(model, "int8_from_float32")
-        >>> q.layers.kernel.get_value()
-        QuantizedArray(int8, shape=(4, 8, 8), original_dtype=float32, stacked=1)
-        >>> q.layers.kernel.get_value().scale.shape   # a scale per layer and channel
-        (4, 8)
-        >>> q.layers.bias.get_value().dtype   # the stacked bias stays float
-        dtype('float32')
-        >>> jp.nnx.apply(q, "int8_from_float32")(jnp.ones((2, 8))).shape
-        (2, 8)
-    """
-    return entry_points.quantize(ADAPTER, model, policy_or_map)  # type: ignore[no-any-return]

@@ -154,7 +154,10 @@ def calibrate(
         policies = global_state.dtype_policy()
     if not isinstance(policies, DTypePolicyMap):
         policies = DTypePolicyMap(policies)
-    # The weights the adapter's quantize covers (a run on a batch may find its stacks).
+    # The weights the adapter's quantize covers (a run on a batch may find its stacks: the
+    # first call handed to an adapter with the optional ``with_sample``).
+    if (with_sample := getattr(adapter, "with_sample", None)) is not None:
+        model = with_sample(model, calls[0], kwargs)
     blame = blaming("batches[0]", calls[0], "calibrate") if hasattr(adapter, "weights") else None
     with blame or contextlib.nullcontext():
         tree, stacked, rebuild = _weights(adapter, model)

@@ -148,17 +148,22 @@ def explain(
     if not args and not trace:
         return table + calibrated
     run = apply(adapter, model, policies, options, extensions)
-    # Arrays (and shapes) traced, every other argument held as given: a Python flag such as
-    # a model's ``enable_dropout`` stays a bool, as under ``eqx.filter_eval_shape``.
-    leaves, treedef = jax.tree.flatten(args)
+    with matmuls.recording() as forms, cache_arguments.recording(options.kv_cache) as caches:
+        eval_shapes(lambda given: run(*given), args)
+    float8_not_run(resolver, rows, params, forms)
+    return table + format_matmuls(forms) + cache_arguments.table(caches) + calibrated
+
+
+def eval_shapes(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``fn(tree)`` traced shape-only (``jax.eval_shape``): its arrays (and
+    ``jax.ShapeDtypeStruct`` leaves) traced, every other leaf held as given (a Python flag
+    such as a model's ``enable_dropout`` stays a bool, as under ``eqx.filter_eval_shape``)."""
+    leaves, treedef = jax.tree.flatten(tree)
     traced = [isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for x in leaves]
 
     def shapes_only(*arrays: Any) -> Any:
         it = iter(arrays)
         full = [next(it) if flag else x for x, flag in zip(leaves, traced, strict=True)]
-        return run(*jax.tree.unflatten(treedef, full))
+        return fn(jax.tree.unflatten(treedef, full))
 
-    with matmuls.recording() as forms, cache_arguments.recording(options.kv_cache) as caches:
-        jax.eval_shape(shapes_only, *[x for x, flag in zip(leaves, traced, strict=True) if flag])
-    float8_not_run(resolver, rows, params, forms)
-    return table + format_matmuls(forms) + cache_arguments.table(caches) + calibrated
+    return jax.eval_shape(shapes_only, *[x for x, flag in zip(leaves, traced, strict=True) if flag])

@@ -130,6 +130,10 @@ class Routing(Protocol):
         (without this method: the routable layers' kernels, put back by
         ``with_kernels``)."""
 
+    def with_sample(self, model: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
+        """``model`` told a call's arguments (calibrate's first batch), whose shape-only
+        run its ``weights`` may need to find its stacks (Linen's)."""
+
     def with_states(self, model: Any, states: Mapping[str, Any]) -> Any:
         """A new model whose layers at these paths hold these states (``path ->``
         :class:`~jmp_policy._src.framework.state.Slot`, its value stacked as the layer
