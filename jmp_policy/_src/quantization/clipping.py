@@ -12,7 +12,7 @@ worse than abs-max on its own objective. On int4's full range (``amax / 7.5``, c
 abs-max sits half a step above the top code and is clipped by it, and the scales up to
 ``amax / 7`` (where it is a code) are candidates too, so the search on the full range
 covers every scale it covers on the narrow grid (measured on Gemma 3 270M: AWQ's held-out
-gap -0.033 nats at the reduced size, docs/quantization.md). The objective is either the weights' own error,
+gap 0.017 nats lower at full size, GPTQ's level; docs/quantization.md). The objective is either the weights' own error,
 ``Σ |w - ŵ|^p`` (GPTQ's reference, ``p = 2.4``), or the group's share of the layer's output
 error on the calibration inputs, ``dᵀ H_g d`` for ``H_g`` the group's block of ``XᵀX``
 (AWQ's ``auto_clip``). Nothing here knows Flax.
