@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jmp_policy as jp_policy
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -385,6 +387,19 @@ def test_pretrained_bench_calibrates_every_projection_of_a_gemma3_block():
         v = attn.init(jax.random.key(2), x)
         changed = np.abs(np.asarray(attn.apply(v, x2) - attn.apply(v, x))).max(-1)[0] > 1e-6
         assert changed.tolist() == [True] * reached + [False] * (16 - reached), is_global
+
+
+def test_pretrained_bench_smoothquant_rows_carry_their_alpha():
+    bench = _bench_module("pretrained_int4_bench")
+    pm = bench.policy_map("smoothquant/8@0.75")
+    policy = pm["layers_3/mlp/down"]
+    assert isinstance(policy, jp_policy.SmoothQuantDTypePolicy) and policy.alpha == 0.75
+    assert policy.name == "smoothquant/8_from_mixed_bfloat16"
+    assert bench.policy_map("smoothquant/8")["layers_0/attn/q"].alpha == 0.5
+    assert pm["layers_3/mlp_norm"].name == "mixed_bfloat16" and pm["embed"].name == "float32"
+    assert bench.known_row("smoothquant/8@0.75") and bench.known_row("awq/4/128")
+    for bad in ("smoothquant/8@1.5", "smoothquant/8@x", "int8@0.5", "awq/4/99"):
+        assert not bench.known_row(bad), bad
 
 
 def test_pretrained_bench_sequences_start_with_bos_and_refuse_a_short_text():
