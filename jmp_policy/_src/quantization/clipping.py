@@ -12,10 +12,10 @@ worse than abs-max on its own objective. On int4's full range (``amax / 7.5``, c
 abs-max sits half a step above the top code and is clipped by it, and the scales up to
 ``amax / 7`` (where it is a code) are candidates too, so the search on the full range
 covers every scale it covers on the narrow grid (measured on Gemma 3 270M: AWQ's held-out
-gap 0.017 nats lower at full size, GPTQ's level; docs/quantization.md). The objective is either the weights' own error,
-``Σ |w - ŵ|^p`` (GPTQ's reference, ``p = 2.4``), or the group's share of the layer's output
-error on the calibration inputs, ``dᵀ H_g d`` for ``H_g`` the group's block of ``XᵀX``
-(AWQ's ``auto_clip``). Nothing here knows Flax.
+gap 0.017 nats lower at full size, GPTQ's level; docs/quantization.md). The objective is
+either the weights' own error, ``Σ |w - ŵ|^p`` (GPTQ's reference, ``p = 2.4``), or the
+group's share of the layer's output error on the calibration inputs, ``dᵀ H_g d`` for
+``H_g`` the group's block of ``XᵀX`` (AWQ's ``auto_clip``). Nothing here knows Flax.
 """
 
 from __future__ import annotations
@@ -76,9 +76,10 @@ def best_ratio(
     widen: float = 1.0,
 ) -> jax.Array:
     """The clip search of one group of rows ``[r, M]`` on any grid: the best ratio (``[n]``,
-    one per index of ``rest``'s last axis) of :func:`clip_ratios` (``widen`` as there) by ``dᵀ gram d`` when
-    ``gram`` (``[r, r]``) is given, else ``Σ |d|^norm``, for ``d = rows - real(ratio)`` and
-    ``real(ratio)`` the rows quantized and dequantized on the grid clipped by ``ratio``.
+    one per index of ``rest``'s last axis) of :func:`clip_ratios` (``widen`` as there) by
+    ``dᵀ gram d`` when ``gram`` (``[r, r]``) is given, else ``Σ |d|^norm``, for
+    ``d = rows - real(ratio)`` and ``real(ratio)`` the rows quantized and dequantized on the
+    grid clipped by ``ratio``.
     The first minimum wins (``r = 1`` unless strictly beaten); a NaN error never does.
     Both grids search so: the symmetric one (:func:`search_scale`) and the asymmetric one
     (:mod:`~jmp_policy._src.quantization.asymmetric_grid`)."""
