@@ -181,6 +181,7 @@ def main():
         f"(sha256 {text_sha}…, {len(ids):,} tokens); {len(calib)} calibration and "
         f"{len(held)} held-out batches of {args.batch}x{args.seq} tokens; blocks compute in "
         f"{args.compute}; jax {jax.__version__}, {jax.devices()[0].platform}"
+        + ("; rows scored on the calibration batches" if args.eval_on_calibration else "")
     )
     model = gemma3_gguf.Gemma3(config)
     inputs = quantization_bench.layer_inputs(model, params, held[:2], prefix="layers_")
@@ -240,7 +241,12 @@ def main():
         comparisons.append(
             ("int8", tuple(r for r in ("gptq/8/-1", "smoothquant/8") if r in results))
         )
-    quantization_bench.report_gaps(results, reference, comparisons)
+    quantization_bench.report_gaps(
+        results,
+        reference,
+        comparisons,
+        "calibration" if args.eval_on_calibration else "held-out",
+    )
     peer_differences(results)
 
 

@@ -237,13 +237,14 @@ def calibrated_table(quick):
     )
 
 
-def report_gaps(results, reference, comparisons):
+def report_gaps(results, reference, comparisons, scored="held-out"):
     """Prints, for each ``(base, methods)`` of ``comparisons``, the share of ``base``'s
-    held-out loss gap to ``reference`` each method closes, and its per-layer output error
-    against ``base``'s; ``results[label]`` is ``(per-batch losses, {layer: error})``."""
+    loss gap to ``reference`` each method closes on the ``scored`` batches, and its
+    per-layer output error against ``base``'s; ``results[label]`` is ``(per-batch losses,
+    {layer: error})``."""
     ref = results[reference][0]
     print(
-        "(losses: means over the same held-out batches for every row; ± below: the standard "
+        f"(losses: means over the same {scored} batches for every row; ± below: the standard "
         "error of a paired difference over those batches)"
     )
     for base, methods in comparisons:
