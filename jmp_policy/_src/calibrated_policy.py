@@ -12,7 +12,7 @@ from jmp_policy._src import schemes
 from jmp_policy._src.policy import DTypePolicy, T
 from jmp_policy._src.quantization.asymmetric_grid import ASYM, check_symmetric
 from jmp_policy._src.quantization.calibrated_schemes import AWQScheme, CalibratedScheme, GPTQScheme
-from jmp_policy._src.quantization.smoothquant import DEFAULT_ALPHA
+from jmp_policy._src.quantization.smoothquant import DEFAULT_ALPHA, check_alpha
 from jmp_policy._src.quantization.smoothquant_scheme import SmoothQuantScheme
 from jmp_policy._src.quantized_policy import QuantizedDTypePolicy
 
@@ -151,12 +151,17 @@ class SmoothQuantDTypePolicy(_CalibratedDTypePolicy):
     Args:
         mode: ``"smoothquant/8"``.
         source_name: the float policy the dtypes come from; ``None`` takes the global one.
-        alpha: the migration strength, from 0 to 1 (0.5: the paper's default). Names do
-            not carry it (as float8's history length); configs do, where it is not 0.5.
+        alpha: the migration strength, from 0 to 1 (``None``: 0.5, the paper's default).
+            Names do not carry it (as float8's history length); configs do, where it is
+            not 0.5.
+        symmetric: ``True`` or ``None`` (SmoothQuant's int8 weights have no zero point).
+        smoothing_strength: ``alpha`` in llm-compressor's spelling
+            (``SmoothQuantModifier(smoothing_strength=0.8)``); give one of the two.
 
     Raises:
-        TypeError: ``alpha`` no number (bools included).
-        ValueError: another mode, ``alpha`` outside ``[0, 1]``, or a bad source name.
+        TypeError: ``alpha`` or ``smoothing_strength`` no number (bools included).
+        ValueError: another mode, ``alpha`` outside ``[0, 1]``, both ``alpha`` and
+            ``smoothing_strength`` given, or a bad source name.
 
     Examples:
         >>> import jmp_policy as jp
@@ -174,10 +179,20 @@ class SmoothQuantDTypePolicy(_CalibratedDTypePolicy):
         self,
         mode: str = "smoothquant/8",
         source_name: str | None = None,
-        alpha: float = DEFAULT_ALPHA,
+        alpha: float | None = None,
         symmetric: bool | None = None,
+        *,
+        smoothing_strength: float | None = None,
     ):
         super().__init__(mode, source_name, symmetric)
+        if smoothing_strength is not None:
+            if alpha is not None:
+                raise ValueError(
+                    "Give `alpha` or its llm-compressor spelling `smoothing_strength`, not "
+                    f"both. Received: alpha={alpha!r}, smoothing_strength={smoothing_strength!r}"
+                )
+            alpha = check_alpha(smoothing_strength, "smoothing_strength")
+        alpha = DEFAULT_ALPHA if alpha is None else alpha
         scheme = dataclasses.replace(self._scheme, alpha=alpha)
         object.__setattr__(self, "_parsed", dataclasses.replace(self._parsed, scheme=scheme))
 

@@ -59,7 +59,7 @@ def test_stacked_kernels_are_smoothed_per_layer():
 
 @pytest.mark.parametrize(
     ("alpha", "error"),
-    [("0.5", TypeError), (True, TypeError), (None, TypeError), (1.5, ValueError),
+    [("0.5", TypeError), (True, TypeError), ([0.5], TypeError), (1.5, ValueError),
      (-0.1, ValueError), (float("nan"), ValueError)],
 )  # fmt: skip
 def test_bad_alpha_names_it(alpha, error):
@@ -67,6 +67,26 @@ def test_bad_alpha_names_it(alpha, error):
         smoothquant_quantize(_kernel(), jnp.ones(64), alpha=alpha)
     with pytest.raises(error, match="alpha"):
         jp.SmoothQuantDTypePolicy("smoothquant/8", "float32", alpha=alpha)
+
+
+def test_none_alpha_is_the_default_and_the_kernel_refuses_it():
+    assert jp.SmoothQuantDTypePolicy("smoothquant/8", "float32", alpha=None).alpha == 0.5
+    with pytest.raises(TypeError, match="alpha=None"):
+        smoothquant_quantize(_kernel(), jnp.ones(64), alpha=None)
+
+
+def test_smoothing_strength_is_alpha_in_llm_compressors_spelling():
+    a = jp.SmoothQuantDTypePolicy("smoothquant/8", "float32", smoothing_strength=0.8)
+    assert a.alpha == 0.8
+    assert a == jp.SmoothQuantDTypePolicy("smoothquant/8", "float32", alpha=0.8)
+    assert a.get_config() == {"mode": "smoothquant/8", "source_name": "float32", "alpha": 0.8}
+    with pytest.raises(
+        ValueError, match=r"not both\. Received: alpha=0\.5, smoothing_strength=0\.8"
+    ):
+        jp.SmoothQuantDTypePolicy("smoothquant/8", "float32", alpha=0.5, smoothing_strength=0.8)
+    for bad, error in ((True, TypeError), ("0.8", TypeError), (1.2, ValueError)):
+        with pytest.raises(error, match=f"smoothing_strength={bad!r}"):
+            jp.SmoothQuantDTypePolicy("smoothquant/8", "float32", smoothing_strength=bad)
 
 
 def test_abs_max_of_another_shape_is_refused():

@@ -29,16 +29,16 @@ from jmp_policy._src.quantization.quantized_tree import make
 DEFAULT_ALPHA = 0.5
 
 
-def check_alpha(alpha: Any) -> float:
-    """``alpha``, checked: a real number from 0 to 1 (bools refused)."""
+def check_alpha(alpha: Any, name: str = "alpha") -> float:
+    """``alpha``, checked: a real number from 0 to 1 (bools refused); errors say ``name``."""
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.integer, np.floating)):
         raise TypeError(
-            "`alpha` must be a number from 0 to 1 (SmoothQuant's migration strength). "
-            f"Received: alpha={bounded_repr(alpha)} (of type {type(alpha).__name__})"
+            f"`{name}` must be a number from 0 to 1 (SmoothQuant's migration strength). "
+            f"Received: {name}={bounded_repr(alpha)} (of type {type(alpha).__name__})"
         )
     if not 0.0 <= float(alpha) <= 1.0:  # NaN fails too
         raise ValueError(
-            f"`alpha` must be from 0 to 1 (0.5: the paper's default). Received: alpha={alpha!r}"
+            f"`{name}` must be from 0 to 1 (0.5: the paper's default). Received: {name}={alpha!r}"
         )
     return float(alpha)
 
