@@ -13,12 +13,15 @@ int8 x int8 -> int32 matmuls too.
 The second table (issue 32) is calibrated int4: ``lm_task``'s small transformer LM,
 *trained* in the benchmark on its structured synthetic task (quality gaps only show on
 trained weights), then its blocks' kernels int4/128 by round-to-nearest, GPTQ and AWQ
-(``jp.linen.calibrate`` on calibration batches never seen in training), and int8 by both:
+(``jp.linen.calibrate`` on calibration batches never seen in training), the same with a
+zero point per group (``/asym``, #49), and int8 by round-to-nearest, GPTQ and SmoothQuant:
 held-out loss and logits error against bf16, bytes, calibration time; then the share of
 round-to-nearest's loss gap each closes and, per calibrated layer, the output error
 ``|XW - XŴ| / |XW|`` on held-out inputs against round-to-nearest's (attention's output
 projection, a DenseGeneral contracting ``[heads, head_dim]``, as the 2-D kernel
 ``[heads · head_dim, d]``). ``calibrate`` runs with its defaults (clipping search on).
+This LM has no outlier channels in its activations, so SmoothQuant's row shows its path,
+not its gain (that is ``pretrained_int4_bench.py``'s, on Gemma 3 270M).
 Every block runs in bfloat16 (``_from_mixed_bfloat16``).
 
 Run: python benchmarks/quantization_bench.py [--quick] [--calibrated-only]
@@ -117,7 +120,13 @@ CALIBRATED = [
     ("int4/128 (round to nearest)", "int4/128"),
     ("gptq/4/128", "gptq/4/128"),
     ("awq/4/128", "awq/4/128"),
+    # #49: zero points per group (round to nearest, GPTQ, AWQ) and SmoothQuant's W8A8.
+    ("int4/128/asym (round to nearest)", "int4/128/asym"),
+    ("gptq/4/128/asym", "gptq/4/128/asym"),
+    ("awq/4/128/asym", "awq/4/128/asym"),
+    ("smoothquant/8", "smoothquant/8"),
 ]
+CALIBRATED_MODES = ("gptq", "awq", "smoothquant")
 
 
 def _map(mode):
@@ -198,14 +207,14 @@ def calibrated_table(quick):
         f"{steps} steps ({trained_s:.0f} s); {len(calib)} calibration and {len(held)} held-out "
         f"batches of {lm_task.BATCH}x{lm_task.SEQ}; CPU"
     )
-    print(f"{'blocks under':30} {'bytes':>10} {'loss':>7} {'rel err':>8} {'calib s':>8}")
+    print(f"{'blocks under':33} {'bytes':>10} {'loss':>7} {'rel err':>8} {'calib s':>8}")
     results = {}
     for label, policy in CALIBRATED:
         policy_map = _map(policy)
         start = time.perf_counter()
         if policy is None:
             stored = ref_params
-        elif policy.startswith(("gptq", "awq")):
+        elif policy.startswith(CALIBRATED_MODES):
             variables = jp.linen.calibrate(model, policy_map, {"params": params}, calib)
             stored = variables["params"]
         else:
@@ -225,14 +234,15 @@ def calibrated_table(quick):
             / np.sqrt(sum(np.sum(r**2) for r in ref))
         )
         results[label] = (losses, layer_errors(inputs, params, stored))
-        calib_s = f"{seconds:.1f}" if policy and policy.startswith(("gptq", "awq")) else "-"
-        print(f"{label:30} {nbytes(stored):>10,} {loss:>7.4f} {err:>8.4f} {calib_s:>8}")
+        calib_s = f"{seconds:.1f}" if policy and policy.startswith(CALIBRATED_MODES) else "-"
+        print(f"{label:33} {nbytes(stored):>10,} {loss:>7.4f} {err:>8.4f} {calib_s:>8}")
     report_gaps(
         results,
         "bf16",
         (
             ("int4/128 (round to nearest)", ("gptq/4/128", "awq/4/128")),
-            ("int8 (round to nearest)", ("gptq/8/-1",)),
+            ("int4/128/asym (round to nearest)", ("gptq/4/128/asym", "awq/4/128/asym")),
+            ("int8 (round to nearest)", ("gptq/8/-1", "smoothquant/8")),
         ),
     )
 

@@ -265,7 +265,7 @@ def test_map_key_shapes_bench_quick_prints_every_shape_and_the_config_ratio():
     )
 
 
-@pytest.mark.heavy(25)
+@pytest.mark.heavy(40)
 def test_quantization_bench_quick_prints_the_calibrated_int4_rows():
     result = _run("quantization_bench.py", "--quick", "--calibrated-only")
     assert "Warning" not in result.stderr, result.stderr[-2000:]
@@ -285,16 +285,35 @@ def test_quantization_bench_quick_prints_the_calibrated_int4_rows():
         "int4/128 (round to nearest)",
         "gptq/4/128",
         "awq/4/128",
+        "int4/128/asym (round to nearest)",
+        "gptq/4/128/asym",
+        "awq/4/128/asym",
+        "smoothquant/8",
     ]
     bytes_ = {k: int(v[0].replace(",", "")) for k, v in rows.items()}
+    # #49's rows: zero points add bytes (a bf16 zero point per group), GPTQ stores what round
+    # to nearest stores, AWQ and SmoothQuant add their per-input-channel scale.
+    rtn_asym = bytes_["int4/128/asym (round to nearest)"]
+    assert bytes_["int4/128 (round to nearest)"] < rtn_asym == bytes_["gptq/4/128/asym"]
+    assert bytes_["awq/4/128/asym"] > rtn_asym
+    assert bytes_["smoothquant/8"] > bytes_["int8 (round to nearest)"]
     # The calibrated kernels are stored as round-to-nearest stores them (AWQ adds its scale).
     assert bytes_["gptq/4/128"] == bytes_["int4/128 (round to nearest)"] < bytes_["bf16"] / 3
     assert bytes_["int8 (round to nearest)"] == bytes_["gptq/8/-1"]
     assert bytes_["awq/4/128"] > bytes_["gptq/4/128"]
     assert rows["bf16"][2] == "0.0000" and rows["bf16"][3] == "-"
-    assert all(float(v[3]) > 0 for k, v in rows.items() if k.startswith(("gptq", "awq")))
+    calibrated = ("gptq", "awq", "smoothquant")
+    assert all(float(v[3]) > 0 for k, v in rows.items() if k.startswith(calibrated))
+    assert all(v[3] == "-" for k, v in rows.items() if not k.startswith(calibrated))
     summary = {line.partition(":")[0]: line for line in lines if "loss gap" in line}
-    assert list(summary) == ["gptq/4/128", "awq/4/128", "gptq/8/-1"]
+    assert list(summary) == [
+        "gptq/4/128",
+        "awq/4/128",
+        "gptq/4/128/asym",
+        "awq/4/128/asym",
+        "gptq/8/-1",
+        "smoothquant/8",
+    ]
     gptq = re.search(
         r"output error (\d+)% below .* \((\d+)/(\d+) layers below\)", summary["gptq/4/128"]
     )
