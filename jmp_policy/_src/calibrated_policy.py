@@ -37,7 +37,10 @@ class _CalibratedDTypePolicy(QuantizedDTypePolicy):
                     "`symmetric` contradicts `mode`, whose groups have zero points. "
                     f"Received: symmetric={symmetric!r}, mode={mode!r}"
                 )
-            scheme = dataclasses.replace(scheme, symmetric=False)
+            try:
+                scheme = dataclasses.replace(scheme, symmetric=False)
+            except ValueError as e:  # 8-bit weights: the scheme says why, we say which argument
+                raise ValueError(f"`symmetric=False` does not apply to mode={mode!r}: {e}") from e
         self._init_quantized(scheme.mode_text(), scheme, source_name)
 
     @property

@@ -109,6 +109,14 @@ def test_policies_names_and_keras_configs():
         jp.get("gptq/8/-1/asym_from_float32")
     with pytest.raises(ValueError, match="symmetric"):
         jp.GPTQDTypePolicy("gptq/4/128/asym", "float32", symmetric=True)
+    for cls, mode in (
+        (jp.GPTQDTypePolicy, "gptq/8/-1"),
+        (jp.SmoothQuantDTypePolicy, "smoothquant/8"),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"`symmetric=False` does not apply to mode='{mode}': .*int4's only"
+        ):
+            cls(mode, "float32", symmetric=False)
     with pytest.raises(TypeError, match="symmetric"):
         jp.AWQDTypePolicy("awq/4/128", "float32", symmetric="False")
 
